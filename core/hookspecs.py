@@ -1,0 +1,107 @@
+"""The plugin contract: the hooks a plugin implements and the accelerator objects it registers.
+
+A plugin is a module (or object) with functions marked ``@accelgen.hookimpl``. Plugins are found in
+two ways, through one plugin manager (see ``accelgen.plugins``): the built-in ones by module name,
+and third-party ones through the ``accelgen`` entry-point group, e.g. in a plugin's pyproject::
+
+    [project.entry-points.accelgen]
+    my_device = "accelgen_my_device"
+
+Hooks are called with keyword arguments only; an implementation may accept a subset of them.
+Set ``ACCELGEN_TRACE_HOOKS=1`` to print every hook call to stderr.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from accelgen.settings import RunSettings, World
+
+hookspec = pluggy.HookspecMarker("accelgen")
+hookimpl = pluggy.HookimplMarker("accelgen")
+
+
+@hookspec
+def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) -> None:
+    """Register the accelerators this plugin provides by calling ``register(accelerator)`` for each.
+
+    ``accelerator`` is an object following the :class:`Accelerator` protocol. Register it whether or
+    not its hardware is present: availability is asked later through ``is_available()``, so that
+    ``accelgen devices`` can say why a device cannot be used. When two plugins register the same
+    ``name``, the one registered later with the plugin manager wins (third-party plugins load after
+    the built-ins, so an installed plugin can replace a built-in accelerator).
+    """
+
+
+@runtime_checkable
+class Accelerator(Protocol):
+    """Everything that is specific to one kind of hardware. The core calls nothing else device-specific.
+
+    Methods are called in this order during a run: ``is_available`` -> ``setup`` -> ``prepare_model``
+    -> ``shard`` (only when ``world.size > 1``) -> ``capture`` (once per static shape) ->
+    ``synchronize`` / ``memory_stats`` while measuring. None of them may import a vendor library at
+    module import time: import it inside the method, so that ``import`` works on any machine.
+    """
+
+    #: Short name users pass as ``--device``, e.g. ``"cpu"``.
+    name: str
+    #: ``torch.distributed`` backend for tensor parallelism, e.g. ``"gloo"``.
+    dist_backend: str
+    #: Dtypes this device runs, by their names in ``accelgen.settings.DTYPES`` (e.g. ``"bfloat16"``).
+    supported_dtypes: tuple[str, ...]
+    #: Dtype used when the user asks for none.
+    default_dtype: str
+    #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
+    captures_by_default: bool
+    #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
+    priority: int
+
+    def is_available(self) -> bool:
+        """True when this machine can run on the device (software stack importable, hardware present)."""
+
+    def unavailable_reason(self) -> str:
+        """One sentence saying why ``is_available()`` is False and what to install or check.
+
+        Only called when ``is_available()`` returned False."""
+
+    def device_count(self) -> int:
+        """Number of devices of this kind on this machine (0 when unavailable)."""
+
+    def setup(self, world: "World") -> "torch.device":
+        """Select the device for this process (rank ``world.rank`` of ``world.size``) and return it.
+
+        Must not initialise the process group: the core does that with ``dist_backend``."""
+
+    def prepare_model(self, model: "torch.nn.Module", run: "RunSettings") -> "torch.nn.Module":
+        """Return the model ready for this device: moved to it, with any device-specific patches.
+
+        The model arrives loaded in ``run.dtype`` by ``from_pretrained``, which keeps the buffers that
+        must stay float32 (rotary frequencies) in float32: do not cast the whole model again."""
+
+    def shard(self, model: "torch.nn.Module", world: "World", run: "RunSettings") -> "torch.nn.Module":
+        """Return the model split over ``world.size`` ranks with tensor parallelism, or raise
+        ``accelgen.errors.UsageError`` saying why it cannot be. Called only when ``world.size > 1``."""
+
+    def capture(
+        self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"
+    ) -> Callable[..., "torch.Tensor"]:
+        """Return a callable equivalent to ``step`` that replays a captured graph (CUDA graph, HPU
+        graph, compiled code). ``step(*inputs)`` takes static-shape tensors and returns a tensor;
+        ``example_inputs`` are the buffers it will be called with, already holding valid values.
+        The returned callable is called with the same buffers (same shapes and addresses) for every
+        decoded token; the core calls ``capture`` once per static shape and counts the calls."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished all queued work (for timing)."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """Memory figures for reports, in bytes: at least ``peak_allocated_bytes`` when known."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for reports and ``accelgen devices``: ``device_name``, ``device_count``, and where
+        known ``driver``, ``peak_memory_bandwidth_gbps`` and ``peak_bf16_tflops`` (None if unknown)."""

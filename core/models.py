@@ -1,0 +1,79 @@
+"""Loading a causal language model and its tokenizer, from the Hub or a local folder."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from accelgen.errors import UsageError
+
+#: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+# transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
+_TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+_DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
+
+
+def looks_local(model_name_or_path: str) -> bool:
+    """True for what can only be a filesystem path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        model_name_or_path.startswith((".", "/", "~"))
+        or os.path.exists(model_name_or_path)
+        or model_name_or_path.count("/") > 1
+    )
+
+
+def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a pad token (its EOS when it has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.convert_ids_to_tokens(0)
+    return tokenizer
+
+
+def load_model(
+    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Model (eval mode, ``dtype``, on CPU) and tokenizer; the built-in default model when None.
+
+    Raises UsageError with a one-line reason when the path is missing or the model cannot be loaded.
+    """
+    source = str(DEFAULT_MODEL if model_name_or_path is None else model_name_or_path)
+    if looks_local(source):
+        source = os.path.expanduser(source)
+        if not os.path.isdir(source):
+            raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id.")
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
+    try:
+        tokenizer = load_tokenizer(source, trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
+        )
+    except (OSError, ValueError, KeyError, ImportError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"Cannot load model {source!r}: {reason} (pass a local folder, or a Hub id reachable from here; "
+            f"models with custom code need --trust-remote-code)"
+        ) from error
+    return model.eval(), tokenizer
+
+
+def context_limit(config: transformers.PretrainedConfig) -> int | None:
+    """Most positions the model can attend over, or None when its position encoding has no limit (ALiBi)."""
+    for attribute in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, attribute, None)
+        if isinstance(limit, int):
+            return limit
+    return None
+
+
+def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the model's forward takes ``argument`` by name (BLOOM refuses ``position_ids``)."""
+    return argument in inspect.signature(model.forward).parameters

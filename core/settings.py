@@ -1,0 +1,59 @@
+"""Plain data handed from the user's request to the core and the plugins."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: Dtype names users pass (``--dtype``) and the torch attribute each one names.
+DTYPES = ("float32", "bfloat16", "float16")
+
+DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """How the next token is chosen. Greedy unless ``do_sample``."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0  # 1.0: no nucleus filtering
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What a generation run asks of the core and of the accelerator."""
+
+    dtype: str
+    batch_size: int = 1
+    max_new_tokens: int = 100
+    max_input_tokens: int | None = None  # truncate prompts to their first N tokens
+    ignore_eos: bool = False
+    use_graphs: bool = False
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    sampling: SamplingSettings = SamplingSettings()
+    trust_remote_code: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this process sits among the ranks of a tensor-parallel job."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environment(cls) -> "World":
+        """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher."""
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0

@@ -1,0 +1,86 @@
+"""The built-in CPU accelerator: runs everywhere, captures the decode step with ``torch.compile``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+from typing import Any, Callable
+
+import torch
+
+from accelgen.hookspecs import hookimpl
+from accelgen.settings import RunSettings, World
+
+
+@hookimpl
+def accelgen_register_accelerators(register):
+    register(CpuAccelerator())
+
+
+class CpuAccelerator:
+    name = "cpu"
+    dist_backend = "gloo"
+    supported_dtypes = ("float32", "bfloat16")
+    default_dtype = "float32"
+    # Measured with benchmarks/decode_latency.py (see README): on small models compiling the decode
+    # step costs tens of seconds and gains little per token, so it is opt-in (--graphs) on CPU.
+    captures_by_default = False
+    priority = 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def unavailable_reason(self) -> str:
+        return "never: the CPU is always available"
+
+    def device_count(self) -> int:
+        return 1
+
+    def setup(self, world: World) -> torch.device:
+        return torch.device("cpu")
+
+    def prepare_model(self, model: torch.nn.Module, run: RunSettings) -> torch.nn.Module:
+        return model.to("cpu")  # already in run.dtype: a blanket cast would also round fp32 buffers (RoPE)
+
+    def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
+        from accelgen.errors import UsageError
+
+        raise UsageError("Tensor parallelism (--world-size > 1) is not available yet; run with --world-size 1.")
+
+    def capture(
+        self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
+    ) -> Callable[..., torch.Tensor]:
+        # Static shapes and in-place cache updates let inductor compile the step once per shape.
+        compiled_step = torch.compile(step, dynamic=False, fullgraph=False)
+        compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
+        return compiled_step
+
+    def synchronize(self) -> None:
+        pass  # CPU work is finished when the call returns
+
+    def memory_stats(self) -> dict[str, int]:
+        # ru_maxrss is in KiB on Linux: the process's peak resident memory, weights and caches included.
+        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device_name": _cpu_model_name(),
+            "device_count": 1,
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "driver": None,
+            "peak_memory_bandwidth_gbps": None,
+            "peak_bf16_tflops": None,
+        }
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,49 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_model, build_tokenizer, tiny_configs  # noqa: E402
+
+ARCHITECTURES = ("bloom", "gpt2", "llama", "opt", "falcon")
+PROMPTS = [
+    "DeepSpeed is a machine learning framework",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog while",
+]
+
+
+@pytest.fixture(autouse=True)
+def _seeded_and_quiet(monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory):
+    """``tiny_model_folder(arch)``: a folder holding a random-weight model and the test tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    configs = tiny_configs(len(tokenizer))
+    built = {}
+
+    def folder_for(architecture: str) -> Path:
+        if architecture not in built:
+            folder = build_model(root / architecture, configs[architecture])
+            tokenizer.save_pretrained(folder)
+            built[architecture] = folder
+        return built[architecture]
+
+    return folder_for
+
+
+@pytest.fixture
+def cli_environment():
+    """Environment for running the ``accelgen`` script in a subprocess."""
+    environment = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    return environment
