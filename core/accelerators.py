@@ -26,7 +26,7 @@ def registered_accelerators(plugin_manager: pluggy.PluginManager) -> dict[str, A
 
 
 def availability_line(accelerator: Accelerator) -> str:
-    """``"cpu"`` or ``"hpu (unavailable: ...)"``, for error messages and listings."""
+    """The name, with the reason when unavailable (``"npu (unavailable: ...)"``), for messages and listings."""
     if accelerator.is_available():
         return accelerator.name
     return f"{accelerator.name} (unavailable: {accelerator.unavailable_reason()})"

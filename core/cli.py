@@ -83,6 +83,9 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
 
     if not arguments.prompt:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts).")
+    for index, prompt in enumerate(arguments.prompt):
+        if not prompt.strip():
+            raise UsageError(f"Prompt {index} is empty: give it some text.")
     _quiet_transformers()
     writer = CompletionWriter.open(arguments.output) if arguments.output else None
     started = time.perf_counter()

@@ -1,0 +1,144 @@
+"""``accelgen run`` as a user types it: outputs, files, and one clear line for every mistake."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import accelgen
+from accelgen.cli import main
+from accelgen.models import DEFAULT_MODEL
+
+
+def run_cli(*arguments):
+    return main(["run", *arguments])
+
+
+def test_run_prints_completions_and_writes_json_lines(tiny_model_folder, tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    folder = str(tiny_model_folder("bloom"))
+    status = run_cli("--device", "cpu", "--model", folder, "--prompt", "Hello", "--prompt", "DeepSpeed is",
+                     "--max-new-tokens", "5", "--batch-size", "2", "--ignore-eos", "--output", str(output))
+    assert status == 0
+    shown = capsys.readouterr()
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1]
+    assert [row["prompt"] for row in rows] == ["Hello", "DeepSpeed is"]
+    assert all(len(row["completion_token_ids"]) == 5 for row in rows)
+    expected = accelgen.generate(["Hello", "DeepSpeed is"], model=folder, device="cpu", max_new_tokens=5,
+                                 batch_size=2, ignore_eos=True)
+    assert [row["completion"] for row in rows] == [completion.completion for completion in expected]
+    assert "Batch n°1" in shown.out and f"Output: {'Hello' + rows[0]['completion']!r}" in shown.out
+    assert "10 new tokens" in shown.err and "graph captures: 0" in shown.err
+
+
+def test_max_input_tokens_keeps_the_first_tokens(tiny_model_folder):
+    generator = accelgen.load(tiny_model_folder("gpt2"), device="cpu", max_new_tokens=3, max_input_tokens=2)
+    long_prompt = "The quick brown fox jumps over the lazy dog"
+    [completion] = generator.generate([long_prompt])
+    assert completion.prompt_token_count == 2
+    first_two_tokens = generator.tokenizer.decode(generator.tokenizer(long_prompt)["input_ids"][:2])
+    [same] = accelgen.generate([first_two_tokens], model=tiny_model_folder("gpt2"), device="cpu", max_new_tokens=3)
+    assert completion.completion_token_ids == same.completion_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(tiny_model_folder):
+    settings = dict(model=tiny_model_folder("llama"), device="cpu", max_new_tokens=12, do_sample=True,
+                    temperature=1.5, top_k=50, top_p=0.95, batch_size=2)
+    first = accelgen.generate(["Hello", "DeepSpeed is"], seed=7, **settings)
+    again = accelgen.generate(["Hello", "DeepSpeed is"], seed=7, **settings)
+    other = accelgen.generate(["Hello", "DeepSpeed is"], seed=8, **settings)
+    greedy = accelgen.generate(["Hello", "DeepSpeed is"], **{**settings, "do_sample": False})
+    tokens = lambda completions: [completion.completion_token_ids for completion in completions]  # noqa: E731
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)
+    assert tokens(first) != tokens(greedy)
+
+
+def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder):
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=24, batch_size=2)
+    [reference, other] = generator.generate(["DeepSpeed is", "Hello"])
+    assert reference.finish_reason == "length" and len(reference.completion_token_ids) == 24
+    # make the first repeat-free greedy token after the start the end-of-sequence token, as a trained model would
+    tokens = reference.completion_token_ids
+    stop_at = next(index for index in range(1, len(tokens)) if tokens[index] not in tokens[:index])
+    generator.eos_token_ids = generator.eos_token_ids.new_tensor([tokens[stop_at]])
+    [stopped, _] = generator.generate(["DeepSpeed is", "Hello"])
+    assert stopped.completion_token_ids == tokens[: stop_at + 1]
+    assert stopped.finish_reason == "eos"
+
+    generator.run = dataclasses.replace(generator.run, ignore_eos=True)
+    [running_on, _] = generator.generate(["DeepSpeed is", "Hello"])
+    assert running_on.completion_token_ids == tokens and running_on.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--device", "cpu"], "No prompts given: pass --prompt TEXT"),
+        (["--device", "cpu", "--prompt", ""], "Prompt 0 is empty"),
+        (["--device", "tpu", "--prompt", "a"], "No plugin provides --device 'tpu'. Known: cpu"),
+        (["--device", "cpu", "--model", "./no-such-model", "--prompt", "a"], "Model folder './no-such-model' does not exist"),
+        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1 (got 0)"),
+        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1 (got -3)"),
+        (["--device", "cpu", "--prompt", "a", "--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+        (["--device", "cpu", "--prompt", "a", "--dtype", "float16"], "--dtype float16 is not supported on cpu"),
+        (["--device", "cpu", "--prompt", "a", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+        (["--device", "cpu", "--prompt", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--device", "cpu", "--prompt", "a", "--buckets", "8,x"], "expected comma-separated whole numbers"),
+        (["--device", "cpu", "--prompt", "a", "--output", "/no/such/folder/out.jsonl"], "folder '/no/such/folder' does not exist"),
+        (["--device", "cpu", "--prompt", "a b c d e f g h i j k l m n o p", "--buckets", "4"], "more than the largest bucket (4): pass --max-input-tokens"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(arguments, message, capsys):
+    assert run_cli(*arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("accelgen: error: ") and error.count("\n") == 1
+    assert message in error
+
+
+def test_unloadable_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert run_cli("--device", "cpu", "--model", str(tmp_path), "--prompt", "a") == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"accelgen: error: Cannot load model '{tmp_path}'") and error.count("\n") == 1
+
+
+def test_prompt_beyond_the_model_context_is_refused(tiny_model_folder, capsys):
+    # the tiny GPT-2 has 256 positions
+    assert run_cli("--device", "cpu", "--model", str(tiny_model_folder("gpt2")), "--prompt", "a " * 200,
+                   "--max-new-tokens", "100") == 2
+    assert "exceeds the model's context of 256 positions" in capsys.readouterr().err
+
+
+def test_an_existing_output_file_survives_a_failed_start(tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    output.write_text("earlier work\n")
+    assert run_cli("--device", "cpu", "--model", "./no-such-model", "--prompt", "a", "--output", str(output)) == 2
+    assert output.read_text() == "earlier work\n"
+
+
+def test_default_model_runs_from_the_installed_script(tmp_path, cli_environment):
+    """The README's first command: no --model, the built-in model, through the real console script."""
+    assert (DEFAULT_MODEL / "model.safetensors").is_file()
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run(
+        ["accelgen", "run", "--device", "cpu", "--prompt", "DeepSpeed is a machine learning framework",
+         "--max-new-tokens", "12", "--output", str(output)],
+        env=cli_environment, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    [row] = [json.loads(line) for line in output.read_text().splitlines()]
+    assert row["completion"] and row["completion"] in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_input_from_the_real_script_has_no_traceback(cli_environment):
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--prompt", "a", "--batch-size", "-1"],
+        env=cli_environment, capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "accelgen: error: --batch-size must be at least 1 (got -1).\n"

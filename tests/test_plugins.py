@@ -1,0 +1,176 @@
+"""The plugin system: built-ins and third-party plugins through one pluggy manager."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import accelgen
+from accelgen.accelerators import registered_accelerators, select_accelerator
+from accelgen.cli import main
+from accelgen.plugins import DEFAULT_PLUGINS, get_plugin_manager
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+class UnavailableAccelerator:
+    """A device whose software stack is missing, as hpu is on a laptop."""
+
+    name = "npu"
+    dist_backend = "gloo"
+    supported_dtypes = ("bfloat16",)
+    default_dtype = "bfloat16"
+    captures_by_default = True
+    priority = 50
+
+    def is_available(self):
+        return False
+
+    def unavailable_reason(self):
+        return "NPU runtime not installed (pip install npu-runtime)"
+
+    def device_count(self):
+        return 0
+
+
+class Plugin:
+    """Plugins can be objects too; this one registers whatever accelerators it is given."""
+
+    def __init__(self, *accelerators):
+        self.accelerators = accelerators
+
+    @accelgen.hookimpl
+    def accelgen_register_accelerators(self, register):
+        for accelerator in self.accelerators:
+            register(accelerator)
+
+
+def test_built_in_plugins_register_through_the_same_hook():
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    assert [plugin_manager.get_name(plugin) for plugin in plugin_manager.get_plugins()] == list(DEFAULT_PLUGINS)
+    assert list(registered_accelerators(plugin_manager)) == ["cpu"]
+
+
+def test_entry_point_of_a_built_in_is_not_registered_twice():
+    plugin_manager = get_plugin_manager()
+    names = [plugin_manager.get_name(plugin) for plugin in plugin_manager.get_plugins()]
+    assert names.count("accelgen_cpu") == 1
+
+
+def test_unknown_device_lists_the_known_ones(capsys):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    assert main(["run", "--device", "xpu", "--prompt", "hi"], plugin_manager) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "No plugin provides --device 'xpu'" in error
+    assert "cpu" in error and "npu (unavailable: NPU runtime not installed" in error
+
+
+def test_known_but_unavailable_device_says_why(capsys):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    assert main(["run", "--device", "npu", "--prompt", "hi"], plugin_manager) == 2
+    assert capsys.readouterr().err == (
+        "accelgen: error: --device npu is not available here: NPU runtime not installed (pip install npu-runtime)\n"
+    )
+
+
+def test_devices_lists_every_accelerator_and_why_not(capsys):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    assert main(["devices"], plugin_manager) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("npu") and "unavailable: NPU runtime not installed" in lines[0]
+    assert lines[1].startswith("cpu") and "available, 1 device(s)" in lines[1] and "accelgen_cpu" in lines[1]
+
+
+def test_auto_device_skips_unavailable_accelerators():
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    assert select_accelerator(plugin_manager, "auto").name == "cpu"
+
+
+def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_model_folder):
+    captured = []
+
+    class RecordingCpu:
+        name = "cpu"
+        dist_backend = "gloo"
+        supported_dtypes = ("float32",)
+        default_dtype = "float32"
+        captures_by_default = True
+        priority = 0
+
+        def is_available(self):
+            return True
+
+        def setup(self, world):
+            return torch.device("cpu")
+
+        def prepare_model(self, model, run):
+            return model
+
+        def capture(self, step, example_inputs, run):
+            captured.append(tuple(tensor.shape for tensor in example_inputs))
+            return step
+
+        def synchronize(self):
+            pass
+
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(RecordingCpu()))
+    generator = accelgen.load(
+        tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=4, buckets=(8, 128),
+        plugin_manager=plugin_manager,
+    )
+    generator.generate(["one", "two", "three"])
+    generator.generate(["four", "five"])
+    generator.generate(["a prompt longer than eight tokens needs the next bucket"])
+    # batch [2, 1] tokens, [2, 1] positions, [1] cache index, [2, bucket + 4] mask; one capture per bucket, reused by later batches
+    assert captured == [
+        (torch.Size([2, 1]), torch.Size([2, 1]), torch.Size([1]), torch.Size([2, 12])),
+        (torch.Size([2, 1]), torch.Size([2, 1]), torch.Size([1]), torch.Size([2, 132])),
+    ]
+    assert generator.stats.graph_captures == 2
+
+
+def test_hook_tracing_switch_prints_hook_calls(monkeypatch, capsys):
+    monkeypatch.setenv("ACCELGEN_TRACE_HOOKS", "1")
+    registered_accelerators(get_plugin_manager(load_entry_points=False))
+    assert "accelgen_register_accelerators" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_third_party_plugin_package_runs_the_whole_pipeline(tmp_path, tiny_model_folder, cli_environment):
+    """pip-install the example plugin package (into a private folder) and run on its 'fake' device."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPOSITORY / "examples" / "accelgen-fake-device")],
+        check=True,
+    )
+    environment = dict(cli_environment, PYTHONPATH=str(target))
+    devices = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "devices"], env=environment, capture_output=True, text=True, check=True
+    )
+    assert "fake" in devices.stdout and "accelgen-fake-device 0.1.0" in devices.stdout
+
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "fake", "--model", str(tiny_model_folder("gpt2")),
+         "--prompt", "Hello", "--prompt", "DeepSpeed is", "--batch-size", "2", "--max-new-tokens", "6",
+         "--output", str(output)],
+        env=environment, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fake-device: setup rank 0 of 1" in result.stderr
+    assert "fake-device: prepare_model GPT2LMHeadModel as float32" in result.stderr
+    assert result.stderr.count("fake-device: capture decode step") == 1
+    assert "graph captures: 1" in result.stderr
+    expected = accelgen.generate(["Hello", "DeepSpeed is"], model=tiny_model_folder("gpt2"), device="cpu",
+                                 batch_size=2, max_new_tokens=6)
+    assert output.read_text().count("\n") == 2
+    assert [c.completion for c in expected][0] in result.stdout
