@@ -178,8 +178,9 @@ def train(model: BloomForCausalLM, data: torch.Tensor, minutes: float, seed: int
     model.train()
     start, last_report, smoothed, step = time.monotonic(), 0.0, None, 0
     while (elapsed := time.monotonic() - start) < budget:
+        lr = learning_rate(elapsed / budget)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(elapsed / budget)
+            group["lr"] = lr
         batch = random_batch(data, generator)
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -189,7 +190,7 @@ def train(model: BloomForCausalLM, data: torch.Tensor, minutes: float, seed: int
         step += 1
         smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
         if elapsed - last_report >= 15 or step == 1:
-            print(f"step {step:5d}  {elapsed:6.0f}s  loss {smoothed:.3f}  lr {optimizer.param_groups[0]['lr']:.2e}", flush=True)
+            print(f"step {step:5d}  {elapsed:6.0f}s  loss {smoothed:.3f}  lr {lr:.2e}", flush=True)
             last_report = elapsed
     model.eval()
     return smoothed, step
@@ -248,8 +249,10 @@ def save(model, tokenizer, output: Path, stats: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="training text: file or folder (default: %(default)s)")
-    parser.add_argument("--output", type=Path, default=Path("core/default_model"), help="output folder (default: %(default)s)")
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                        help="training text: file or folder (default: %(default)s)")
+    parser.add_argument("--output", type=Path, default=Path("core/default_model"),
+                        help="output folder (default: %(default)s)")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time budget (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     return parser.parse_args(argv)
@@ -267,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     raw_tokenizer, tokenizer = train_tokenizer(paragraphs)
     data = encode_corpus(raw_tokenizer, paragraphs, tokenizer.eos_token_id)
     model = build_model(tokenizer, args.seed)
-    print(f"tokenizer: {len(tokenizer)} tokens; corpus: {len(data):,} tokens; model: {model.num_parameters():,} parameters")
+    print(f"tokenizer: {len(tokenizer)} tokens; corpus: {len(data):,} tokens; "
+          f"model: {model.num_parameters():,} parameters")
     loss, steps = train(model, data, args.minutes, args.seed)
     text = sample(model, tokenizer)
     print(f"final loss {loss:.3f} after {steps} steps\nsample: {text!r}")
