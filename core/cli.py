@@ -146,10 +146,12 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _quiet_transformers() -> None:
     """Keep transformers' progress bars and advice off the terminal; errors still surface as ours."""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()  # its retry chatter; the failure itself comes back as our one line
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ class Generator:
                 raise UsageError(f"Prompt {index} is empty: give it some text.")
         return token_ids
 
+    @torch.no_grad()
     def generate_token_ids(
         self, prompts: Sequence[Sequence[int]], seed_offset: int = 0
     ) -> list[tuple[list[int], str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from accelgen.errors import UsageError
 
@@ -52,9 +52,11 @@ def load_model(
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
     try:
+        # The config first: a Hub id that cannot be reached fails here once, not again for each file.
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         tokenizer = load_tokenizer(source, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            source, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
+            source, config=config, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
         )
     except (OSError, ValueError, KeyError, ImportError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
