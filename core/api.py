@@ -12,11 +12,12 @@ from accelgen.errors import UsageError
 from accelgen.generator import Completion, Generator
 from accelgen.models import load_model
 from accelgen.plugins import get_plugin_manager
+from accelgen.hookspecs import Accelerator
 from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
+from accelgen.tensor_parallel import gather_parameter_counts, init_process_group, parameter_count
 
 
-def load(
-    model: str | os.PathLike | None = None,
+def resolve(
     *,
     device: str = AUTO_DEVICE,
     dtype: str | None = None,
@@ -33,14 +34,13 @@ def load(
     seed: int = 0,
     trust_remote_code: bool = False,
     plugin_manager: pluggy.PluginManager | None = None,
-) -> Generator:
-    """Load ``model`` (a Hub id or local folder; the built-in default model when None) onto ``device``.
+) -> tuple[Accelerator, RunSettings]:
+    """The accelerator and the run settings these options ask for, checked; loads nothing.
 
     ``graphs=None`` lets the accelerator decide whether to capture the decode step. Raises
     ``accelgen.UsageError`` with a one-line reason for any setting that cannot work.
     """
-    plugin_manager = plugin_manager or get_plugin_manager()
-    accelerator = select_accelerator(plugin_manager, device)
+    accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device)
     run = RunSettings(
         dtype=check_dtype(accelerator, dtype),
         batch_size=batch_size,
@@ -53,13 +53,29 @@ def load(
         trust_remote_code=trust_remote_code,
     )
     check_run_settings(run)
+    return accelerator, run
+
+
+def load(model: str | os.PathLike | None = None, **settings) -> Generator:
+    """Load ``model`` (a Hub id or local folder; the built-in default model when None) for generation.
+
+    ``settings`` are those of :func:`resolve`. Inside a job started with several ranks (``accelgen run
+    --world-size N`` or torchrun), every rank calls this: it joins the process group and the
+    accelerator shards the model over the ranks.
+    """
+    accelerator, run = resolve(**settings)
     world = World.from_environment()
     torch_device = accelerator.setup(world)
-    loaded_model, tokenizer = load_model(model, run.dtype, trust_remote_code)
+    init_process_group(world, accelerator.dist_backend)
+    loaded_model, tokenizer = load_model(model, run.dtype, run.trust_remote_code)
+    unsharded_parameters = parameter_count(loaded_model)
     prepared_model = accelerator.prepare_model(loaded_model, run)
     if world.size > 1:
         prepared_model = accelerator.shard(prepared_model, world, run)
-    return Generator(prepared_model, tokenizer, accelerator, torch_device, run, world)
+    generator = Generator(prepared_model, tokenizer, accelerator, torch_device, run, world)
+    generator.unsharded_parameters = unsharded_parameters
+    generator.parameters_per_rank = gather_parameter_counts(prepared_model, world)
+    return generator
 
 
 def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **settings) -> list[Completion]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -11,9 +12,10 @@ import pluggy
 
 from accelgen.accelerators import AUTO_DEVICE, registered_accelerators
 from accelgen.errors import UsageError
+from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
-from accelgen.settings import DEFAULT_BUCKETS, DTYPES
+from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
+    parallel = run.add_argument_group("tensor parallelism (started with torch's elastic launcher)")
+    parallel.add_argument("--world-size", type=int, help="ranks in the whole job, all nodes together (default 1)")
+    parallel.add_argument("--nnodes", type=int, default=1, help="machines taking part (run accelgen on each)")
+    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
+    parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
+    parallel.add_argument("--master-port", type=int, help="free port on node 0 (default: any free port on one node, 29500 on several)")
 
     commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
     return parser
@@ -54,18 +62,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager | None = None) -> int:
     """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker = running_as_worker()
     try:
         arguments = build_parser().parse_args(argv)
         plugin_manager = plugin_manager or get_plugin_manager()
         if arguments.command == "devices":
             return devices_command(plugin_manager)
-        return run_command(arguments, plugin_manager)
+        return run_command(arguments, plugin_manager, argv)
     except UsageError as error:
-        print(f"accelgen: error: {error}", file=sys.stderr)
+        if worker:  # the launcher prints it once for the whole job
+            record_worker_failure(error)
+        else:
+            print(f"accelgen: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("accelgen: interrupted", file=sys.stderr)
+        if not worker:
+            print("accelgen: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if worker:
+            record_worker_failure(error)
+        raise
 
 
 def devices_command(plugin_manager: pluggy.PluginManager) -> int:
@@ -78,19 +96,13 @@ def devices_command(plugin_manager: pluggy.PluginManager) -> int:
     return 0
 
 
-def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginManager) -> int:
-    import accelgen
-
+def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginManager, argv: Sequence[str]) -> int:
     if not arguments.prompt:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts).")
     for index, prompt in enumerate(arguments.prompt):
         if not prompt.strip():
             raise UsageError(f"Prompt {index} is empty: give it some text.")
-    _quiet_transformers()
-    writer = CompletionWriter.open(arguments.output) if arguments.output else None
-    started = time.perf_counter()
-    generator = accelgen.load(
-        arguments.model,
+    settings = dict(
         device=arguments.device,
         dtype=arguments.dtype,
         batch_size=arguments.batch_size,
@@ -107,7 +119,55 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
         trust_remote_code=arguments.trust_remote_code,
         plugin_manager=plugin_manager,
     )
+    if running_as_worker():
+        launched_size = World.from_environment().size
+        if arguments.world_size not in (None, launched_size):
+            raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {launched_size} ranks.")
+    elif (arguments.world_size or 1) != 1:
+        return launch(arguments, settings, argv)
+    return generate_command(arguments, settings)
+
+
+def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -> int:
+    """Check what can be checked here, then start this node's share of the ranks."""
+    import accelgen
+    from accelgen.models import load_config
+    from accelgen.tensor_parallel import check_shardable
+
+    world_size, nnodes = arguments.world_size, arguments.nnodes
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {world_size}).")
+    if nnodes < 1 or world_size % nnodes:
+        raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
+    if not 0 <= arguments.node_rank < nnodes:
+        raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {arguments.node_rank}).")
+    accelerator, _ = accelgen.api.resolve(**settings)
+    per_node = world_size // nnodes
+    if accelerator.one_process_per_device and per_node > accelerator.device_count():
+        raise UsageError(
+            f"--world-size {world_size} needs {per_node} {accelerator.name} devices on this node, which has "
+            f"{accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
+        )
+    check_shardable(load_config(arguments.model, arguments.trust_remote_code), world_size)
+    if arguments.output:
+        CompletionWriter.open(arguments.output)
+    master_port = arguments.master_port or (free_port() if nnodes == 1 else 29500)
+    if arguments.node_rank == 0:
+        check_port_free(arguments.master_addr, master_port)
+    _quiet_transformers()
+    return launch_workers(argv, per_node, nnodes, arguments.node_rank, arguments.master_addr, master_port)
+
+
+def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
+    """Load, generate and report, in this process (one rank of a job, or the whole job)."""
+    import accelgen
+
+    _quiet_transformers()
+    writer = CompletionWriter.open(arguments.output) if arguments.output else None
+    started = time.perf_counter()
+    generator = accelgen.load(arguments.model, **settings)
     loaded = time.perf_counter()
+    _inject_fault_if_asked(generator.world)
     is_main = generator.world.is_main
     try:
         for batch_number, completions in enumerate(generator.generate_batches(arguments.prompt), start=1):
@@ -123,6 +183,13 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
     return 0
 
 
+def _inject_fault_if_asked(world: World) -> None:
+    """Fault injection for tests and drills: ACCELGEN_FAULT_RANK=N makes rank N fail after loading."""
+    fault_rank = os.environ.get("ACCELGEN_FAULT_RANK")
+    if fault_rank is not None and int(fault_rank) == world.rank:
+        raise RuntimeError(f"injected fault on rank {world.rank} (ACCELGEN_FAULT_RANK={fault_rank})")
+
+
 def _print_summary(generator, load_seconds: float, total_seconds: float) -> None:
     stats = generator.stats
     decode_seconds = sum(timing.decode_seconds for timing in stats.timings)
@@ -132,9 +199,15 @@ def _print_summary(generator, load_seconds: float, total_seconds: float) -> None
         f"accelgen: {stats.new_tokens} new tokens in {total_seconds:.2f} s "
         f"({stats.new_tokens / max(total_seconds, 1e-9):.1f} tokens/s, decode {per_token_ms:.2f} ms/step), "
         f"model loaded in {load_seconds:.2f} s, device {generator.accelerator.name}, dtype {generator.run.dtype}, "
-        f"graph captures: {stats.graph_captures}",
+        f"world size {generator.world.size}, graph captures: {stats.graph_captures}",
         file=sys.stderr,
     )
+    if generator.world.size > 1:
+        shares = " / ".join(f"{count:,}" for count in generator.parameters_per_rank)
+        print(
+            f"accelgen: parameters per rank {shares} of {generator.unsharded_parameters:,} unsharded",
+            file=sys.stderr,
+        )
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -85,6 +85,7 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
+        self.unsharded_parameters = self.parameters_per_rank = None  # set by accelgen.load
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._takes_position_ids = forward_accepts(model, "position_ids")
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")

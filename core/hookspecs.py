@@ -60,6 +60,9 @@ class Accelerator(Protocol):
     captures_by_default: bool
     #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
     priority: int
+    #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most
+    #: ``device_count()`` ranks. False where ranks share the device (CPU).
+    one_process_per_device: bool
 
     def is_available(self) -> bool:
         """True when this machine can run on the device (software stack importable, hardware present)."""
@@ -85,7 +88,9 @@ class Accelerator(Protocol):
 
     def shard(self, model: "torch.nn.Module", world: "World", run: "RunSettings") -> "torch.nn.Module":
         """Return the model split over ``world.size`` ranks with tensor parallelism, or raise
-        ``accelgen.errors.UsageError`` saying why it cannot be. Called only when ``world.size > 1``."""
+        ``accelgen.errors.UsageError`` saying why it cannot be. Called only when ``world.size > 1``,
+        after the core has joined the process group with ``dist_backend``.
+        ``accelgen.tensor_parallel.shard_with_deepspeed`` does the DeepSpeed-Inference (AutoTP) part."""
 
     def capture(
         self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"

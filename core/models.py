@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from pathlib import Path
@@ -37,13 +38,8 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False) -> 
     return tokenizer
 
 
-def load_model(
-    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False
-) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Model (eval mode, ``dtype``, on CPU) and tokenizer; the built-in default model when None.
-
-    Raises UsageError with a one-line reason when the path is missing or the model cannot be loaded.
-    """
+def model_source(model_name_or_path: str | os.PathLike | None) -> str:
+    """Where to load from: the built-in default model when None; a checked folder if it is a path."""
     source = str(DEFAULT_MODEL if model_name_or_path is None else model_name_or_path)
     if looks_local(source):
         source = os.path.expanduser(source)
@@ -51,19 +47,43 @@ def load_model(
             raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id.")
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
+    return source
+
+
+@contextlib.contextmanager
+def _loading_errors_as_usage_errors(source: str):
     try:
-        # The config first: a Hub id that cannot be reached fails here once, not again for each file.
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-        tokenizer = load_tokenizer(source, trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
-        )
+        yield
     except (OSError, ValueError, KeyError, ImportError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UsageError(
             f"Cannot load model {source!r}: {reason} (pass a local folder, or a Hub id reachable from here; "
             f"models with custom code need --trust-remote-code)"
         ) from error
+
+
+def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):
+    """The model's config alone (cheap: for checks made before any weights load)."""
+    source = model_source(model_name_or_path)
+    with _loading_errors_as_usage_errors(source):
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Model (eval mode, ``dtype``, on CPU) and tokenizer; the built-in default model when None.
+
+    Raises UsageError with a one-line reason when the path is missing or the model cannot be loaded.
+    """
+    # The config first: a Hub id that cannot be reached fails there once, not again for each file.
+    config = load_config(model_name_or_path, trust_remote_code)
+    source = model_source(model_name_or_path)
+    with _loading_errors_as_usage_errors(source):
+        tokenizer = load_tokenizer(source, trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
+        )
     return model.eval(), tokenizer
 
 

@@ -23,6 +23,7 @@ class FakeAccelerator:
     default_dtype = "float32"
     captures_by_default = True
     priority = -1  # never chosen by --device auto
+    one_process_per_device = False
 
     def is_available(self):
         return True

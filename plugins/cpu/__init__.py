@@ -27,6 +27,7 @@ class CpuAccelerator:
     # step costs tens of seconds and gains little per token, so it is opt-in (--graphs) on CPU.
     captures_by_default = False
     priority = 0
+    one_process_per_device = False  # ranks share the CPU (torchrun gives each one OMP thread by default)
 
     def is_available(self) -> bool:
         return True
@@ -44,9 +45,10 @@ class CpuAccelerator:
         return model.to("cpu")  # already in run.dtype: a blanket cast would also round fp32 buffers (RoPE)
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.errors import UsageError
+        from accelgen.tensor_parallel import local_world_size, shard_with_deepspeed
 
-        raise UsageError("Tensor parallelism (--world-size > 1) is not available yet; run with --world-size 1.")
+        _prepare_deepspeed_shared_memory_all_reduce(world, local_world_size())
+        return shard_with_deepspeed(model, world, run.dtype)
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
@@ -73,6 +75,19 @@ class CpuAccelerator:
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
         }
+
+
+def _prepare_deepspeed_shared_memory_all_reduce(world: World, ranks_on_this_node: int) -> None:
+    """DeepSpeed's CPU all-reduce uses a shared-memory kernel when all ranks share a machine, which it
+    learns from LOCAL_SIZE, set by DeepSpeed's launcher but not torch's. Without it the kernel runs
+    uninitialised and the rank dies with SIGSEGV (DeepSpeed 0.19.8). So: name the local ranks on one
+    node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
+    import deepspeed.ops
+
+    if ranks_on_this_node == world.size:
+        os.environ["LOCAL_SIZE"] = str(ranks_on_this_node)
+    else:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _cpu_model_name() -> str:

@@ -1,0 +1,124 @@
+"""Tensor parallelism with DeepSpeed-Inference (AutoTP), shared by every accelerator plugin.
+
+A plugin's ``shard`` hook calls :func:`shard_with_deepspeed` with its own options; the process group
+is set up by the core (:func:`init_process_group`) with the plugin's ``dist_backend``. DeepSpeed is
+imported inside the functions: the CUDA plugin uses upstream DeepSpeed, Gaudi uses Habana's fork.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import transformers
+
+from accelgen.errors import UsageError
+from accelgen.settings import World
+from accelgen.vocab_parallel import split_vocabulary
+
+
+def attention_head_counts(config: transformers.PretrainedConfig) -> tuple[int, int]:
+    """(query heads, key/value heads) of a decoder config, across the naming conventions in use."""
+    heads = next(getattr(config, name) for name in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, name))
+    key_value_heads = getattr(config, "num_key_value_heads", None) or heads
+    if config.model_type == "falcon" and not config.new_decoder_architecture:
+        key_value_heads = 1 if config.multi_query else heads
+    elif config.model_type == "falcon":
+        key_value_heads = config.num_kv_heads
+    return heads, key_value_heads
+
+
+def check_shardable(config: transformers.PretrainedConfig, world_size: int) -> None:
+    """Raise UsageError when the model's heads cannot be split evenly over ``world_size`` ranks."""
+    heads, key_value_heads = attention_head_counts(config)
+    for count, what in ((heads, "attention heads"), (key_value_heads, "key/value heads")):
+        if count % world_size:
+            divisors = ", ".join(str(size) for size in range(1, count + 1) if count % size == 0)
+            raise UsageError(
+                f"The model has {count} {what}, which do not split over --world-size {world_size}: "
+                f"use a world size that divides {count} ({divisors})."
+            )
+
+
+def init_process_group(world: World, backend: str) -> None:
+    """Join this process to the job's process group (a no-op for a single process or when already joined)."""
+    if world.size > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=backend, rank=world.rank, world_size=world.size)
+
+
+def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inference_options) -> torch.nn.Module:
+    """``model`` split over ``world.size`` ranks by ``deepspeed.init_inference`` (AutoTP).
+
+    ``inference_options`` go to ``init_inference`` (e.g. ``replace_with_kernel_inject=True``).
+    """
+    try:
+        import deepspeed
+    except ImportError:
+        raise UsageError(
+            "Tensor parallelism needs DeepSpeed: pip install 'accelgen[deepspeed]' (or your vendor's DeepSpeed build)."
+        ) from None
+    check_shardable(model.config, world.size)
+    # Keep the unsharded vocabulary matrices: AutoTP would leave the embedding whole and untie the head.
+    input_embedding = model.get_input_embeddings()
+    output_head = model.get_output_embeddings()
+    split_vocab = isinstance(input_embedding, torch.nn.Embedding) and isinstance(output_head, torch.nn.Linear) and (
+        output_head.bias is None
+    )
+    if split_vocab:
+        input_weight, head_weight = input_embedding.weight, output_head.weight
+        tied = head_weight.data_ptr() == input_weight.data_ptr()
+    options = dict(replace_with_kernel_inject=False) | inference_options
+    try:
+        engine = deepspeed.init_inference(
+            model, tensor_parallel={"tp_size": world.size}, dtype=getattr(torch, dtype), **options
+        )
+    except AssertionError as error:  # AutoTP states unsupported models with assertions
+        raise UsageError(
+            f"DeepSpeed cannot shard {type(model).__name__} with AutoTP ({str(error).strip()}); "
+            f"run it with --world-size 1."
+        ) from None
+    sharded = engine.module
+    if split_vocab:
+        split_vocabulary(sharded, input_weight, None if tied else head_weight, world)
+    if sharded.config.model_type == "bloom":
+        _give_each_rank_its_alibi_slopes(sharded, world)
+    return sharded
+
+
+def _give_each_rank_its_alibi_slopes(model: torch.nn.Module, world: World) -> None:
+    """BLOOM adds a per-head ALiBi bias built for all heads; after sharding a rank holds only
+    heads ``[rank * H / N, (rank + 1) * H / N)``, so it must add only their rows."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    model.transformer.build_alibi_tensor = functools.partial(
+        _alibi_for_rank, build_alibi_tensor, total_heads=model.config.n_head, rank=world.rank, world_size=world.size
+    )
+
+
+def _alibi_for_rank(build_alibi, attention_mask, num_heads, dtype, *, total_heads, rank, world_size):
+    """The ALiBi bias [B * H/N, 1, L] of this rank's heads, sliced from the full one [B * H, 1, L]."""
+    batch_size = attention_mask.shape[0]
+    heads_per_rank = total_heads // world_size
+    alibi = build_alibi(attention_mask, total_heads, dtype).view(batch_size, total_heads, 1, -1)
+    own = alibi[:, rank * heads_per_rank : (rank + 1) * heads_per_rank]
+    return own.reshape(batch_size * heads_per_rank, 1, -1)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters this process holds (a shard, under tensor parallelism); tied weights count once."""
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def gather_parameter_counts(model: torch.nn.Module, world: World) -> list[int]:
+    """Every rank's parameter count, in rank order (only meaningful on a joined process group)."""
+    if world.size == 1:
+        return [parameter_count(model)]
+    counts = [None] * world.size
+    torch.distributed.all_gather_object(counts, parameter_count(model))
+    return counts
+
+
+def local_world_size() -> int:
+    """Ranks on this node, as set by torch's elastic launcher (or DeepSpeed's)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
