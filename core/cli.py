@@ -16,6 +16,7 @@ from accelgen.launcher import check_port_free, free_port, launch_workers, record
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
 from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
+from accelgen.tensor_parallel import leave_process_group
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +124,7 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
         launched_size = World.from_environment().size
         if arguments.world_size not in (None, launched_size):
             raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {launched_size} ranks.")
-    elif (arguments.world_size or 1) != 1:
+    elif arguments.world_size not in (None, 1):
         return launch(arguments, settings, argv)
     return generate_command(arguments, settings)
 
@@ -180,6 +181,7 @@ def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
             writer.close()
     if is_main:
         _print_summary(generator, load_seconds=loaded - started, total_seconds=time.perf_counter() - loaded)
+    leave_process_group()
     return 0
 
 

@@ -47,6 +47,14 @@ def init_process_group(world: World, backend: str) -> None:
         torch.distributed.init_process_group(backend=backend, rank=world.rank, world_size=world.size)
 
 
+def leave_process_group() -> None:
+    """Wait for every rank, then tear the process group down, so no rank exits with collectives
+    (or the communication threads behind them) still running."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inference_options) -> torch.nn.Module:
     """``model`` split over ``world.size`` ranks by ``deepspeed.init_inference`` (AutoTP).
 

@@ -1,0 +1,223 @@
+"""Tensor parallelism for real: `accelgen run --world-size 2` starts two processes that talk over gloo."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import accelgen
+from accelgen.cli import main
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["DeepSpeed is a machine learning framework", "Hello", "The quick brown fox jumps"]
+MAX_NEW_TOKENS = 10
+
+
+def accelgen_command(*arguments):
+    return [sys.executable, "-m", "accelgen.cli", *arguments]
+
+
+@pytest.fixture
+def job_environment(cli_environment):
+    """Environment of a job whose processes can be found afterwards by a unique marker."""
+    marker = uuid.uuid4().hex
+    return dict(cli_environment, ACCELGEN_TEST_JOB=marker)
+
+
+def processes_of(environment) -> list[int]:
+    """PIDs of live processes carrying this job's marker in their environment."""
+    marker = f"ACCELGEN_TEST_JOB={environment['ACCELGEN_TEST_JOB']}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def run_job(environment, *arguments, timeout=240):
+    return subprocess.run(accelgen_command("run", *arguments), env=environment, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rows_of(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "architecture, batch_size", [("bloom", 2), ("bloom", 1), ("llama", 2), ("llama", 1), ("opt", 2)]
+)
+def test_two_ranks_generate_what_one_process_generates(
+    tiny_model_folder, tmp_path, job_environment, architecture, batch_size
+):
+    folder = str(tiny_model_folder(architecture))
+    output = tmp_path / "out.jsonl"
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
+                     "--batch-size", str(batch_size), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output))
+    assert result.returncode == 0, result.stderr
+
+    expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=batch_size,
+                                 max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+    # only rank 0 printed: each prompt once
+    assert result.stdout.count("Input: ") == len(PROMPTS)
+    assert "world size 2" in result.stderr
+
+    # each rank holds only its shard: at most 0.6x the unsharded parameters
+    shares = re.search(r"parameters per rank ([\d,]+) / ([\d,]+) of ([\d,]+) unsharded", result.stderr)
+    rank0, rank1, unsharded = (int(group.replace(",", "")) for group in shares.groups())
+    assert rank0 == rank1
+    assert rank0 <= 0.6 * unsharded
+    assert processes_of(job_environment) == []
+
+
+def test_two_nodes_on_one_machine_generate_the_same(tiny_model_folder, tmp_path, job_environment):
+    """--nnodes 2: one launcher per node, meeting at node 0's address (here both on localhost)."""
+    folder = str(tiny_model_folder("llama"))
+    output = tmp_path / "out.jsonl"
+    port = free_port()
+    common = ["--device", "cpu", "--world-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--model", folder, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
+              "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS)]
+    nodes = [
+        subprocess.Popen(accelgen_command("run", *common, "--node-rank", str(rank), "--output", str(output)),
+                         env=job_environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    results = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], results
+    expected = accelgen.generate(PROMPTS[:2], model=folder, device="cpu", batch_size=2, max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+
+
+def test_accelgen_runs_under_torchrun_started_by_hand(tiny_model_folder, tmp_path, job_environment):
+    folder = str(tiny_model_folder("bloom"))
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "accelgen.cli", "run", "--device", "cpu", "--model", folder, "--prompt", "Hello",
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output)],
+        env=job_environment, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    [expected] = accelgen.generate(["Hello"], model=folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [expected.completion_token_ids]
+
+
+def test_a_failing_worker_ends_the_whole_job(tiny_model_folder, job_environment):
+    """Rank 1 raises after loading while rank 0 waits for it inside an all-reduce."""
+    environment = dict(job_environment, ACCELGEN_FAULT_RANK="1")
+    result = run_job(environment, "--device", "cpu", "--world-size", "2", "--model", str(tiny_model_folder("llama")),
+                     "--prompt", "Hello", "--max-new-tokens", "200", timeout=120)
+    assert result.returncode == 1
+    assert "accelgen: error: worker rank 1 failed: RuntimeError: injected fault on rank 1" in result.stderr
+    assert processes_of(environment) == []
+
+
+def test_ctrl_c_stops_every_worker(tiny_model_folder, job_environment):
+    launcher = subprocess.Popen(
+        accelgen_command("run", "--device", "cpu", "--world-size", "2", "--model", str(tiny_model_folder("llama")),
+                         *[argument for _ in range(400) for argument in ("--prompt", "Hello")],
+                         "--max-new-tokens", "50", "--ignore-eos"),
+        env=job_environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    for line in launcher.stdout:  # DeepSpeed logs to stdout too
+        if line == "Batch n°1\n":  # the workers are generating
+            break
+    launcher.send_signal(signal.SIGINT)  # to the launcher alone, as a supervisor would
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130
+    assert "all workers stopped" in stderr
+    deadline = time.monotonic() + 30
+    while processes_of(job_environment) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(job_environment) == []
+
+
+def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environment):
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model",
+                     str(tiny_model_folder("gpt2")), "--prompt", "Hello", "--max-new-tokens", "4")
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("accelgen: error:")]
+    assert "DeepSpeed cannot shard GPT2LMHeadModel with AutoTP" in line and "--world-size 1" in line
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class OneGpuAccelerator:
+    """A device with one card per rank and only one card here."""
+
+    name = "onecard"
+    dist_backend = "gloo"
+    supported_dtypes = ("float32",)
+    default_dtype = "float32"
+    captures_by_default = False
+    priority = 0
+    one_process_per_device = True
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 1
+
+
+@accelgen.hookimpl
+def accelgen_register_accelerators(register):
+    register(OneGpuAccelerator())
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--world-size", "0"], "--world-size must be at least 1 (got 0)"),
+        (["--world-size", "-2"], "--world-size must be at least 1 (got -2)"),
+        (["--world-size", "3", "--nnodes", "2"], "--world-size 3 must be a multiple of --nnodes 2"),
+        (["--world-size", "2", "--device", "onecard"], "--world-size 2 needs 2 onecard devices on this node, which has 1"),
+        (["--world-size", "3"], "The model has 4 attention heads, which do not split over --world-size 3: use a world size that divides 4 (1, 2, 4)"),
+    ],
+)
+def test_bad_parallel_settings_are_one_line(tiny_model_folder, capsys, arguments, message):
+    plugin_manager = accelgen.get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(sys.modules[__name__])
+    argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "a", *arguments]
+    assert main(argv, plugin_manager) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error
+
+
+def test_multi_query_model_cannot_split_its_single_key_value_head(tiny_model_folder, capsys):
+    argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("falcon")), "--prompt", "a", "--world-size", "2"]
+    assert main(argv) == 2
+    assert "The model has 1 key/value heads, which do not split over --world-size 2" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line(tiny_model_folder, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "a",
+                "--world-size", "2", "--master-port", str(port)]
+        assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"Cannot use --master-port {port} on 127.0.0.1" in error
