@@ -14,7 +14,7 @@ from accelgen.models import load_model
 from accelgen.plugins import get_plugin_manager
 from accelgen.hookspecs import Accelerator
 from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
-from accelgen.tensor_parallel import gather_parameter_counts, init_process_group, parameter_count
+from accelgen.tensor_parallel import init_process_group, parameter_bytes
 
 
 def resolve(
@@ -68,13 +68,12 @@ def load(model: str | os.PathLike | None = None, **settings) -> Generator:
     torch_device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
     loaded_model, tokenizer = load_model(model, run.dtype, run.trust_remote_code)
-    unsharded_parameters = parameter_count(loaded_model)
+    unsharded_parameter_bytes = parameter_bytes(loaded_model)
     prepared_model = accelerator.prepare_model(loaded_model, run)
     if world.size > 1:
         prepared_model = accelerator.shard(prepared_model, world, run)
     generator = Generator(prepared_model, tokenizer, accelerator, torch_device, run, world)
-    generator.unsharded_parameters = unsharded_parameters
-    generator.parameters_per_rank = gather_parameter_counts(prepared_model, world)
+    generator.unsharded_parameter_bytes = unsharded_parameter_bytes
     return generator
 
 

@@ -16,7 +16,7 @@ from accelgen.launcher import check_port_free, free_port, launch_workers, record
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
 from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
-from accelgen.tensor_parallel import leave_process_group
+from accelgen.tensor_parallel import gather_from_ranks, leave_process_group, parameter_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,8 +179,12 @@ def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
     finally:
         if writer:
             writer.close()
+    rank_memory = gather_from_ranks(
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.accelerator.memory_stats()}, generator.world
+    )
     if is_main:
         _print_summary(generator, load_seconds=loaded - started, total_seconds=time.perf_counter() - loaded)
+        _print_rank_memory(rank_memory, generator.unsharded_parameter_bytes)
     leave_process_group()
     return 0
 
@@ -204,12 +208,22 @@ def _print_summary(generator, load_seconds: float, total_seconds: float) -> None
         f"world size {generator.world.size}, graph captures: {stats.graph_captures}",
         file=sys.stderr,
     )
-    if generator.world.size > 1:
-        shares = " / ".join(f"{count:,}" for count in generator.parameters_per_rank)
-        print(
-            f"accelgen: parameters per rank {shares} of {generator.unsharded_parameters:,} unsharded",
-            file=sys.stderr,
-        )
+
+
+def _print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) -> None:
+    """One line: each rank's parameter bytes against the unsharded model, and its memory statistics."""
+    shares = " / ".join(f"{memory['parameter_bytes']:,}" for memory in rank_memory)
+    ratios = " / ".join(f"{memory['parameter_bytes'] / unsharded_parameter_bytes:.2f}x" for memory in rank_memory)
+    statistics = "; ".join(
+        f"{name} per rank " + " / ".join(f"{memory[name]:,}" for memory in rank_memory)
+        for name in rank_memory[0]
+        if name != "parameter_bytes"
+    )
+    print(
+        f"accelgen: parameter bytes per rank {shares} of {unsharded_parameter_bytes:,} unsharded ({ratios})"
+        + (f"; {statistics}" if statistics else ""),
+        file=sys.stderr,
+    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -85,7 +85,7 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
-        self.unsharded_parameters = self.parameters_per_rank = None  # set by accelgen.load
+        self.unsharded_parameter_bytes: int | None = None  # the model before sharding; set by accelgen.load
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._takes_position_ids = forward_accepts(model, "position_ids")
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")

@@ -113,18 +113,18 @@ def _alibi_for_rank(build_alibi, attention_mask, num_heads, dtype, *, total_head
     return own.reshape(batch_size * heads_per_rank, 1, -1)
 
 
-def parameter_count(model: torch.nn.Module) -> int:
-    """Parameters this process holds (a shard, under tensor parallelism); tied weights count once."""
-    return sum(parameter.numel() for parameter in model.parameters())
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this process holds (a shard, under tensor parallelism); tied ones once."""
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
 
 
-def gather_parameter_counts(model: torch.nn.Module, world: World) -> list[int]:
-    """Every rank's parameter count, in rank order (only meaningful on a joined process group)."""
-    if world.size == 1:
-        return [parameter_count(model)]
-    counts = [None] * world.size
-    torch.distributed.all_gather_object(counts, parameter_count(model))
-    return counts
+def gather_from_ranks(value, world: World) -> list:
+    """``value`` from every rank, in rank order (every rank must call this)."""
+    if world.size == 1 or not torch.distributed.is_initialized():
+        return [value]
+    values = [None] * world.size
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def local_world_size() -> int:

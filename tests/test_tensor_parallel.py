@@ -78,8 +78,8 @@ def test_two_ranks_generate_what_one_process_generates(
     assert result.stdout.count("Input: ") == len(PROMPTS)
     assert "world size 2" in result.stderr
 
-    # each rank holds only its shard: at most 0.6x the unsharded parameters
-    shares = re.search(r"parameters per rank ([\d,]+) / ([\d,]+) of ([\d,]+) unsharded", result.stderr)
+    # each rank holds only its shard: at most 0.6x the unsharded parameter bytes
+    shares = re.search(r"parameter bytes per rank ([\d,]+) / ([\d,]+) of ([\d,]+) unsharded", result.stderr)
     rank0, rank1, unsharded = (int(group.replace(",", "")) for group in shares.groups())
     assert rank0 == rank1
     assert rank0 <= 0.6 * unsharded
