@@ -20,23 +20,15 @@ import statistics
 import time
 
 import torch
-from transformers import BloomConfig, BloomForCausalLM
 
 from accelgen.generator import Generator
 from accelgen.models import DEFAULT_MODEL, load_tokenizer
 from accelgen.plugins import get_plugin_manager
 from accelgen.accelerators import select_accelerator
 from accelgen.settings import RunSettings, World
+from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"
-
-
-def build_model(arguments) -> BloomForCausalLM:
-    config = BloomConfig(
-        hidden_size=arguments.hidden, n_layer=arguments.layers, n_head=arguments.heads, vocab_size=arguments.vocab
-    )
-    torch.manual_seed(0)
-    return BloomForCausalLM(config).to(getattr(torch, arguments.dtype)).eval()
 
 
 def time_call(function) -> float:
@@ -73,10 +65,7 @@ def accelgen_runner(model, tokenizer, input_ids, arguments, use_graphs: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=250880)
+    add_shape_arguments(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
@@ -84,7 +73,7 @@ def main() -> None:
     arguments = parser.parse_args()
 
     tokenizer = load_tokenizer(str(DEFAULT_MODEL))
-    model = build_model(arguments)
+    model = random_bloom(arguments).to(getattr(torch, arguments.dtype))
     input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     contenders = {
         "hf_generate": hugging_face_runner(model, input_ids),
@@ -94,8 +83,7 @@ def main() -> None:
         contenders["accelgen_graphs"] = accelgen_runner(model, tokenizer, input_ids, arguments, use_graphs=True)
 
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    print(f"model: BLOOM {arguments.layers} layers, hidden {arguments.hidden}, vocab {arguments.vocab}, "
-          f"{parameters / 1e6:.0f}M parameters, {arguments.dtype}; prompt {input_ids.shape[1]} tokens, "
+    print(f"model: {describe_shape(arguments)}, {parameters / 1e6:.0f}M parameters, {arguments.dtype}; prompt {input_ids.shape[1]} tokens, "
           f"{arguments.new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
     warmup_seconds = {}
     for name, generate in contenders.items():  # warm-up (and graph capture) not counted

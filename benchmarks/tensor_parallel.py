@@ -19,20 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import BloomConfig, BloomForCausalLM
-
 from accelgen.models import DEFAULT_MODEL, load_tokenizer
+from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"
-SUMMARY = re.compile(r"model loaded in ([\d.]+) s.*decode|decode ([\d.]+) ms/step")
 
 
 def save_model(folder: Path, arguments) -> None:
-    torch.manual_seed(0)
-    config = BloomConfig(hidden_size=arguments.hidden, n_layer=arguments.layers, n_head=arguments.heads,
-                         vocab_size=arguments.vocab)
-    BloomForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    random_bloom(arguments).save_pretrained(folder, safe_serialization=True)
     load_tokenizer(str(DEFAULT_MODEL)).save_pretrained(folder)
 
 
@@ -57,17 +51,14 @@ def run_once(folder: Path, world_size: int, new_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=250880)
+    add_shape_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     arguments = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
         save_model(Path(folder), arguments)
-        print(f"BLOOM {arguments.layers} layers, hidden {arguments.hidden}, vocab {arguments.vocab}, float32, "
+        print(f"{describe_shape(arguments)}, float32, "
               f"{arguments.new_tokens} new tokens, batch 1; {arguments.runs} runs per world size, interleaved")
         runs = {1: [], 2: []}
         for _ in range(arguments.runs):

@@ -72,8 +72,10 @@ def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager
             return devices_command(plugin_manager)
         return run_command(arguments, plugin_manager, argv)
     except UsageError as error:
-        if worker:  # the launcher prints it once for the whole job
-            record_worker_failure(error)
+        if worker and record_worker_failure(error):
+            pass  # torch's launcher (ours or the user's) prints it once for the whole job
+        elif worker:  # another launcher (DeepSpeed's, mpirun): say which rank
+            print(f"accelgen: error: [rank {World.from_environment().rank}] {error}", file=sys.stderr)
         else:
             print(f"accelgen: error: {error}", file=sys.stderr)
         return 2

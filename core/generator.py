@@ -121,9 +121,15 @@ class Generator:
         token_ids = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
         if self.run.max_input_tokens is not None:
             token_ids = [ids[: self.run.max_input_tokens] for ids in token_ids]
+        vocab_size = self.model.config.vocab_size
         for index, ids in enumerate(token_ids):
             if not ids:
                 raise UsageError(f"Prompt {index} is empty: give it some text.")
+            if max(ids) >= vocab_size:
+                raise UsageError(
+                    f"Prompt {index} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}: "
+                    f"the tokenizer does not belong to this model."
+                )
         return token_ids
 
     @torch.no_grad()

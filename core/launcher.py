@@ -87,8 +87,13 @@ def _failure_line(rank: int, process_failure) -> str:
     return f"worker rank {rank} failed: {message}"
 
 
-def record_worker_failure(error: BaseException) -> None:
-    """Hand a worker's error to the launcher (written to the error file torch's agent reads)."""
+def record_worker_failure(error: BaseException) -> bool:
+    """Hand a worker's error to torch's launcher through the error file its agent reads.
+
+    Returns False when this process has no such file (started by another launcher)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     ErrorHandler().record_exception(error)
+    return True

@@ -106,6 +106,19 @@ def test_unloadable_model_is_one_line(tmp_path, capsys):
     assert error.startswith(f"accelgen: error: Cannot load model '{tmp_path}'") and error.count("\n") == 1
 
 
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_model_folder, tmp_path, capsys):
+    import shutil
+
+    from accelgen.models import DEFAULT_MODEL
+
+    folder = tmp_path / "mismatch"
+    shutil.copytree(tiny_model_folder("gpt2"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # 4096 tokens, for a 384-token model
+        shutil.copy(DEFAULT_MODEL / name, folder / name)
+    assert run_cli("--device", "cpu", "--model", str(folder), "--prompt", "In the beginning God created") == 2
+    assert "outside the model's vocabulary of 384: the tokenizer does not belong to this model" in capsys.readouterr().err
+
+
 def test_prompt_beyond_the_model_context_is_refused(tiny_model_folder, capsys):
     # the tiny GPT-2 has 256 positions
     assert run_cli("--device", "cpu", "--model", str(tiny_model_folder("gpt2")), "--prompt", "a " * 200,
