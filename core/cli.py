@@ -11,12 +11,14 @@ from typing import Sequence
 import pluggy
 
 from accelgen.accelerators import AUTO_DEVICE, registered_accelerators
+from accelgen.api import load, resolve
 from accelgen.errors import UsageError
 from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
+from accelgen.models import load_config
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
 from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
-from accelgen.tensor_parallel import gather_from_ranks, leave_process_group, parameter_bytes
+from accelgen.tensor_parallel import check_shardable, gather_from_ranks, leave_process_group, parameter_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,12 +74,10 @@ def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager
             return devices_command(plugin_manager)
         return run_command(arguments, plugin_manager, argv)
     except UsageError as error:
-        if worker and record_worker_failure(error):
-            pass  # torch's launcher (ours or the user's) prints it once for the whole job
-        elif worker:  # another launcher (DeepSpeed's, mpirun): say which rank
-            print(f"accelgen: error: [rank {World.from_environment().rank}] {error}", file=sys.stderr)
-        else:
+        if not worker:
             print(f"accelgen: error: {error}", file=sys.stderr)
+        elif not record_worker_failure(error):  # torch's launcher would print it once for the whole job
+            print(f"accelgen: error: [rank {World.from_environment().rank}] {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if not worker:
@@ -133,10 +133,6 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
 
 def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -> int:
     """Check what can be checked here, then start this node's share of the ranks."""
-    import accelgen
-    from accelgen.models import load_config
-    from accelgen.tensor_parallel import check_shardable
-
     world_size, nnodes = arguments.world_size, arguments.nnodes
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size}).")
@@ -144,7 +140,7 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
         raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
     if not 0 <= arguments.node_rank < nnodes:
         raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {arguments.node_rank}).")
-    accelerator, _ = accelgen.api.resolve(**settings)
+    accelerator, _ = resolve(**settings)
     per_node = world_size // nnodes
     if accelerator.one_process_per_device and per_node > accelerator.device_count():
         raise UsageError(
@@ -163,12 +159,10 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
 
 def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
     """Load, generate and report, in this process (one rank of a job, or the whole job)."""
-    import accelgen
-
     _quiet_transformers()
     writer = CompletionWriter.open(arguments.output) if arguments.output else None
     started = time.perf_counter()
-    generator = accelgen.load(arguments.model, **settings)
+    generator = load(arguments.model, **settings)
     loaded = time.perf_counter()
     _inject_fault_if_asked(generator.world)
     is_main = generator.world.is_main
