@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
+import json
 import os
 import sys
 import time
@@ -12,11 +15,13 @@ import pluggy
 
 from accelgen.accelerators import AUTO_DEVICE, registered_accelerators
 from accelgen.api import load, resolve
+from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.errors import UsageError
 from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
 from accelgen.models import load_config
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
+from accelgen.progress import Progress
 from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
 from accelgen.tensor_parallel import check_shardable, gather_from_ranks, leave_process_group, parameter_bytes
 
@@ -36,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
     run.add_argument("--model", help="Hub id or local folder (default: the built-in demo model)")
     run.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
+    data = run.add_argument_group("dataset completion (instead of --prompt)")
+    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
+    data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
+    data.add_argument("--split", default="train", help="split to complete (default: train)")
+    data.add_argument("--column", default="text", help="column holding the prompts (default: text)")
+    data.add_argument("--limit", type=int, help="complete only the first N rows")
+    data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
+    run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
     run.add_argument("--max-new-tokens", type=int, default=100)
     run.add_argument("--max-input-tokens", type=int, help="keep only the first N tokens of each prompt")
     run.add_argument("--batch-size", type=int, default=1, help="fixed batch shape; the last batch is padded")
@@ -100,8 +113,10 @@ def devices_command(plugin_manager: pluggy.PluginManager) -> int:
 
 
 def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginManager, argv: Sequence[str]) -> int:
-    if not arguments.prompt:
-        raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts).")
+    if arguments.prompt and arguments.dataset:
+        raise UsageError("Pass --prompt or --dataset, not both.")
+    if not arguments.prompt and not arguments.dataset:
+        raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
     for index, prompt in enumerate(arguments.prompt):
         if not prompt.strip():
             raise UsageError(f"Prompt {index} is empty: give it some text.")
@@ -131,6 +146,35 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
     return generate_command(arguments, settings)
 
 
+def open_inputs(arguments: argparse.Namespace) -> tuple[TextRows, CompletionWriter | None]:
+    """The texts to complete and the output writer, both checked; nothing is loaded or written yet."""
+    if arguments.dataset:
+        rows = open_rows(DatasetRequest(
+            source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
+            limit=arguments.limit, streaming=arguments.streaming,
+        ))
+    else:
+        rows = TextRows(iter(arguments.prompt), len(arguments.prompt))
+    writer = None
+    if arguments.output:
+        writer = CompletionWriter.open(arguments.output, _run_description(arguments), arguments.overwrite)
+    return rows, writer
+
+
+def _run_description(arguments: argparse.Namespace) -> dict:
+    """What decides an output file's rows: a resumed run must match it."""
+    if arguments.dataset:
+        source = dict(dataset=arguments.dataset, dataset_config=arguments.dataset_config, split=arguments.split,
+                      column=arguments.column)
+    else:
+        source = dict(prompts_sha256=hashlib.sha256(json.dumps(arguments.prompt).encode()).hexdigest())
+    settings = ("dtype", "batch_size", "max_new_tokens", "max_input_tokens", "ignore_eos", "buckets", "do_sample",
+                "temperature", "top_k", "top_p", "seed")
+    return dict(model=arguments.model or "accelgen built-in default", **source,
+                **{name: list(value) if isinstance(value := getattr(arguments, name), tuple) else value
+                   for name in settings})
+
+
 def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -> int:
     """Check what can be checked here, then start this node's share of the ranks."""
     world_size, nnodes = arguments.world_size, arguments.nnodes
@@ -148,8 +192,7 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
             f"{accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
     check_shardable(load_config(arguments.model, arguments.trust_remote_code), world_size)
-    if arguments.output:
-        CompletionWriter.open(arguments.output)
+    open_inputs(arguments)
     master_port = arguments.master_port or (free_port() if nnodes == 1 else 29500)
     if arguments.node_rank == 0:
         check_port_free(arguments.master_addr, master_port)
@@ -160,21 +203,35 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
 def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
     """Load, generate and report, in this process (one rank of a job, or the whole job)."""
     _quiet_transformers()
-    writer = CompletionWriter.open(arguments.output) if arguments.output else None
+    rows, writer = open_inputs(arguments)
+    done = writer.completed_rows if writer else 0
+    is_main = World.from_environment().is_main
+    if rows.total is not None and done >= rows.total:
+        if is_main:
+            print(f"accelgen: all {rows.total} rows are already in {arguments.output}; nothing to do.", file=sys.stderr)
+        return 0
+    if done and is_main:
+        print(f"accelgen: resuming: {done} rows already in {arguments.output}", file=sys.stderr)
     started = time.perf_counter()
     generator = load(arguments.model, **settings)
     loaded = time.perf_counter()
     _inject_fault_if_asked(generator.world)
-    is_main = generator.world.is_main
+    progress = Progress(rows.total, done) if is_main and arguments.dataset else None
+    first_batch = done // arguments.batch_size + 1
+    texts = itertools.islice(rows.texts, done, None)
     try:
-        for batch_number, completions in enumerate(generator.generate_batches(arguments.prompt), start=1):
+        for batch_number, completions in enumerate(generator.generate_batches(texts, done), start=first_batch):
             if is_main and not arguments.quiet:
                 print_batch(batch_number, completions)
             if is_main and writer:
                 writer.write(completions)
+            if progress:
+                progress.update(len(completions))
     finally:
         if writer:
             writer.close()
+        if progress:
+            progress.close()
     rank_memory = gather_from_ranks(
         {"parameter_bytes": parameter_bytes(generator.model), **generator.accelerator.memory_stats()}, generator.world
     )

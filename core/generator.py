@@ -8,8 +8,9 @@ decode step reads, so a second batch of the same bucket reuses the graph without
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -27,7 +28,8 @@ EOS_CHECK_INTERVAL = 8
 
 @dataclasses.dataclass
 class Completion:
-    """One prompt's result. ``completion`` is the new text only; ``index`` the prompt's position."""
+    """One prompt's result. ``prompt`` is the text the model saw (the kept tokens, when truncated);
+    ``completion`` is the new text only; ``index`` the prompt's position (its row in a dataset)."""
 
     index: int
     prompt: str
@@ -100,37 +102,41 @@ class Generator:
         """Completions for ``prompts``, in order."""
         return [completion for batch in self.generate_batches(prompts) for completion in batch]
 
-    def generate_batches(self, prompts: Sequence[str], first_index: int = 0) -> Iterator[list[Completion]]:
+    def generate_batches(self, prompts: Iterable[str], first_index: int = 0) -> Iterator[list[Completion]]:
         """Completions batch by batch (``run.batch_size`` prompts each), so callers can write as they go.
 
+        ``prompts`` may be any iterable (a streamed dataset): it is read one batch at a time.
         ``first_index`` numbers the prompts (and seeds sampling per batch, so a resumed run draws the same)."""
-        if not prompts:
-            raise UsageError("No prompts given: pass at least one --prompt.")
-        token_ids = self.tokenize(prompts)
-        batch_size = self.run.batch_size
-        for start in range(0, len(prompts), batch_size):
-            batch_token_ids = token_ids[start : start + batch_size]
-            outputs = self.generate_token_ids(batch_token_ids, seed_offset=first_index + start)
+        remaining = iter(prompts)
+        index = first_index
+        while batch := list(itertools.islice(remaining, self.run.batch_size)):
+            token_ids, truncated = self.tokenize(batch, first_index=index)
+            outputs = self.generate_token_ids(token_ids, seed_offset=index)
             yield [
-                self._completion(first_index + start + row, prompts[start + row], batch_token_ids[row], *outputs[row])
-                for row in range(len(batch_token_ids))
+                self._completion(index + row, batch[row], token_ids[row], truncated[row], *outputs[row])
+                for row in range(len(batch))
             ]
+            index += len(batch)
+        if index == 0:
+            raise UsageError("No prompts given: pass at least one --prompt.")
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids per prompt, truncated to their first ``run.max_input_tokens`` tokens."""
+    def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
+        """Token ids per prompt, truncated to their first ``run.max_input_tokens`` tokens, and which
+        prompts were truncated. ``first_index`` is the first prompt's number, for error messages."""
         token_ids = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        if self.run.max_input_tokens is not None:
-            token_ids = [ids[: self.run.max_input_tokens] for ids in token_ids]
+        limit = self.run.max_input_tokens
+        truncated = [limit is not None and len(ids) > limit for ids in token_ids]
+        token_ids = [ids[:limit] for ids in token_ids] if limit is not None else token_ids
         vocab_size = self.model.config.vocab_size
-        for index, ids in enumerate(token_ids):
+        for index, ids in enumerate(token_ids, start=first_index):
             if not ids:
-                raise UsageError(f"Prompt {index} is empty: give it some text.")
+                raise UsageError(f"Prompt {index} is empty: give it some text (or drop that row from the dataset).")
             if max(ids) >= vocab_size:
                 raise UsageError(
                     f"Prompt {index} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}: "
                     f"the tokenizer does not belong to this model."
                 )
-        return token_ids
+        return token_ids, truncated
 
     @torch.no_grad()
     def generate_token_ids(
@@ -250,13 +256,13 @@ class Generator:
                     return row_tokens[: position + 1], "eos"
         return row_tokens, "length"
 
-    def _completion(self, index, prompt, prompt_token_ids, new_token_ids, finish_reason) -> Completion:
+    def _completion(self, index, prompt, prompt_token_ids, truncated, new_token_ids, finish_reason) -> Completion:
         # Decode prompt and completion together so word boundaries (e.g. SentencePiece spaces) come out right.
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         full_text = self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)
         return Completion(
             index=index,
-            prompt=prompt,
+            prompt=prompt_text if truncated else prompt,  # what the model saw
             completion=full_text[len(prompt_text) :],
             completion_token_ids=new_token_ids,
             prompt_token_count=len(prompt_token_ids),

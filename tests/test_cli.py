@@ -40,6 +40,7 @@ def test_max_input_tokens_keeps_the_first_tokens(tiny_model_folder):
     [completion] = generator.generate([long_prompt])
     assert completion.prompt_token_count == 2
     first_two_tokens = generator.tokenizer.decode(generator.tokenizer(long_prompt)["input_ids"][:2])
+    assert completion.prompt == first_two_tokens  # the prompt as the model saw it
     [same] = accelgen.generate([first_two_tokens], model=tiny_model_folder("gpt2"), device="cpu", max_new_tokens=3)
     assert completion.completion_token_ids == same.completion_token_ids
 

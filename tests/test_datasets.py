@@ -1,0 +1,192 @@
+"""Dataset completion: any local source `datasets` reads, resumable output, progress, and bad input."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+
+import accelgen
+from accelgen.cli import main
+
+TEXTS = [
+    "DeepSpeed is a machine learning framework",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "Static shapes",
+    "In the beginning",
+]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def table():
+    return datasets.Dataset.from_dict({"content": TEXTS, "number": list(range(len(TEXTS)))})
+
+
+@pytest.fixture(params=["jsonl", "json", "csv", "parquet", "saved", "folder"])
+def dataset_source(request, table, tmp_path):
+    """The same five rows, in each kind of local source; returns the --dataset argument."""
+    kind = request.param
+    if kind == "jsonl":
+        table.to_json(tmp_path / "rows.jsonl")
+        return str(tmp_path / "rows.jsonl")
+    if kind == "json":
+        (tmp_path / "rows.json").write_text(json.dumps([{"content": text, "number": i} for i, text in enumerate(TEXTS)]))
+        return str(tmp_path / "rows.json")
+    if kind == "csv":
+        table.to_csv(tmp_path / "rows.csv", index=False)
+        return str(tmp_path / "rows.csv")
+    if kind == "parquet":
+        table.to_parquet(tmp_path / "rows.parquet")
+        return str(tmp_path / "rows.parquet")
+    if kind == "saved":
+        datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(tmp_path / "saved")
+        return str(tmp_path / "saved")
+    (tmp_path / "folder").mkdir()
+    table.to_parquet(tmp_path / "folder" / "part-0.parquet")
+    return str(tmp_path / "folder")
+
+
+def complete(*arguments):
+    return main(["run", "--device", "cpu", *arguments])
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_local_source_completes_in_order_like_one_prompt_at_a_time(
+    dataset_source, tiny_model_folder, tmp_path, capsys
+):
+    folder = str(tiny_model_folder("llama"))
+    output = tmp_path / "out.jsonl"
+    assert complete("--model", folder, "--dataset", dataset_source, "--column", "content", "--batch-size", "2",
+                    "--max-new-tokens", str(NEW_TOKENS), "--output", str(output)) == 0
+    rows = rows_of(output)
+    assert [row["index"] for row in rows] == list(range(len(TEXTS)))
+    assert [row["prompt"] for row in rows] == TEXTS
+    # batched (last batch padded with a filler row, which is dropped) == one prompt at a time
+    one_by_one = accelgen.load(folder, device="cpu", max_new_tokens=NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows] == [
+        one_by_one.generate([text])[0].completion_token_ids for text in TEXTS
+    ]
+    shown = capsys.readouterr()
+    assert "Batch n°3" in shown.out and f"Input: {TEXTS[4]!r}" in shown.out
+    assert "accelgen: 5/5 rows" in shown.err  # plain progress lines when stderr is not a terminal
+
+
+def test_limit_streaming_and_truncation(table, tiny_model_folder, tmp_path):
+    table.to_json(tmp_path / "rows.jsonl")
+    folder = str(tiny_model_folder("bloom"))
+    outputs = {}
+    for name, extra in {"loaded": [], "streamed": ["--streaming"]}.items():
+        outputs[name] = tmp_path / f"{name}.jsonl"
+        assert complete("--model", folder, "--dataset", str(tmp_path / "rows.jsonl"), "--column", "content",
+                        "--limit", "3", "--max-input-tokens", "3", "--max-new-tokens", str(NEW_TOKENS), "--quiet",
+                        "--output", str(outputs[name]), *extra) == 0
+    loaded, streamed = rows_of(outputs["loaded"]), rows_of(outputs["streamed"])
+    assert loaded == streamed and len(loaded) == 3
+    generator = accelgen.load(folder, device="cpu")
+    first_three_tokens = generator.tokenizer.decode(generator.tokenizer(TEXTS[2])["input_ids"][:3])
+    assert loaded[2]["prompt"] == first_three_tokens and loaded[2]["prompt_token_count"] == 3
+
+
+def test_a_different_run_on_an_existing_output_is_refused_unless_overwriting(table, tiny_model_folder, tmp_path, capsys):
+    table.to_json(tmp_path / "rows.jsonl")
+    output = tmp_path / "out.jsonl"
+    common = ["--model", str(tiny_model_folder("gpt2")), "--dataset", str(tmp_path / "rows.jsonl"), "--column",
+              "content", "--quiet", "--output", str(output)]
+    assert complete(*common, "--max-new-tokens", "4") == 0
+    first = output.read_text()
+    assert complete(*common, "--max-new-tokens", "4") == 0  # same run: nothing left to do
+    assert "all 5 rows are already in" in capsys.readouterr().err
+    assert complete(*common, "--max-new-tokens", "5") == 2
+    assert "holds completions of another run (different max_new_tokens)" in capsys.readouterr().err
+    assert output.read_text() == first
+    assert complete(*common, "--max-new-tokens", "5", "--overwrite") == 0
+    assert all(len(row["completion_token_ids"]) <= 5 for row in rows_of(output)) and output.read_text() != first
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_a_row(tmp_path, cli_environment):
+    """SIGKILL a real run mid-way, tear its last line, start it again: the file equals an uninterrupted run's."""
+    rows = [{"text": f"Chapter {number}: And it came to pass that the king"} for number in range(16)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--dataset", str(tmp_path / "rows.jsonl"),
+               "--batch-size", "2", "--max-new-tokens", "48", "--ignore-eos", "--quiet"]
+    reference = tmp_path / "reference.jsonl"
+    subprocess.run([*command, "--output", str(reference)], env=cli_environment, check=True, capture_output=True)
+
+    output = tmp_path / "out.jsonl"
+    run = subprocess.Popen([*command, "--output", str(output)], env=cli_environment,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 5):
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    kept = output.read_text().count("\n")
+    assert 5 <= kept < len(rows), "the run should have been killed mid-way"
+    with output.open("a") as torn:  # as if killed in the middle of a write
+        torn.write('{"index": 99, "prompt": "Chapter')
+
+    resumed = subprocess.run([*command, "--output", str(output)], env=cli_environment, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming: {kept} rows already in" in resumed.stderr
+    assert rows_of(output) == rows_of(reference)
+
+
+@pytest.mark.slow
+def test_dataset_completion_with_two_ranks(table, tiny_model_folder, tmp_path, cli_environment):
+    pytest.importorskip("deepspeed")
+    table.to_json(tmp_path / "rows.jsonl")
+    folder = str(tiny_model_folder("llama"))
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", "2", "--model", folder,
+         "--dataset", str(tmp_path / "rows.jsonl"), "--column", "content", "--batch-size", "2",
+         "--max-new-tokens", str(NEW_TOKENS), "--output", str(output)],
+        env=cli_environment, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = accelgen.generate(TEXTS, model=folder, device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+    assert result.stdout.count("Batch n°") == 3  # rank 0 alone prints
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--dataset", "{folder}/rows.jsonl", "--column", "nope"], "Column 'nope' is not in the dataset; its columns: content, number."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "number"], "Column 'number' holds int64, not text (text columns: content)."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--split", "test"], "Unknown split 'test'; '{folder}/rows.jsonl' has: train."),
+        (["--dataset", "{folder}/saved", "--column", "content", "--split", "validation"], "Unknown split 'validation'; '{folder}/saved' has: train, test."),
+        (["--dataset", "{folder}/empty.csv", "--column", "content"], "has no rows to complete"),
+        (["--dataset", "{folder}/rows.txt"], "use a file ending in .json, .jsonl, .csv, .parquet"),
+        (["--dataset", "./no/such/rows.jsonl"], "Dataset path './no/such/rows.jsonl' does not exist."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--limit", "0"], "--limit must be at least 1 (got 0)."),
+        (["--dataset", "{folder}/rows.jsonl", "--prompt", "a"], "Pass --prompt or --dataset, not both."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--output", "{folder}/missing/out.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_dataset_input_is_one_line(table, tmp_path, capsys, arguments, message):
+    table.to_json(tmp_path / "rows.jsonl")
+    datasets.DatasetDict({"train": table, "test": table}).save_to_disk(tmp_path / "saved")
+    (tmp_path / "empty.csv").write_text("content,number\n")
+    (tmp_path / "rows.txt").write_text("hello\n")
+    arguments = [argument.replace("{folder}", str(tmp_path)) for argument in arguments]
+    assert complete(*arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("accelgen: error: ") and error.count("\n") == 1
+    assert message.replace("{folder}", str(tmp_path)) in error
+
+
+def test_a_hub_dataset_that_cannot_be_reached_suggests_a_local_file(monkeypatch, capsys):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here; fail at once
+    assert complete("--dataset", "JulesBelveze/tldr_news", "--dataset-config", "all", "--split", "test") == 2
+    error = capsys.readouterr().err
+    assert "Dataset 'JulesBelveze/tldr_news' not found, or the Hub cannot be reached" in error
+    assert "pass a local JSON, JSONL, CSV or Parquet file" in error and error.count("\n") == 1
