@@ -74,7 +74,7 @@ def _load_split(request: DatasetRequest):
         if os.path.isdir(source) and _saved_with_save_to_disk(source):
             return _saved_split(datasets.load_from_disk(source), request)
         if os.path.isdir(source):
-            return datasets.load_dataset(source, split=request.split, streaming=request.streaming)
+            return datasets.load_dataset(source, request.config, split=request.split, streaming=request.streaming)
         if source.startswith((".", "/", "~")):
             raise UsageError(f"Dataset path {source!r} does not exist.")
         return datasets.load_dataset(source, request.config, split=request.split, streaming=request.streaming)
@@ -122,8 +122,12 @@ def _explain_value_error(error: ValueError, request: DatasetRequest) -> str:
         return f"Unknown split {request.split!r}; {request.source!r} has: {split_names.group(1).replace(chr(39), '')}."
     if "corresponds to no data" in str(error):  # what datasets says of an empty file
         return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
-    if "config" in str(error).lower():
-        return f"Dataset {request.source!r} needs a valid --dataset-config: {' '.join(str(error).split())}"
+    config_names = re.search(r"(?:available configs|Available): \[(.*?)\]", str(error))
+    if config_names:
+        available = config_names.group(1).replace("'", "")
+        if request.config is None:
+            return f"Dataset {request.source!r} has several configurations: pass --dataset-config (one of: {available})."
+        return f"Unknown --dataset-config {request.config!r} for {request.source!r}; available: {available}."
     return f"Cannot read dataset {request.source!r}: {message}"
 
 

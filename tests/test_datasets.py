@@ -184,6 +184,42 @@ def test_bad_dataset_input_is_one_line(table, tmp_path, capsys, arguments, messa
     assert message.replace("{folder}", str(tmp_path)) in error
 
 
+def test_configurations_of_a_dataset_folder(tmp_path, tiny_model_folder, capsys):
+    """A folder whose README declares two configurations, as Hub datasets do."""
+    for name, text in (("first", "Hello"), ("second", "DeepSpeed is")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rows.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n- config_name: first\n  data_files: first/*.jsonl\n"
+        "- config_name: second\n  data_files: second/*.jsonl\n---\n"
+    )
+    assert complete("--dataset", str(tmp_path)) == 2
+    assert "has several configurations: pass --dataset-config (one of: first, second)." in capsys.readouterr().err
+    assert complete("--dataset", str(tmp_path), "--dataset-config", "third") == 2
+    error = capsys.readouterr().err
+    assert f"Unknown --dataset-config 'third' for '{tmp_path}'; available: first, second." in error
+    output = tmp_path / "out.jsonl"
+    assert complete("--model", str(tiny_model_folder("gpt2")), "--dataset", str(tmp_path), "--dataset-config",
+                    "second", "--max-new-tokens", "3", "--output", str(output)) == 0
+    assert [row["prompt"] for row in rows_of(output)] == ["DeepSpeed is"]
+
+
+def test_progress_draws_a_bar_on_a_terminal():
+    import io
+
+    from accelgen.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    progress = Progress(total=4, done=1, stream=terminal)
+    progress.update(3)
+    progress.close()
+    assert "4/4" in terminal.getvalue() and "row" in terminal.getvalue()
+
+
 def test_a_hub_dataset_that_cannot_be_reached_suggests_a_local_file(monkeypatch, capsys):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here; fail at once
     assert complete("--dataset", "JulesBelveze/tldr_news", "--dataset-config", "all", "--split", "test") == 2
