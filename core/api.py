@@ -72,16 +72,14 @@ def load(model: str | os.PathLike | None = None, **settings) -> Generator:
     prepared_model = accelerator.prepare_model(loaded_model, run)
     if world.size > 1:
         prepared_model = accelerator.shard(prepared_model, world, run)
-    generator = Generator(prepared_model, tokenizer, accelerator, torch_device, run, world)
-    generator.unsharded_parameter_bytes = unsharded_parameter_bytes
-    return generator
+    return Generator(prepared_model, tokenizer, accelerator, torch_device, run, world, unsharded_parameter_bytes)
 
 
 def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **settings) -> list[Completion]:
     """Completions for ``prompts``; ``settings`` are those of :func:`load`."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not prompts:
+    if not prompts:  # before loading a model for nothing (generate_batches checks iterables as they run)
         raise UsageError("No prompts given: pass at least one prompt.")
     return load(model, **settings).generate(prompts)
 

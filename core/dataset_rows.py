@@ -53,9 +53,7 @@ def open_rows(request: DatasetRequest) -> TextRows:
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
-    total = None if request.streaming else len(dataset)
-    if request.streaming and request.limit is not None:
-        total = None  # a streamed split's length is unknown; --limit is only an upper bound
+    total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
     return TextRows(itertools.chain([first], texts), total)
 
 

@@ -83,11 +83,12 @@ class Generator:
         device: torch.device,
         run: RunSettings,
         world: World = World(),
+        unsharded_parameter_bytes: int | None = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
-        self.unsharded_parameter_bytes: int | None = None  # the model before sharding; set by accelgen.load
+        self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._takes_position_ids = forward_accepts(model, "position_ids")
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
@@ -118,7 +119,7 @@ class Generator:
             ]
             index += len(batch)
         if index == 0:
-            raise UsageError("No prompts given: pass at least one --prompt.")
+            raise UsageError("No prompts given: pass at least one prompt.")
 
     def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
         """Token ids per prompt, truncated to their first ``run.max_input_tokens`` tokens, and which
