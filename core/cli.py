@@ -22,7 +22,7 @@ from accelgen.models import load_config
 from accelgen.output import CompletionWriter, print_batch, describe_plugin
 from accelgen.plugins import get_plugin_manager
 from accelgen.progress import Progress
-from accelgen.settings import DEFAULT_BUCKETS, DTYPES, World
+from accelgen.settings import DEFAULT_BUCKETS, DTYPES, LaunchPlan, World
 from accelgen.tensor_parallel import check_shardable, gather_from_ranks, leave_process_group, parameter_bytes
 
 
@@ -197,7 +197,8 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
     if arguments.node_rank == 0:
         check_port_free(arguments.master_addr, master_port)
     _quiet_transformers()
-    return launch_workers(argv, per_node, nnodes, arguments.node_rank, arguments.master_addr, master_port)
+    plan = LaunchPlan(world_size, nnodes, arguments.node_rank, arguments.master_addr, master_port)
+    return launch_workers(argv, plan, accelerator.launch_command(list(argv), plan))
 
 
 def generate_command(arguments: argparse.Namespace, settings: dict) -> int:

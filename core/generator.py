@@ -168,6 +168,7 @@ class Generator:
             slot.cache,
         )
         next_tokens = decoding.sample(logits, run.sampling, self._sampler)
+        self.accelerator.mark_step()
         self.accelerator.synchronize()
         prefilled = time.perf_counter()
 
@@ -193,6 +194,7 @@ class Generator:
                 finished |= torch.isin(next_tokens, self.eos_token_ids)
             new_tokens[:, step] = next_tokens
             decoding.advance(slot.input_ids, slot.position_ids, slot.cache_position, next_tokens)
+            self.accelerator.mark_step()
             steps += 1
         self.accelerator.synchronize()
         decoded = time.perf_counter()

@@ -20,7 +20,7 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from accelgen.settings import RunSettings, World
+    from accelgen.settings import LaunchPlan, RunSettings, World
 
 hookspec = pluggy.HookspecMarker("accelgen")
 hookimpl = pluggy.HookimplMarker("accelgen")
@@ -42,9 +42,10 @@ def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) ->
 class Accelerator(Protocol):
     """Everything that is specific to one kind of hardware. The core calls nothing else device-specific.
 
-    Methods are called in this order during a run: ``is_available`` -> ``setup`` -> ``prepare_model``
-    -> ``shard`` (only when ``world.size > 1``) -> ``capture`` (once per static shape) ->
-    ``synchronize`` / ``memory_stats`` while measuring. None of them may import a vendor library at
+    Methods are called in this order during a run: (``launch_command`` in the launching process, when
+    several ranks are asked for) -> ``is_available`` -> ``setup`` -> ``prepare_model`` -> ``shard``
+    (only when ``world.size > 1``) -> ``capture`` (once per static shape) -> ``mark_step`` after every
+    forward pass -> ``synchronize`` / ``memory_stats`` while measuring. None of them may import a vendor library at
     module import time: import it inside the method, so that ``import`` works on any machine.
     """
 
@@ -101,11 +102,33 @@ class Accelerator(Protocol):
         The returned callable is called with the same buffers (same shapes and addresses) for every
         decoded token; the core calls ``capture`` once per static shape and counts the calls."""
 
+    def mark_step(self) -> None:
+        """Called after each forward pass the core issues (the prefill, then every decode step, captured
+        or not) and the token choice that follows it. Lazy-mode devices flush the operations queued so
+        far here (Habana's ``htcore.mark_step()``); eager devices do nothing. Must not wait for the device."""
+
     def synchronize(self) -> None:
         """Wait until the device has finished all queued work (for timing)."""
 
     def memory_stats(self) -> dict[str, int]:
-        """Memory figures for reports, in bytes: at least ``peak_allocated_bytes`` when known."""
+        """Memory figures for reports, in bytes: ``peak_allocated_bytes`` when known (peak device memory
+        held by tensors since the process started), and where the device can tell, ``free_bytes`` and
+        ``total_bytes`` of its memory now (used to say what would fit after running out of memory)."""
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """True when ``error`` says this device ran out of memory (e.g. ``torch.OutOfMemoryError``).
+
+        The core then reports it as such (one line, with a batch size that would fit) instead of a crash,
+        and ``accelgen bench`` records "oom" for that configuration and goes on with the next."""
+
+    def launch_command(self, worker_argv: list[str], plan: "LaunchPlan") -> list[str] | None:
+        """The command that starts this node's ranks of a job of ``plan.world_size`` ranks, or None to
+        use torch's elastic launcher (torchrun), which suits most devices.
+
+        Each rank the command starts must run ``python -m accelgen.cli <worker_argv>`` with RANK,
+        WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun and DeepSpeed's launcher do),
+        and the command must exit non-zero when a rank fails. Devices whose vendor documents another
+        launcher (Habana: DeepSpeed's launcher or mpirun) return it here."""
 
     def describe(self) -> dict[str, Any]:
         """Facts for reports and ``accelgen devices``: ``device_name``, ``device_count``, and where

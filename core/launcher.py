@@ -10,11 +10,15 @@ agent gives them (:func:`record_worker_failure`), so the launcher can print it a
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 from typing import Sequence
 
 from accelgen.errors import UsageError
+from accelgen.settings import LaunchPlan
 
 #: Set by torch's elastic launcher in every worker it starts.
 WORKER_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -42,20 +46,51 @@ def check_port_free(address: str, port: int) -> None:
             ) from None
 
 
-def launch_workers(
-    worker_argv: Sequence[str], processes_per_node: int, nnodes: int, node_rank: int, master_addr: str, master_port: int
-) -> int:
-    """Run ``accelgen <worker_argv>`` as this node's workers; return the job's exit status."""
+def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> int:
+    """Run ``accelgen <worker_argv>`` as this node's workers, with the accelerator's own launcher
+    command when it has one, else with torch's; return the job's exit status."""
+    if launch_command is not None:
+        return run_launch_command(launch_command, plan)
+    return launch_with_torchrun(worker_argv, plan)
+
+
+def run_launch_command(command: list[str], plan: LaunchPlan) -> int:
+    """Run an accelerator's launcher (e.g. DeepSpeed's) in the foreground; stop it on Ctrl-C.
+
+    Its ranks print their own one-line errors (no torch error file exists outside torchrun)."""
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"The launcher {command[0]!r} this device needs is not installed (not on PATH).")
+    environment = dict(os.environ, MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.master_port))
+    process = subprocess.Popen(command, env=environment, start_new_session=True)
+    try:
+        status = process.wait()
+    except KeyboardInterrupt:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        print("accelgen: interrupted (SIGINT); all workers stopped", file=sys.stderr)
+        return 130
+    if status == 0:
+        return 0
+    print(f"accelgen: error: the job's launcher ({command[0]}) exited with status {status}; "
+          f"the failing rank's error is above.", file=sys.stderr)
+    return 2 if status == 2 else 1
+
+
+def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> int:
+    """Run this node's workers under ``torch.distributed.run``; one line for a failed or interrupted job."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     launcher_arguments = torchrun.parse_args([
-        f"--nproc-per-node={processes_per_node}",
-        f"--nnodes={nnodes}",
-        f"--node-rank={node_rank}",
-        f"--master-addr={master_addr}",
-        f"--master-port={master_port}",
+        f"--nproc-per-node={plan.processes_per_node}",
+        f"--nnodes={plan.nnodes}",
+        f"--node-rank={plan.node_rank}",
+        f"--master-addr={plan.master_addr}",
+        f"--master-port={plan.master_port}",
         "--max-restarts=0",
         "--monitor-interval=0.1",  # notice a failed worker within a tenth of a second
         "--module",

@@ -57,3 +57,18 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How the ranks of a tensor-parallel job are spread over machines; one launch per node."""
+
+    world_size: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.world_size // self.nnodes

@@ -117,6 +117,9 @@ def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_mo
             captured.append(tuple(tensor.shape for tensor in example_inputs))
             return step
 
+        def mark_step(self):
+            pass
+
         def synchronize(self):
             pass
 

@@ -50,8 +50,17 @@ class FakeAccelerator:
         _report(f"capture decode step for shapes {shapes}")
         return step  # replaying the plain step stands in for a graph
 
+    def mark_step(self):
+        pass
+
     def synchronize(self):
         pass
+
+    def is_out_of_memory(self, error):
+        return isinstance(error, MemoryError)
+
+    def launch_command(self, worker_argv, plan):
+        return None  # torch's elastic launcher
 
     def memory_stats(self):
         return {}

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from accelgen.hookspecs import hookimpl
-from accelgen.settings import RunSettings, World
+from accelgen.settings import LaunchPlan, RunSettings, World
 
 
 @hookimpl
@@ -58,12 +58,25 @@ class CpuAccelerator:
         compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
         return compiled_step
 
+    def mark_step(self) -> None:
+        pass  # eager: every operation has already run
+
     def synchronize(self) -> None:
         pass  # CPU work is finished when the call returns
 
     def memory_stats(self) -> dict[str, int]:
         # ru_maxrss is in KiB on Linux: the process's peak resident memory, weights and caches included.
         return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        # The CPU allocator raises RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or
+        # torch.OutOfMemoryError in recent releases; plain Python allocations raise MemoryError.
+        return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+        )
+
+    def launch_command(self, worker_argv: list[str], plan: LaunchPlan) -> None:
+        return None  # torch's elastic launcher
 
     def describe(self) -> dict[str, Any]:
         return {
