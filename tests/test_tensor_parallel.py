@@ -66,10 +66,14 @@ def test_two_ranks_generate_what_one_process_generates(
 ):
     folder = str(tiny_model_folder(architecture))
     output = tmp_path / "out.jsonl"
+    port = free_port()
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
-                     "--batch-size", str(batch_size), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output))
+                     "--batch-size", str(batch_size), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output),
+                     "--master-port", str(port))
     assert result.returncode == 0, result.stderr
+    # DeepSpeed's shared-memory all-reduce buffers are not left behind in /dev/shm
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
 
     expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=batch_size,
                                  max_new_tokens=MAX_NEW_TOKENS)
