@@ -10,7 +10,8 @@ import pluggy
 from accelgen.accelerators import AUTO_DEVICE, check_dtype, select_accelerator
 from accelgen.errors import UsageError
 from accelgen.generator import Completion, Generator
-from accelgen.models import load_model
+from accelgen.models import DEFAULT_MODEL, load_model
+from accelgen.random_weights import build_random_model, resolve_model_config, tokenizer_for
 from accelgen.plugins import get_plugin_manager
 from accelgen.hookspecs import Accelerator
 from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
@@ -56,18 +57,26 @@ def resolve(
     return accelerator, run
 
 
-def load(model: str | os.PathLike | None = None, **settings) -> Generator:
+def load(model: str | os.PathLike | None = None, *, random_weights: bool = False, **settings) -> Generator:
     """Load ``model`` (a Hub id or local folder; the built-in default model when None) for generation.
 
-    ``settings`` are those of :func:`resolve`. Inside a job started with several ranks (``accelgen run
-    --world-size N`` or torchrun), every rank calls this: it joins the process group and the
-    accelerator shards the model over the ranks.
+    With ``random_weights``, only the model's config is read (``model`` may then also be a config.json
+    or a built-in config name, see ``accelgen.random_weights``) and the weights are drawn at random on
+    the device: for benchmarks. ``settings`` are those of :func:`resolve`. Inside a job started with
+    several ranks (``accelgen run --world-size N`` or torchrun), every rank calls this: it joins the
+    process group and the accelerator shards the model over the ranks.
     """
     accelerator, run = resolve(**settings)
     world = World.from_environment()
     torch_device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
-    loaded_model, tokenizer = load_model(model, run.dtype, run.trust_remote_code)
+    if random_weights:
+        name = str(model or DEFAULT_MODEL)
+        _, config = resolve_model_config(name, run.trust_remote_code)
+        loaded_model = build_random_model(config, run.dtype, torch_device, run.trust_remote_code)
+        tokenizer, _ = tokenizer_for(name, run.trust_remote_code)
+    else:
+        loaded_model, tokenizer = load_model(model, run.dtype, run.trust_remote_code)
     unsharded_parameter_bytes = parameter_bytes(loaded_model)
     prepared_model = accelerator.prepare_model(loaded_model, run)
     if world.size > 1:

@@ -1,4 +1,5 @@
-"""The ``accelgen`` command: parses arguments and calls the core. Nothing here knows a device."""
+"""The ``accelgen`` commands (run, bench, compare, devices): each calls the core. Nothing here knows a device.
+Their arguments are declared in ``accelgen.cli_arguments``."""
 
 from __future__ import annotations
 
@@ -13,67 +14,27 @@ from typing import Sequence
 
 import pluggy
 
-from accelgen.accelerators import AUTO_DEVICE, registered_accelerators
+from accelgen.accelerators import registered_accelerators
 from accelgen.api import load, resolve
+from accelgen.bench import (
+    BenchProtocol, check_output_path, measure, measurement_record, print_json, progress_line, result_document,
+    write_result,
+)
+from accelgen.cli_arguments import build_parser
+from accelgen.compare import (
+    METRICS, check_chart_possible, comparison_table, draw_chart, load_measurements, render_markdown, render_text,
+    write_text_file,
+)
 from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.errors import UsageError
 from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
-from accelgen.models import load_config
-from accelgen.output import CompletionWriter, print_batch, describe_plugin
+from accelgen.models import DEFAULT_MODEL, load_config
+from accelgen.output import CompletionWriter, describe_plugin, print_batch
 from accelgen.plugins import get_plugin_manager
 from accelgen.progress import Progress
-from accelgen.settings import DEFAULT_BUCKETS, DTYPES, LaunchPlan, World
+from accelgen.random_weights import resolve_model_config
+from accelgen.settings import LaunchPlan, World
 from accelgen.tensor_parallel import check_shardable, gather_from_ranks, leave_process_group, parameter_bytes
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes as one line (and exit status 2) instead of usage text."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="accelgen", description="Static-shape LLM text generation on any accelerator.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    run = commands.add_parser("run", help="generate completions for prompts")
-    run.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
-    run.add_argument("--model", help="Hub id or local folder (default: the built-in demo model)")
-    run.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
-    data = run.add_argument_group("dataset completion (instead of --prompt)")
-    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
-    data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
-    data.add_argument("--split", default="train", help="split to complete (default: train)")
-    data.add_argument("--column", default="text", help="column holding the prompts (default: text)")
-    data.add_argument("--limit", type=int, help="complete only the first N rows")
-    data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
-    run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
-    run.add_argument("--max-new-tokens", type=int, default=100)
-    run.add_argument("--max-input-tokens", type=int, help="keep only the first N tokens of each prompt")
-    run.add_argument("--batch-size", type=int, default=1, help="fixed batch shape; the last batch is padded")
-    run.add_argument("--dtype", choices=DTYPES, help="default: the device's (float32 on cpu)")
-    run.add_argument("--buckets", type=_int_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
-    run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    run.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="capture the decode step as a graph (default: the device decides)")
-    run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    run.add_argument("--temperature", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
-    run.add_argument("--output", help="write one JSON line per prompt to this file")
-    run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
-    parallel = run.add_argument_group("tensor parallelism (started with torch's elastic launcher)")
-    parallel.add_argument("--world-size", type=int, help="ranks in the whole job, all nodes together (default 1)")
-    parallel.add_argument("--nnodes", type=int, default=1, help="machines taking part (run accelgen on each)")
-    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
-    parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
-    parallel.add_argument("--master-port", type=int, help="free port on node 0 (default: any free port on one node, 29500 on several)")
-
-    commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager | None = None) -> int:
@@ -85,6 +46,10 @@ def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager
         plugin_manager = plugin_manager or get_plugin_manager()
         if arguments.command == "devices":
             return devices_command(plugin_manager)
+        if arguments.command == "compare":
+            return compare_command(arguments)
+        if arguments.command == "bench":
+            return bench_command(arguments, plugin_manager, argv)
         return run_command(arguments, plugin_manager, argv)
     except UsageError as error:
         if not worker:
@@ -137,13 +102,78 @@ def run_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginMana
         trust_remote_code=arguments.trust_remote_code,
         plugin_manager=plugin_manager,
     )
+    return here_or_launched(arguments, settings, argv, generate_command)
+
+
+def bench_command(arguments: argparse.Namespace, plugin_manager: pluggy.PluginManager, argv: Sequence[str]) -> int:
+    protocol = BenchProtocol(tuple(arguments.batch_sizes), arguments.max_new_tokens, arguments.prompt,
+                             arguments.warmup_runs, arguments.runs)
+    protocol.check()
+    if arguments.model_config and arguments.model:
+        raise UsageError("Pass --model or --model-config, not both.")
+    if arguments.model_config and not arguments.random_weights:
+        raise UsageError("--model-config builds the model from its config alone: add --random-weights "
+                         "(or pass --model to load real weights).")
+    if arguments.output:
+        check_output_path(arguments.output, arguments.overwrite)
+    settings = dict(device=arguments.device, dtype=arguments.dtype, max_new_tokens=arguments.max_new_tokens,
+                    ignore_eos=True, graphs=arguments.graphs, trust_remote_code=arguments.trust_remote_code,
+                    plugin_manager=plugin_manager)
+    return here_or_launched(arguments, settings, argv, lambda arguments, settings: measure_command(arguments, settings, protocol))
+
+
+def measure_command(arguments: argparse.Namespace, settings: dict, protocol: BenchProtocol) -> int:
+    """Load (or build) the model once, then measure every batch size; rank 0 reports and writes."""
+    _quiet_transformers()
+    model = arguments.model_config or arguments.model
+    started = time.perf_counter()
+    generator = load(model, random_weights=arguments.random_weights, **settings)
+    load_seconds = time.perf_counter() - started
+    is_main = generator.world.is_main
+    report = (lambda row: print(progress_line(row, protocol.max_new_tokens), file=sys.stderr, flush=True)) if is_main else None
+    rows = measure(generator, protocol, report)
+    if is_main:
+        if arguments.random_weights:
+            model_name = resolve_model_config(str(model or DEFAULT_MODEL), arguments.trust_remote_code)[0]
+        else:
+            model_name = model or "accelgen built-in default"
+        tokenizer_path = generator.tokenizer.name_or_path
+        document = result_document(measurement_record(
+            generator, protocol, rows, label=arguments.label, model_name=str(model_name),
+            random_weights=arguments.random_weights, load_seconds=load_seconds,
+            tokenizer_source="accelgen built-in default" if tokenizer_path == str(DEFAULT_MODEL) else tokenizer_path,
+        ))
+        if arguments.output:
+            write_result(arguments.output, document)
+            print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
+        if arguments.json:
+            print_json(document)
+    leave_process_group()
+    return 0
+
+
+def compare_command(arguments: argparse.Namespace) -> int:
+    if arguments.plot:
+        check_chart_possible(arguments.plot)
+    table = comparison_table(load_measurements(arguments.files), METRICS[arguments.metric], arguments.baseline)
+    print(render_text(table))
+    if arguments.markdown:
+        write_text_file(arguments.markdown, render_markdown(table))
+    if arguments.plot:
+        draw_chart(table, arguments.plot)
+    return 0
+
+
+def here_or_launched(arguments: argparse.Namespace, settings: dict, argv: Sequence[str], command) -> int:
+    """Run ``command`` in this process (one rank of a launched job, or a one-rank job), or launch the
+    job's ranks when several are asked for; each rank then runs ``command``."""
     if running_as_worker():
         launched_size = World.from_environment().size
         if arguments.world_size not in (None, launched_size):
             raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {launched_size} ranks.")
     elif arguments.world_size not in (None, 1):
         return launch(arguments, settings, argv)
-    return generate_command(arguments, settings)
+    return command(arguments, settings)
 
 
 def open_inputs(arguments: argparse.Namespace) -> tuple[TextRows, CompletionWriter | None]:
@@ -191,8 +221,13 @@ def launch(arguments: argparse.Namespace, settings: dict, argv: Sequence[str]) -
             f"--world-size {world_size} needs {per_node} {accelerator.name} devices on this node, which has "
             f"{accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
-    check_shardable(load_config(arguments.model, arguments.trust_remote_code), world_size)
-    open_inputs(arguments)
+    if getattr(arguments, "random_weights", False):
+        config = resolve_model_config(str(arguments.model_config or arguments.model or DEFAULT_MODEL), arguments.trust_remote_code)[1]
+    else:
+        config = load_config(arguments.model, arguments.trust_remote_code)
+    check_shardable(config, world_size)
+    if arguments.command == "run":
+        open_inputs(arguments)
     master_port = arguments.master_port or (free_port() if nnodes == 1 else 29500)
     if arguments.node_rank == 0:
         check_port_free(arguments.master_addr, master_port)
@@ -278,13 +313,6 @@ def _print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) 
         + (f"; {statistics}" if statistics else ""),
         file=sys.stderr,
     )
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
 
 
 def _quiet_transformers() -> None:

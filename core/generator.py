@@ -99,6 +99,13 @@ class Generator:
 
     # -- public ---------------------------------------------------------------------------------
 
+    def with_batch_size(self, batch_size: int) -> "Generator":
+        """A generator sharing this one's model for another fixed batch size (its own caches and graphs)."""
+        return Generator(
+            self.model, self.tokenizer, self.accelerator, self.device, dataclasses.replace(self.run, batch_size=batch_size),
+            self.world, self.unsharded_parameter_bytes,
+        )
+
     def generate(self, prompts: Sequence[str]) -> list[Completion]:
         """Completions for ``prompts``, in order."""
         return [completion for batch in self.generate_batches(prompts) for completion in batch]

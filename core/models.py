@@ -18,7 +18,7 @@ DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 # transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
 _TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-_DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
+DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
 
 
 def looks_local(model_name_or_path: str) -> bool:
@@ -51,7 +51,7 @@ def model_source(model_name_or_path: str | os.PathLike | None) -> str:
 
 
 @contextlib.contextmanager
-def _loading_errors_as_usage_errors(source: str):
+def loading_errors_as_usage_errors(source: str):
     try:
         yield
     except (OSError, ValueError, KeyError, ImportError) as error:
@@ -65,7 +65,7 @@ def _loading_errors_as_usage_errors(source: str):
 def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):
     """The model's config alone (cheap: for checks made before any weights load)."""
     source = model_source(model_name_or_path)
-    with _loading_errors_as_usage_errors(source):
+    with loading_errors_as_usage_errors(source):
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
 
 
@@ -79,10 +79,10 @@ def load_model(
     # The config first: a Hub id that cannot be reached fails there once, not again for each file.
     config = load_config(model_name_or_path, trust_remote_code)
     source = model_source(model_name_or_path)
-    with _loading_errors_as_usage_errors(source):
+    with loading_errors_as_usage_errors(source):
         tokenizer = load_tokenizer(source, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, trust_remote_code=trust_remote_code, **{_DTYPE_KEYWORD: getattr(torch, dtype)}
+            source, config=config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
         )
     return model.eval(), tokenizer
 

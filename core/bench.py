@@ -1,0 +1,248 @@
+"""``accelgen bench``: latency and throughput measured the same way on every device.
+
+The protocol (DESIGN.md section 5) is the one of the published BLOOM / BLOOMZ benchmarks, so figures
+compare with theirs: greedy decoding, ``max_new_tokens`` forced (no early EOS), the prompt "DeepSpeed is
+a machine learning framework" repeated over the batch, warm-up runs not counted (graph capture happens
+there), then timed runs, for each batch size of a sweep from small to large. Every time is taken
+between two calls of the accelerator's ``synchronize``.
+
+Figures per batch size (see :func:`measure_batch_size`): time to first token, per-token decode latency
+and end-to-end latency (median and 90th percentile over the timed runs), tokens/s, ms per token per
+sequence, the device's memory statistics, graph captures, and % of the memory-bandwidth roofline.
+A batch size that runs out of device memory is recorded as ``"oom"`` and the sweep goes on.
+
+The result file is JSON; its layout (schema ``accelgen-bench``, version :data:`SCHEMA_VERSION`) is
+documented in README.md ("Result files"). ``accelgen compare`` reads any number of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from accelgen.errors import UsageError
+from accelgen.generator import Generator
+from accelgen.tensor_parallel import parameter_bytes
+
+SCHEMA = "accelgen-bench"
+SCHEMA_VERSION = 1
+PUBLISHED_PROMPT = "DeepSpeed is a machine learning framework"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchProtocol:
+    """What is measured: the same on every machine for figures to compare."""
+
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 100
+    prompt: str = PUBLISHED_PROMPT
+    warmup_runs: int = 1
+    runs: int = 5
+
+    def check(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise UsageError("--batch-sizes must list positive batch sizes, e.g. 1,8,32.")
+        if self.runs < 1:
+            raise UsageError(f"--runs must be at least 1 (got {self.runs}).")
+        if self.warmup_runs < 0:
+            raise UsageError(f"--warmup-runs must be 0 or more (got {self.warmup_runs}).")
+        if not self.prompt.strip():
+            raise UsageError("--prompt is empty: give it some text (the default is the published prompt).")
+
+    def as_record(self, prompt_tokens: int) -> dict[str, Any]:
+        return dict(prompt=self.prompt, prompt_tokens=prompt_tokens, max_new_tokens=self.max_new_tokens,
+                    decoding="greedy", ignore_eos=True, warmup_runs=self.warmup_runs, runs=self.runs)
+
+
+def measure(generator: Generator, protocol: BenchProtocol, report=None) -> list[dict[str, Any]]:
+    """One result row per batch size, smallest first; ``report(row)`` is called as each one is done."""
+    rows = []
+    for batch_size in sorted(set(protocol.batch_sizes)):
+        row = measure_batch_size(generator, batch_size, protocol)
+        gc.collect()  # free this size's caches (and, after running out of memory, what was half-built) first
+        rows.append(row)
+        if report:
+            report(row)
+    return rows
+
+
+def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchProtocol) -> dict[str, Any]:
+    """The figures for one batch size, or ``{"batch_size": n, "status": "oom", ...}`` when it does not fit."""
+    accelerator = generator.accelerator
+    sized = generator.with_batch_size(batch_size)
+    prompts = [protocol.prompt] * batch_size
+    end_to_end_seconds = []
+    try:
+        for _ in range(protocol.warmup_runs):
+            sized.generate(prompts)
+        for _ in range(protocol.runs):
+            accelerator.synchronize()
+            started = time.perf_counter()
+            sized.generate(prompts)  # tokenize, prefill, decode, detokenize: what a user waits for
+            accelerator.synchronize()
+            end_to_end_seconds.append(time.perf_counter() - started)
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, anything else goes on up
+        if not accelerator.is_out_of_memory(error):
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return {"batch_size": batch_size, "status": "oom", "error": message[:300]}
+
+    timings = sized.stats.timings[-protocol.runs :]
+    decode_seconds_per_token = [timing.seconds_per_decode_step for timing in timings]
+    median_end_to_end = statistics.median(end_to_end_seconds)
+    sequence_tokens = batch_size * protocol.max_new_tokens
+    return {
+        "batch_size": batch_size,
+        "status": "ok",
+        "first_token_ms": 1000 * statistics.median(timing.prefill_seconds for timing in timings),
+        "decode_ms_per_token": _median_and_p90([1000 * seconds for seconds in decode_seconds_per_token]),
+        "end_to_end_s": _median_and_p90(end_to_end_seconds),
+        "tokens_per_second": sequence_tokens / median_end_to_end,
+        "ms_per_token_per_sequence": 1000 * median_end_to_end / sequence_tokens,
+        "roofline_percent": roofline_percent(
+            parameter_bytes(sized.model), accelerator.describe().get("peak_memory_bandwidth_gbps"),
+            statistics.median(decode_seconds_per_token),
+        ),
+        "graph_captures": sized.stats.graph_captures,
+        "memory": accelerator.memory_stats(),
+    }
+
+
+def roofline_percent(weight_bytes: int, peak_bandwidth_gbps: float | None, seconds_per_token: float) -> float | None:
+    """How close one decode step comes to the memory-bandwidth limit: the time to read every weight
+    once at the device's peak bandwidth, as a percentage of the measured time per token (None when
+    the peak is unknown). KV-cache reads are left out, as in the published roofline figures."""
+    if not peak_bandwidth_gbps or seconds_per_token <= 0:
+        return None
+    return 100 * (weight_bytes / (peak_bandwidth_gbps * 1e9)) / seconds_per_token
+
+
+def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
+    """Median and 90th percentile (linear interpolation between the timed runs)."""
+    if len(values) == 1:
+        return {"median": values[0], "p90": values[0]}
+    return {"median": statistics.median(values), "p90": statistics.quantiles(values, n=10, method="inclusive")[8]}
+
+
+def result_document(measurement: dict[str, Any]) -> dict[str, Any]:
+    """The file ``accelgen bench`` writes: one measurement (a published-results file may hold several)."""
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "source": "measured",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "measurements": [measurement],
+    }
+
+
+def environment_facts() -> dict[str, Any]:
+    """Library versions, machine and the accelgen source revision, for the result file."""
+    versions = {}
+    for package in ("accelgen", "torch", "transformers", "deepspeed", "optimum-habana"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        **versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "git_revision": _git_revision(),
+    }
+
+
+def _git_revision() -> str | None:
+    """The commit accelgen runs from, when it runs from a git checkout ("+dirty" with local changes)."""
+    source = Path(__file__).resolve().parent
+    try:
+        revision = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return revision + ("+dirty" if dirty else "")
+
+
+def check_output_path(path: str, overwrite: bool) -> None:
+    """Refuse, before anything is measured, an output that exists (unless ``overwrite``) or is a folder."""
+    if os.path.isdir(path):
+        raise UsageError(f"--output {path!r} is a folder: give a file name such as results/cpu.json.")
+    if os.path.exists(path) and not overwrite:
+        raise UsageError(f"--output {path!r} already exists: pass --overwrite to replace it, or another file name.")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.access(folder, os.W_OK):
+        raise UsageError(f"Cannot write --output {path!r}: folder {folder!r} is not writable.")
+
+
+def write_result(path: str, document: dict[str, Any]) -> None:
+    """Write the result file whole or not at all (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as file:
+        json.dump(document, file, indent=2)
+        file.write("\n")
+    os.replace(temporary, path)
+
+
+def progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
+    """One line per measured configuration, for the terminal."""
+    if row["status"] == "oom":
+        return f"accelgen: bench batch size {row['batch_size']}: out of memory (recorded as oom); going on"
+    roofline = row["roofline_percent"]
+    return (
+        f"accelgen: bench batch size {row['batch_size']}: {row['end_to_end_s']['median']:.3f} s for "
+        f"{max_new_tokens} tokens, first token {row['first_token_ms']:.1f} ms, decode "
+        f"{row['decode_ms_per_token']['median']:.2f} ms/token (p90 {row['decode_ms_per_token']['p90']:.2f}), "
+        f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
+        f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
+    )
+
+
+def print_json(document: dict[str, Any]) -> None:
+    json.dump(document, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def measurement_record(
+    generator: Generator, protocol: BenchProtocol, rows: list[dict[str, Any]], *, label: str | None, model_name: str,
+    random_weights: bool, tokenizer_source: str, load_seconds: float,
+) -> dict[str, Any]:
+    """Everything a result file says about one measured configuration, rows included."""
+    hardware = generator.accelerator.describe()
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[generator.run.dtype]
+    unsharded_bytes = generator.unsharded_parameter_bytes or parameter_bytes(generator.model)
+    return {
+        "label": label or hardware.get("device_name") or generator.accelerator.name,
+        "accelerator": generator.accelerator.name,
+        "hardware": hardware,
+        "world_size": generator.world.size,
+        "dtype": generator.run.dtype,
+        "graphs": generator.run.use_graphs,
+        "model": {
+            "name": model_name,
+            "architecture": generator.model.config.model_type,
+            "parameters": unsharded_bytes // dtype_bytes,
+            "parameter_bytes": unsharded_bytes,
+            "parameter_bytes_per_rank": parameter_bytes(generator.model),
+            "random_weights": random_weights,
+            "tokenizer": tokenizer_source,
+        },
+        "protocol": protocol.as_record(len(generator.tokenize([protocol.prompt])[0][0])),
+        "environment": environment_facts(),
+        "load_seconds": load_seconds,
+        "results": rows,
+    }

@@ -1,0 +1,249 @@
+"""``accelgen compare``: result files from any machines -> one table (terminal, Markdown) and a chart.
+
+One row per (model, world size, batch size), one column per hardware label, the way the published
+Gaudi2 / A100 / Gaudi1 tables read; each cell also gives its speed relative to the baseline column.
+Files whose protocol differs from the baseline's (new-token count, prompt, dtype, decoding) are
+flagged in the table and in notes below it, never mixed in silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from accelgen.bench import SCHEMA, SCHEMA_VERSION
+from accelgen.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One figure of a result row that a table can show."""
+
+    title: str
+    unit: str
+    lower_is_better: bool
+    read: Callable[[dict], float | None]
+    digits: int
+
+
+def _median(name: str) -> Callable[[dict], float | None]:
+    return lambda row: (row.get(name) or {}).get("median")
+
+
+METRICS = {
+    "end-to-end": Metric("End-to-end latency", "s", True, _median("end_to_end_s"), 3),
+    "decode": Metric("Decode latency per token", "ms", True, _median("decode_ms_per_token"), 2),
+    "first-token": Metric("Time to first token", "ms", True, lambda row: row.get("first_token_ms"), 1),
+    "ms-per-token-per-sequence": Metric("Time per token per sequence", "ms", True,
+                                        lambda row: row.get("ms_per_token_per_sequence"), 2),
+    "throughput": Metric("Throughput", "tokens/s", False, lambda row: row.get("tokens_per_second"), 1),
+    "roofline": Metric("Share of the memory-bandwidth roofline", "%", False, lambda row: row.get("roofline_percent"), 1),
+}
+
+#: Protocol fields that must agree for two columns to be compared.
+PROTOCOL_FIELDS = ("max_new_tokens", "prompt", "decoding", "ignore_eos")
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One hardware configuration's results, as read from a file."""
+
+    label: str
+    file: str
+    source: str  # "measured" or "published"
+    record: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Table:
+    metric: Metric
+    columns: list[str]
+    baseline: str
+    rows: list[tuple[tuple[str, int, int], dict[str, float | str]]]  # (model, world size, batch) -> cells
+    flagged: dict[str, str]  # column -> why its protocol differs from the baseline's
+    notes: list[tuple[bool, str]]  # (about a flagged column, text)
+
+
+def load_measurements(paths: list[str]) -> list[Measurement]:
+    """Every measurement in ``paths``; one-line UsageError for a file that is missing or not a result."""
+    measurements: list[Measurement] = []
+    for path in paths:
+        document = _read_result_file(path)
+        for record in document["measurements"]:
+            label = record["label"]
+            if any(measurement.label == label for measurement in measurements):
+                label = f"{label} ({Path(path).stem})"  # two runs on one kind of hardware: keep both, apart
+            measurements.append(Measurement(label, path, document.get("source", "measured"), record))
+    return measurements
+
+
+def _read_result_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            document = json.load(file)
+    except FileNotFoundError:
+        raise UsageError(f"Result file {path!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"Result file {path!r} is not readable JSON ({error}): pass files written by 'accelgen bench'.") from None
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        raise UsageError(f"{path!r} is not an accelgen bench result (no \"schema\": \"{SCHEMA}\"): "
+                         f"pass files written by 'accelgen bench'.")
+    if document.get("schema_version") != SCHEMA_VERSION:
+        raise UsageError(f"{path!r} has result schema version {document.get('schema_version')}, this accelgen reads "
+                         f"version {SCHEMA_VERSION}: measure again with this version, or compare it with the accelgen that wrote it.")
+    return document
+
+
+def comparison_table(measurements: list[Measurement], metric: Metric, baseline: str | None = None) -> Table:
+    """The table of ``metric`` for ``measurements``, relative to the ``baseline`` label (default: first)."""
+    columns = list(dict.fromkeys(measurement.label for measurement in measurements))
+    baseline = baseline or columns[0]
+    if baseline not in columns:
+        raise UsageError(f"--baseline {baseline!r} is not among the hardware labels: {', '.join(columns)}.")
+    reference = next(measurement for measurement in measurements if measurement.label == baseline)
+    cells: dict[tuple[str, int, int], dict[str, float | str]] = {}
+    flagged: dict[str, str] = {}
+    for measurement in measurements:
+        difference = _protocol_difference(measurement.record, reference.record)
+        if difference:
+            flagged[measurement.label] = difference
+        for row in measurement.record["results"]:
+            key = (measurement.record["model"]["name"], measurement.record["world_size"], row["batch_size"])
+            value = "oom" if row.get("status") == "oom" else metric.read(row)
+            if value is not None:
+                cells.setdefault(key, {})[measurement.label] = value
+    notes = [(True, f"{label}: {why}; not comparable with {baseline}.") for label, why in flagged.items()]
+    published: dict[str, list[str]] = {}
+    for measurement in measurements:
+        if measurement.source == "published":
+            published.setdefault(_reference_of(measurement.record), []).append(measurement.label)
+    notes += [(False, f"{', '.join(labels)}: published figures ({reference}), not measured by accelgen.")
+              for reference, labels in published.items()]
+    return Table(metric, columns, baseline, sorted(cells.items()), flagged, notes)
+
+
+def _protocol_difference(record: dict, reference: dict) -> str:
+    """What in ``record``'s protocol (or dtype) differs from ``reference``'s, as a phrase ('' if nothing)."""
+    differences = [
+        f"{field} {record['protocol'].get(field)!r} (baseline {reference['protocol'].get(field)!r})"
+        for field in PROTOCOL_FIELDS
+        if record["protocol"].get(field) != reference["protocol"].get(field)
+    ]
+    if record.get("dtype") != reference.get("dtype"):
+        differences.append(f"dtype {record.get('dtype')} (baseline {reference.get('dtype')})")
+    return ", ".join(differences)
+
+
+def _reference_of(record: dict) -> str:
+    reference = record.get("reference") or {}
+    return ", ".join(str(part) for part in (reference.get("title"), reference.get("url")) if part) or "source not given"
+
+
+def _cell_text(table: Table, cells: dict[str, float | str], column: str) -> str:
+    value = cells.get(column)
+    if value is None:
+        return "-"
+    if value == "oom":
+        return "oom"
+    text = f"{value:.{table.metric.digits}f} {table.metric.unit}"
+    base = cells.get(table.baseline)
+    if isinstance(base, float | int) and base and value:
+        speed = base / value if table.metric.lower_is_better else value / base
+        text += f" ({speed:.2f}x)"
+    return text
+
+
+def _header(table: Table, column: str) -> str:
+    return column + (" *" if column in table.flagged else "")
+
+
+def _grid(table: Table) -> list[list[str]]:
+    header = ["model", "world size", "batch"] + [_header(table, column) for column in table.columns]
+    body = [
+        [model, str(world_size), str(batch_size)] + [_cell_text(table, cells, column) for column in table.columns]
+        for (model, world_size, batch_size), cells in table.rows
+    ]
+    return [header] + body
+
+
+def _caption(table: Table) -> str:
+    better = "lower" if table.metric.lower_is_better else "higher"
+    return (f"{table.metric.title} ({table.metric.unit}, {better} is better); in brackets, speed relative to "
+            f"{table.baseline} (above 1.00x: faster).")
+
+
+def render_text(table: Table) -> str:
+    """The table for a terminal: aligned columns, the caption above, notes below."""
+    grid = _grid(table)
+    widths = [max(len(line[index]) for line in grid) for index in range(len(grid[0]))]
+    lines = ["  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip() for line in grid]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join([_caption(table), *lines, *(_note_line(note, flag="*") for note in table.notes)])
+
+
+def _note_line(note: tuple[bool, str], flag: str) -> str:
+    """A note as a list item; notes on flagged columns carry the flag their header carries."""
+    flagged, text = note
+    return f"{flag if flagged else '-'} {text}"
+
+
+def render_markdown(table: Table) -> str:
+    grid = _grid(table)
+    alignment = ["---", "---:", "---:"] + ["---:"] * len(table.columns)
+    lines = [_caption(table), "", "| " + " | ".join(grid[0]) + " |", "| " + " | ".join(alignment) + " |"]
+    lines += ["| " + " | ".join(line) + " |" for line in grid[1:]]
+    if table.notes:
+        lines += [""] + [_note_line(note, flag="\\*") for note in table.notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_text_file(path: str, text: str) -> None:
+    _check_folder_exists(path)
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+
+
+def check_chart_possible(path: str) -> None:
+    """Raise UsageError, before any work, when a chart cannot be drawn to ``path``."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install \"accelgen[plot]\" (or matplotlib).") from None
+    _check_folder_exists(path)
+
+
+def _check_folder_exists(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"Cannot write {path!r}: folder {folder!r} does not exist.")
+
+
+def draw_chart(table: Table, path: str) -> None:
+    """A grouped bar chart of the table: one group per row, one bar per hardware; "oom" written in."""
+    check_chart_possible(path)
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    group_names = [f"{model}\nbatch {batch}, world {world}" for (model, world, batch), _ in table.rows]
+    bar_width = 0.8 / max(len(table.columns), 1)
+    figure, axes = pyplot.subplots(figsize=(max(6.0, 1.6 * len(group_names) * max(len(table.columns), 2) / 2), 4.5))
+    for index, column in enumerate(table.columns):
+        positions = [group + (index - (len(table.columns) - 1) / 2) * bar_width for group in range(len(table.rows))]
+        values = [cells.get(column) for _, cells in table.rows]
+        heights = [value if isinstance(value, float | int) else 0 for value in values]
+        bars = axes.bar(positions, heights, bar_width, label=_header(table, column))
+        for bar, value in zip(bars, values):
+            if value == "oom":
+                axes.annotate("oom", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=8)
+    axes.set_xticks(range(len(table.rows)), group_names, fontsize=8)
+    axes.set_ylabel(f"{table.metric.title} ({table.metric.unit})")
+    axes.set_title(f"{table.metric.title}, {'lower' if table.metric.lower_is_better else 'higher'} is better")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)

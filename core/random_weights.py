@@ -1,0 +1,80 @@
+"""Models built from a config alone, with seeded random weights, for benchmarking without downloads.
+
+Decode speed does not depend on weight values, so a model of the right shape measures what the real
+one would. ``--model-config`` names the shape: a built-in config of a published model (the BLOOM
+family the published Gaudi / A100 tables measure), a local ``config.json`` (or a folder holding one),
+or a Hub id whose config is fetched (a few kilobytes, no weights).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, PreTrainedTokenizerBase
+
+from accelgen.errors import UsageError
+from accelgen.models import DEFAULT_MODEL, DTYPE_KEYWORD, load_tokenizer, loading_errors_as_usage_errors, looks_local
+
+#: Shapes of the published BLOOM models (their config.json on the Hub), by their Hub ids.
+BUILT_IN_CONFIGS = {
+    "bigscience/bloom": dict(n_layer=70, hidden_size=14336, n_head=112),  # 176B
+    "bigscience/bloomz": dict(n_layer=70, hidden_size=14336, n_head=112),  # 176B, BLOOM fine-tuned
+    "bigscience/bloomz-7b1": dict(n_layer=30, hidden_size=4096, n_head=32),  # 7.1B
+}
+BLOOM_VOCABULARY = 250880
+
+
+def built_in_config_name(name: str) -> str | None:
+    """The Hub id of a built-in config named ``name`` (``bloomz-7b1`` or ``bigscience/bloomz-7b1``)."""
+    for hub_id in BUILT_IN_CONFIGS:
+        if name in (hub_id, hub_id.split("/")[1]):
+            return hub_id
+    return None
+
+
+def resolve_model_config(name: str, trust_remote_code: bool = False) -> tuple[str, transformers.PretrainedConfig]:
+    """(model name for reports, config) for ``--model-config``: built-in name, local file or folder, or Hub id."""
+    hub_id = built_in_config_name(name)
+    if hub_id is not None:
+        return hub_id, BloomConfig(vocab_size=BLOOM_VOCABULARY, **BUILT_IN_CONFIGS[hub_id])
+    if looks_local(name):
+        path = os.path.expanduser(name)
+        if not os.path.exists(path):
+            raise UsageError(f"--model-config {name!r} does not exist: pass a config.json, a model folder, "
+                             f"a Hub id, or one of: {', '.join(BUILT_IN_CONFIGS)}.")
+        config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with loading_errors_as_usage_errors(name):
+            config_dictionary, _ = transformers.PretrainedConfig.get_config_dict(config_file)
+            if "model_type" not in config_dictionary:
+                raise ValueError(f"{config_file} has no model_type")
+            config = AutoConfig.for_model(**config_dictionary)
+        return config_dictionary.get("_name_or_path") or os.path.basename(os.path.abspath(path)), config
+    with loading_errors_as_usage_errors(name):
+        return name, AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def build_random_model(
+    config: transformers.PretrainedConfig, dtype: str, device: torch.device, trust_remote_code: bool = False
+) -> torch.nn.Module:
+    """The model ``config`` describes, in ``dtype``, with weights drawn from a fixed seed, created
+    directly on ``device`` (a 7B model is built in seconds on a GPU instead of minutes on the host)."""
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
+        )
+    return model.eval()
+
+
+def tokenizer_for(name: str, trust_remote_code: bool = False) -> tuple[PreTrainedTokenizerBase, str]:
+    """(tokenizer, where it came from) for a random-weight model: the model's own when ``name`` is a
+    folder or Hub id that has one, else the built-in default model's (only the prompt's length in
+    tokens matters for timing, and it is recorded with the results)."""
+    if built_in_config_name(name) is None and not name.endswith(".json"):
+        try:
+            return load_tokenizer(os.path.expanduser(name), trust_remote_code), name
+        except (OSError, ValueError):
+            pass
+    return load_tokenizer(str(DEFAULT_MODEL)), "accelgen built-in default"

@@ -1,0 +1,287 @@
+"""``accelgen bench`` and ``accelgen compare`` as a user runs them: result files, tables, charts, "oom"."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from accelgen.bench import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
+from accelgen.cli import main
+from accelgen.hookspecs import hookimpl
+from accelgen.plugins import get_plugin_manager
+from accelgen.random_weights import build_random_model, resolve_model_config
+from accelgen_cpu import CpuAccelerator
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+PUBLISHED = sorted(str(path) for path in (REPOSITORY / "results" / "published").glob("*.json"))
+NEW_TOKENS = 6
+
+
+def bench(folder, output, *extra, plugin_manager=None):
+    return main(["bench", "--device", "cpu", "--model", str(folder), "--max-new-tokens", str(NEW_TOKENS),
+                 "--runs", "2", "--output", str(output), *extra], plugin_manager=plugin_manager)
+
+
+@pytest.fixture(scope="module")
+def bench_file(tiny_model_folder, tmp_path_factory):
+    """A real result file: the tiny BLOOM measured at batch sizes 1 and 2."""
+    output = tmp_path_factory.mktemp("results") / "cpu.json"
+    assert bench(tiny_model_folder("bloom"), output, "--batch-sizes", "2,1", "--label", "laptop") == 0
+    return output
+
+
+def test_bench_writes_a_result_file_with_every_figure(bench_file):
+    document = json.loads(bench_file.read_text())
+    assert (document["schema"], document["schema_version"], document["source"]) == (SCHEMA, SCHEMA_VERSION, "measured")
+    [measurement] = document["measurements"]
+    assert measurement["label"] == "laptop"
+    assert (measurement["accelerator"], measurement["world_size"], measurement["dtype"]) == ("cpu", 1, "float32")
+    assert measurement["hardware"]["device_count"] == 1 and "device_name" in measurement["hardware"]
+    protocol = measurement["protocol"]
+    assert protocol["prompt"] == PUBLISHED_PROMPT and protocol["max_new_tokens"] == NEW_TOKENS
+    assert (protocol["decoding"], protocol["ignore_eos"], protocol["runs"], protocol["warmup_runs"]) == ("greedy", True, 2, 1)
+    assert protocol["prompt_tokens"] > 0
+    model = measurement["model"]
+    assert model["architecture"] == "bloom" and model["parameters"] * 4 == model["parameter_bytes"] > 0
+    environment = measurement["environment"]
+    assert environment["torch"] == torch.__version__ and environment["transformers"] and "git_revision" in environment
+    assert measurement["load_seconds"] > 0
+
+    rows = measurement["results"]
+    assert [row["batch_size"] for row in rows] == [1, 2]  # swept small to large
+    for row in rows:
+        assert row["status"] == "ok"
+        end_to_end = row["end_to_end_s"]["median"]
+        assert 0 < end_to_end <= row["end_to_end_s"]["p90"]
+        assert row["decode_ms_per_token"]["median"] <= row["decode_ms_per_token"]["p90"]
+        assert row["first_token_ms"] > 0
+        assert row["tokens_per_second"] == pytest.approx(row["batch_size"] * NEW_TOKENS / end_to_end)
+        assert row["ms_per_token_per_sequence"] == pytest.approx(1000 * end_to_end / (row["batch_size"] * NEW_TOKENS))
+        assert row["graph_captures"] == 0  # graphs are off by default on cpu
+        assert row["roofline_percent"] is None  # the CPU's peak bandwidth is unknown
+        assert row["memory"]["peak_rss_bytes"] > 0
+
+
+def test_bench_json_prints_the_document_and_graphs_are_captured_once_per_size(tiny_model_folder, tmp_path, capsys):
+    status = bench(tiny_model_folder("llama"), tmp_path / "r.json", "--json", "--graphs", "--batch-sizes", "1",
+                   "--warmup-runs", "1")
+    assert status == 0
+    shown = capsys.readouterr()
+    document = json.loads(shown.out)
+    assert document == json.loads((tmp_path / "r.json").read_text())
+    assert document["measurements"][0]["results"][0]["graph_captures"] == 1  # in the warm-up, reused by timed runs
+    assert "accelgen: bench batch size 1:" in shown.err
+
+
+def test_roofline_share_uses_the_device_peak_bandwidth(tiny_model_folder, tmp_path):
+    class KnownBandwidthCpu(CpuAccelerator):
+        def describe(self):
+            return {**super().describe(), "peak_memory_bandwidth_gbps": 0.001}  # 1 MB/s: weights take seconds
+
+    plugin_manager = plugin_manager_with(KnownBandwidthCpu())
+    assert bench(tiny_model_folder("bloom"), tmp_path / "r.json", plugin_manager=plugin_manager) == 0
+    measurement = json.loads((tmp_path / "r.json").read_text())["measurements"][0]
+    [row] = measurement["results"]
+    ideal_seconds = measurement["model"]["parameter_bytes_per_rank"] / 1e6
+    assert row["roofline_percent"] == pytest.approx(100 * ideal_seconds / (row["decode_ms_per_token"]["median"] / 1000))
+
+
+class Plugin:
+    """A plugin registering the given accelerator (it replaces the built-in one of the same name)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    @hookimpl
+    def accelgen_register_accelerators(self, register):
+        register(self.accelerator)
+
+
+def plugin_manager_with(accelerator):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(accelerator))
+    return plugin_manager
+
+
+class SmallMemoryCpu(CpuAccelerator):
+    """A CPU standing in for a device whose memory holds decode graphs of at most two rows: capturing a
+    larger one raises the out-of-memory error torch raises on GPUs."""
+
+    captures_by_default = True
+
+    def capture(self, step, example_inputs, run):
+        if example_inputs[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB (test device of small memory)")
+        return step
+
+
+def test_out_of_memory_at_one_batch_size_is_recorded_and_the_sweep_goes_on(tiny_model_folder, tmp_path, capsys):
+    output = tmp_path / "r.json"
+    status = bench(tiny_model_folder("bloom"), output, "--batch-sizes", "1,4,2,8",
+                   plugin_manager=plugin_manager_with(SmallMemoryCpu()))
+    assert status == 0
+    rows = json.loads(output.read_text())["measurements"][0]["results"]
+    assert [(row["batch_size"], row["status"]) for row in rows] == [(1, "ok"), (2, "ok"), (4, "oom"), (8, "oom")]
+    assert "tried to allocate" in rows[2]["error"]
+    assert "bench batch size 4: out of memory (recorded as oom); going on" in capsys.readouterr().err
+
+
+def test_other_errors_during_a_sweep_are_not_taken_for_out_of_memory(tiny_model_folder, tmp_path):
+    class BrokenCpu(CpuAccelerator):
+        captures_by_default = True
+
+        def capture(self, step, example_inputs, run):
+            raise RuntimeError("a kernel failed")
+
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        bench(tiny_model_folder("bloom"), tmp_path / "r.json", plugin_manager=plugin_manager_with(BrokenCpu()))
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_built_in_configs_have_the_published_models_sizes():
+    for name, billions in (("bloomz-7b1", 7.069), ("bigscience/bloom", 176.247), ("bloomz", 176.247)):
+        _, config = resolve_model_config(name)
+        with torch.device("meta"):
+            model = build_random_model(config, "bfloat16", torch.device("meta"))
+        assert sum(parameter.numel() for parameter in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.001)
+    assert resolve_model_config("bloomz-7b1")[0] == "bigscience/bloomz-7b1"
+
+
+def test_random_weights_from_a_config_file_or_a_folder(tiny_model_folder, tmp_path):
+    """A folder (config.json and tokenizer, no weights) uses its tokenizer; a lone config.json the built-in one."""
+    folder = tmp_path / "shape"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_folder("llama") / name, folder / name)
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "alone.json").write_text(json.dumps({**config, "vocab_size": 4096}))  # the built-in tokenizer's size
+    for model_config, tokenizer in ((folder, str(folder)), (tmp_path / "alone.json", "accelgen built-in default")):
+        output = tmp_path / "r.json"
+        status = main(["bench", "--device", "cpu", "--model-config", str(model_config), "--random-weights",
+                       "--max-new-tokens", "4", "--runs", "1", "--output", str(output), "--overwrite"])
+        assert status == 0
+        model = json.loads(output.read_text())["measurements"][0]["model"]
+        assert model["random_weights"] is True and model["architecture"] == "llama"
+        assert model["tokenizer"] == tokenizer
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--model-config", "bloomz-7b1"], "--model-config builds the model from its config alone: add --random-weights"),
+    (["--runs", "0"], "--runs must be at least 1"),
+    (["--batch-sizes", "0,8"], "--batch-sizes must list positive batch sizes"),
+    (["--batch-sizes", "one"], "expected comma-separated whole numbers"),
+    (["--model-config", "./no/such.json", "--random-weights"], "--model-config './no/such.json' does not exist"),
+    (["--model", "x", "--model-config", "bloom", "--random-weights"], "Pass --model or --model-config, not both."),
+])
+def test_bad_bench_arguments_are_one_line(arguments, message, capsys):
+    assert main(["bench", "--device", "cpu", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error
+
+
+def test_bench_refuses_to_overwrite_a_result_file(tiny_model_folder, tmp_path, capsys):
+    output = tmp_path / "r.json"
+    output.write_text("earlier results\n")
+    assert bench(tiny_model_folder("bloom"), output) == 2
+    assert "already exists: pass --overwrite" in capsys.readouterr().err
+    assert output.read_text() == "earlier results\n"
+
+
+# -- compare -------------------------------------------------------------------------------------
+
+
+def edited_copy(source: Path, destination: Path, label: str, scale: float, **protocol) -> Path:
+    """``source`` as if measured on other hardware: another label, every time multiplied by ``scale``."""
+    document = json.loads(source.read_text())
+    measurement = document["measurements"][0]
+    measurement["label"] = measurement["hardware"]["device_name"] = label
+    measurement["protocol"].update(protocol)
+    for row in measurement["results"]:
+        for name in ("end_to_end_s", "decode_ms_per_token"):
+            row[name] = {key: value * scale for key, value in row[name].items()}
+        row["first_token_ms"] *= scale
+        row["ms_per_token_per_sequence"] *= scale
+        row["tokens_per_second"] /= scale
+    destination.write_text(json.dumps(document))
+    return destination
+
+
+def test_compare_three_machines_gives_the_table_and_a_chart(bench_file, tmp_path, capsys):
+    fast = edited_copy(bench_file, tmp_path / "fast.json", "Fast GPU", 0.25)
+    slow = edited_copy(bench_file, tmp_path / "slow.json", "Old card", 2.0)
+    report, chart = tmp_path / "report.md", tmp_path / "report.png"
+    status = main(["compare", str(bench_file), str(fast), str(slow), "--baseline", "laptop",
+                   "--markdown", str(report), "--plot", str(chart)])
+    assert status == 0
+    terminal = capsys.readouterr().out
+    rows = json.loads(bench_file.read_text())["measurements"][0]["results"]
+    markdown = report.read_text()
+    assert "| model | world size | batch | laptop | Fast GPU | Old card |" in markdown
+    for row in rows:
+        seconds = row["end_to_end_s"]["median"]
+        expected = (f"| 1 | {row['batch_size']} | {seconds:.3f} s (1.00x) | {seconds * 0.25:.3f} s (4.00x) | "
+                    f"{seconds * 2:.3f} s (0.50x) |")
+        assert expected in markdown
+        assert f"{seconds * 0.25:.3f} s (4.00x)" in terminal
+    assert "speed relative to laptop" in terminal
+
+    from matplotlib import image
+
+    pixels = image.imread(str(chart))
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def test_compare_flags_files_of_another_protocol(bench_file, tmp_path, capsys):
+    other = edited_copy(bench_file, tmp_path / "other.json", "Other", 1.0, max_new_tokens=32)
+    assert main(["compare", str(bench_file), str(other), "--metric", "decode"]) == 0
+    terminal = capsys.readouterr().out
+    assert "Other *" in terminal
+    assert f"* Other: max_new_tokens 32 (baseline {NEW_TOKENS}); not comparable with laptop." in terminal
+
+
+def test_compare_reads_the_published_results_like_any_other(bench_file, capsys):
+    assert PUBLISHED, "results/published/ holds the published Gaudi2 / A100 / Gaudi1 figures"
+    assert main(["compare", *PUBLISHED, str(bench_file)]) == 0
+    terminal = capsys.readouterr().out
+    bloomz_row = next(line for line in terminal.splitlines() if line.startswith("bigscience/bloomz-7b1"))
+    assert "1.066 s (1.00x)" in bloomz_row and "2.119 s (0.50x)" in bloomz_row and "2.865 s (0.37x)" in bloomz_row
+    assert "published figures (" in terminal and "not measured by accelgen" in terminal
+
+
+def test_compare_mistakes_are_one_line(bench_file, tmp_path, capsys):
+    newer = json.loads(bench_file.read_text())
+    newer["schema_version"] = SCHEMA_VERSION + 1
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    (tmp_path / "notes.json").write_text('{"hello": 1}')
+    (tmp_path / "broken.json").write_text("{")
+    cases = [
+        ([str(tmp_path / "newer.json")], f"has result schema version {SCHEMA_VERSION + 1}, this accelgen reads version"),
+        ([str(tmp_path / "notes.json")], "is not an accelgen bench result"),
+        ([str(tmp_path / "broken.json")], "is not readable JSON"),
+        ([str(tmp_path / "missing.json")], "does not exist"),
+        ([str(bench_file), "--baseline", "H100"], "--baseline 'H100' is not among the hardware labels: laptop"),
+        ([str(bench_file), "--plot", str(tmp_path / "no" / "chart.png")], "does not exist"),
+    ]
+    for arguments, message in cases:
+        assert main(["compare", *arguments]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, (arguments, error)
+
+
+@pytest.mark.slow
+def test_bench_over_two_ranks_records_the_world_size(tiny_model_folder, tmp_path, cli_environment):
+    output = tmp_path / "tp.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "bench", "--device", "cpu", "--world-size", "2", "--model",
+         str(tiny_model_folder("bloom")), "--max-new-tokens", "4", "--runs", "1", "--output", str(output)],
+        env=cli_environment, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    measurement = json.loads(output.read_text())["measurements"][0]
+    assert measurement["world_size"] == 2
+    assert measurement["model"]["parameter_bytes_per_rank"] < 0.6 * measurement["model"]["parameter_bytes"]
+    assert result.stderr.count("accelgen: bench batch size 1:") == 1  # rank 0 alone reports
