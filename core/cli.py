@@ -27,6 +27,7 @@ from accelgen.compare import (
 )
 from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.errors import UsageError
+from accelgen.memory_advice import out_of_memory_advice, parameter_bytes_of_config
 from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
 from accelgen.models import DEFAULT_MODEL, load_config
 from accelgen.output import CompletionWriter, describe_plugin, print_batch
@@ -248,10 +249,31 @@ def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
         return 0
     if done and is_main:
         print(f"accelgen: resuming: {done} rows already in {arguments.output}", file=sys.stderr)
-    started = time.perf_counter()
-    generator = load(arguments.model, **settings)
-    loaded = time.perf_counter()
-    _inject_fault_if_asked(generator.world)
+    accelerator, run = resolve(**settings)
+    generator = None
+    try:
+        started = time.perf_counter()
+        generator = load(arguments.model, **settings)
+        loaded = time.perf_counter()
+        _inject_fault_if_asked(generator.world)
+        _generate_rows(generator, arguments, rows, writer, done, is_main)
+    except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
+        if accelerator.is_out_of_memory(error):
+            raise UsageError(_out_of_memory_line(accelerator, run, arguments, generator)) from None
+        raise
+    rank_memory = gather_from_ranks(
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.accelerator.memory_stats()}, generator.world
+    )
+    if is_main:
+        _print_summary(generator, load_seconds=loaded - started, total_seconds=time.perf_counter() - loaded)
+        _print_rank_memory(rank_memory, generator.unsharded_parameter_bytes)
+    leave_process_group()
+    return 0
+
+
+def _generate_rows(generator, arguments: argparse.Namespace, rows: TextRows, writer: CompletionWriter | None,
+                   done: int, is_main: bool) -> None:
+    """Generate every row not yet done; rank 0 prints and writes each batch as it comes."""
     progress = Progress(rows.total, done) if is_main and arguments.dataset else None
     first_batch = done // arguments.batch_size + 1
     texts = itertools.islice(rows.texts, done, None)
@@ -268,14 +290,25 @@ def generate_command(arguments: argparse.Namespace, settings: dict) -> int:
             writer.close()
         if progress:
             progress.close()
-    rank_memory = gather_from_ranks(
-        {"parameter_bytes": parameter_bytes(generator.model), **generator.accelerator.memory_stats()}, generator.world
+
+
+def _out_of_memory_line(accelerator, run, arguments: argparse.Namespace, generator) -> str:
+    """The out-of-memory error as one line, with a batch size or world size that would fit."""
+    world = World.from_environment()
+    config = load_config(arguments.model, arguments.trust_remote_code)
+    if generator is not None:
+        weight_bytes_per_rank = parameter_bytes(generator.model)
+        bucket_length = generator.last_bucket_length or min(run.buckets)
+    else:  # the weights themselves did not fit
+        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype) // world.size
+        bucket_length = min(run.buckets)
+    advice = out_of_memory_advice(
+        config, dtype=run.dtype, batch_size=run.batch_size, cache_length=bucket_length + run.max_new_tokens,
+        world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
+        total_bytes=accelerator.memory_stats().get("total_bytes"),
     )
-    if is_main:
-        _print_summary(generator, load_seconds=loaded - started, total_seconds=time.perf_counter() - loaded)
-        _print_rank_memory(rank_memory, generator.unsharded_parameter_bytes)
-    leave_process_group()
-    return 0
+    kept = f" (rows finished so far are kept in {arguments.output})" if arguments.output else ""
+    return f"Out of memory on {accelerator.name} with --batch-size {run.batch_size} and --world-size {world.size}{kept}: {advice}"
 
 
 def _inject_fault_if_asked(world: World) -> None:

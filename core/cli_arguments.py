@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)
-    bench.add_argument("--model-config", help="with --random-weights: a built-in config (bloom, bloomz, bloomz-7b1), "
+    bench.add_argument("--model-config", help="with --random-weights: a built-in config (bloom, bloomz, bloomz-7b1, bloom-560m), "
                                               "a config.json or model folder, or a Hub id")
     bench.add_argument("--random-weights", action="store_true", help="build the model from its config, no weights read")
     bench.add_argument("--batch-sizes", type=_int_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")

@@ -88,6 +88,7 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
+        self.last_bucket_length: int | None = None  # prompt bucket of the latest batch, for memory advice
         self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._takes_position_ids = forward_accepts(model, "position_ids")
@@ -157,6 +158,7 @@ class Generator:
         bucket_length = decoding.choose_bucket(
             max(len(ids) for ids in prompts), run.buckets, self._context_limit, run.max_new_tokens
         )
+        self.last_bucket_length = bucket_length
         input_ids, prompt_mask = decoding.left_pad(prompts, bucket_length, run.batch_size, self.pad_token_id)
         slot = self._slot(bucket_length)
         slot.cache.reset()

@@ -22,6 +22,7 @@ BUILT_IN_CONFIGS = {
     "bigscience/bloom": dict(n_layer=70, hidden_size=14336, n_head=112),  # 176B
     "bigscience/bloomz": dict(n_layer=70, hidden_size=14336, n_head=112),  # 176B, BLOOM fine-tuned
     "bigscience/bloomz-7b1": dict(n_layer=30, hidden_size=4096, n_head=32),  # 7.1B
+    "bigscience/bloom-560m": dict(n_layer=24, hidden_size=1024, n_head=16),  # 0.56B, for small machines
 }
 BLOOM_VOCABULARY = 250880
 

@@ -285,3 +285,27 @@ def test_bench_over_two_ranks_records_the_world_size(tiny_model_folder, tmp_path
     assert measurement["world_size"] == 2
     assert measurement["model"]["parameter_bytes_per_rank"] < 0.6 * measurement["model"]["parameter_bytes"]
     assert result.stderr.count("accelgen: bench batch size 1:") == 1  # rank 0 alone reports
+
+
+def test_run_out_of_memory_says_which_batch_size_would_fit(tiny_model_folder, capsys):
+    """`accelgen run` on a device that runs out of memory: one line, with a batch size estimated to fit."""
+    from accelgen.memory_advice import USABLE_SHARE, bytes_per_sequence
+    from accelgen.models import load_config
+
+    folder = tiny_model_folder("bloom")
+    config = load_config(str(folder))
+    weight_bytes = sum(parameter.numel() for parameter in build_random_model(config, "float32", torch.device("meta")).parameters()) * 4
+    cache_length = 32 + 5  # the first bucket holds these prompts, plus 5 new tokens
+    per_sequence = bytes_per_sequence(config, cache_length, "float32", 1)
+
+    class ThreeRowsCpu(SmallMemoryCpu):
+        def memory_stats(self):
+            return {**super().memory_stats(), "total_bytes": int((weight_bytes + 3.5 * per_sequence) / USABLE_SHARE)}
+
+    status = main(["run", "--device", "cpu", "--model", str(folder), "--batch-size", "4", "--max-new-tokens", "5",
+                   "--prompt", "Hello", "--prompt", "DeepSpeed is"], plugin_manager=plugin_manager_with(ThreeRowsCpu()))
+    assert status == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "Out of memory on cpu with --batch-size 4 and --world-size 1:" in error
+    assert "so --batch-size 3 should fit." in error

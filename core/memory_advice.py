@@ -1,0 +1,64 @@
+"""What to try after running out of device memory: a batch size or world size that would fit.
+
+Estimated from the model's shape and the device's total memory (``memory_stats()["total_bytes"]``):
+per rank, the weights, then per sequence its KV cache (keys and values of every layer for the cache
+length) plus the activations of a prefill over the prompt bucket. The estimate leaves 10% of the
+device to the runtime and allocator, so it errs on the side of fitting.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from accelgen.tensor_parallel import attention_head_counts
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+USABLE_SHARE = 0.9
+#: Live activations of a prefill, per token, in units of ``hidden_size`` values (residual, attention and
+#: MLP intermediates, with headroom): a coarse, safe-side figure.
+ACTIVATION_VALUES_PER_TOKEN = 16
+
+
+def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int, dtype: str, world_size: int) -> int:
+    """Device bytes one more row of the batch costs on each rank: KV cache plus prefill activations."""
+    heads, key_value_heads = attention_head_counts(config)
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    value_bytes = DTYPE_BYTES[dtype]
+    kv_cache = 2 * layers * (key_value_heads // world_size) * head_dim * cache_length * value_bytes
+    activations = cache_length * hidden * ACTIVATION_VALUES_PER_TOKEN * value_bytes + config.vocab_size * 4
+    return kv_cache + activations
+
+
+def out_of_memory_advice(
+    config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
+    weight_bytes_per_rank: int, total_bytes: int | None,
+) -> str:
+    """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes."""
+    if not total_bytes:
+        return "lower --batch-size or --max-new-tokens, or spread the model over more devices with --world-size."
+    usable = USABLE_SHARE * total_bytes
+    per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size)
+    sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
+             f"each sequence about {per_sequence / GIB:.2f} GiB")
+    fitting_batch = int((usable - weight_bytes_per_rank) // per_sequence)
+    if 1 <= fitting_batch < batch_size:
+        return f"{sizes}, so --batch-size {fitting_batch} should fit."
+    heads, key_value_heads = attention_head_counts(config)
+    unsharded = weight_bytes_per_rank * world_size
+    for larger in range(world_size + 1, key_value_heads + 1):
+        per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
+        if heads % larger == 0 and key_value_heads % larger == 0 and unsharded / larger + per_rank_sequence * batch_size < usable:
+            return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size)."
+    return f"{sizes}: this model does not fit these devices; use devices with more memory."
+
+
+def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str) -> int:
+    """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
