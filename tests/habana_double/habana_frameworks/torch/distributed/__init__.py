@@ -1,0 +1,1 @@
+"""Test double of ``habana_frameworks.torch.distributed``: not Habana's software."""

@@ -1,0 +1,233 @@
+"""The Gaudi plugin, run end to end against a test double of Habana's PyTorch bridge (tests/habana_double).
+
+No Gaudi card is needed: the double keeps tensors on the CPU and counts what the plugin asks of the bridge
+(mark_step, HPU graph captures and replays, hccl process groups). What these tests cannot show is how the
+real bridge behaves (lazy-mode compilation, graph capture on the card, HCCL); see tests/habana_double/README.md.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import accelgen
+import accelgen.tensor_parallel
+from accelgen.errors import UsageError
+from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen_hpu import HpuAccelerator, bridge
+from conftest import PROMPTS
+from test_parity import MAX_NEW_TOKENS, reference_completions
+
+HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
+
+
+@pytest.fixture
+def habana_double(monkeypatch):
+    """The double on sys.path (this process) and PYTHONPATH (processes it starts); returns its call counts.
+
+    DeepSpeed picks its HPU accelerator whenever habana_frameworks imports, and that one puts the model on
+    "hpu:0", which the double cannot hold: DS_ACCELERATOR=cpu keeps DeepSpeed's side on the CPU."""
+    monkeypatch.syspath_prepend(HABANA_DOUBLE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HABANA_DOUBLE, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # what the plugin sets; restored (unset) afterwards
+    import habana_frameworks.torch
+
+    habana_frameworks.torch.double_record.clear()
+    yield habana_frameworks.torch.double_record
+    for module_name in [name for name in sys.modules if name.split(".")[0] == "habana_frameworks"]:
+        del sys.modules[module_name]
+
+
+def hpu_completions(folder, prompts, **settings):
+    generator = accelgen.load(folder, device="hpu", max_new_tokens=MAX_NEW_TOKENS, **settings)
+    return [completion.completion_token_ids for completion in generator.generate(prompts)], generator
+
+
+@pytest.mark.parametrize("architecture", ["llama", "bloom"])
+def test_float32_matches_hugging_face_with_one_hpu_graph_per_bucket(tiny_model_folder, habana_double, architecture):
+    folder = tiny_model_folder(architecture)
+    completions, generator = hpu_completions(folder, PROMPTS, batch_size=2, dtype="float32")
+    assert completions == reference_completions(folder, PROMPTS)
+
+    stats = generator.stats
+    decode_steps = sum(timing.decode_steps for timing in stats.timings)
+    # two batches of the same bucket: one graph, captured once, replayed for every later decoded token
+    assert stats.batches == 2 and stats.graph_captures == 1
+    assert habana_double["graph_wrap"] == 1 and habana_double["graph_capture"] == 1
+    assert habana_double["graph_replay"] == decode_steps
+    # a step after each prefill and each decode step, and one on each side of the capture
+    assert habana_double["mark_step"] == stats.batches + decode_steps + 2 * stats.graph_captures
+
+
+@pytest.mark.parametrize("architecture", ["llama", "bloom"])
+def test_bfloat16_is_the_default_and_matches_hugging_face_in_bfloat16(tiny_model_folder, habana_double, architecture):
+    # the same reference as tests/test_parity.py: Hugging Face's static cache, padded like our 32-token bucket
+    folder = tiny_model_folder(architecture)
+    expected = reference_completions(folder, PROMPTS, dtype=torch.bfloat16, pad_to=32, cache_implementation="static")
+    completions, generator = hpu_completions(folder, PROMPTS, batch_size=2)
+    assert generator.run.dtype == "bfloat16" and generator.run.use_graphs
+    assert completions == expected
+
+
+def test_each_bucket_gets_its_own_graph(tiny_model_folder, habana_double):
+    folder = tiny_model_folder("llama")
+    short, long = "Hello", "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
+    _, generator = hpu_completions(folder, [short, long, short], buckets=(4, 64))
+    assert generator.stats.graph_captures == 2
+    assert habana_double["graph_wrap"] == 2 and habana_double["graph_capture"] == 2
+
+
+def test_graphs_can_be_turned_off(tiny_model_folder, habana_double):
+    folder = tiny_model_folder("llama")
+    completions, generator = hpu_completions(folder, PROMPTS[:1], dtype="float32", graphs=False)
+    assert completions == reference_completions(folder, PROMPTS[:1])
+    assert generator.stats.graph_captures == 0 and habana_double["graph_wrap"] == 0
+
+
+def test_devices_lists_hpu_with_its_cards(habana_double):
+    result = subprocess.run([sys.executable, "-m", "accelgen.cli", "devices"], env=dict(os.environ),
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "hpu      available, 8 device(s)" in result.stdout
+
+
+@pytest.fixture
+def without_habana(cli_environment):
+    """An environment in which habana_frameworks cannot be imported (as on this machine)."""
+    environment = dict(cli_environment)
+    environment.pop("PYTHONPATH", None)
+    return environment
+
+
+def test_without_habanas_stack_run_on_hpu_is_one_line_naming_what_to_install(tiny_model_folder, without_habana):
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--model", str(tiny_model_folder("llama")),
+         "--prompt", "Hello"],
+        env=without_habana, capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("accelgen: error: --device hpu is not available here: ")
+    for needed in ("habana_frameworks.torch", "Habana's installer", 'pip install "accelgen[hpu]"',
+                   "git+https://github.com/HabanaAI/DeepSpeed.git"):
+        assert needed in result.stderr
+
+
+def test_without_habanas_stack_devices_says_why_hpu_is_unavailable(without_habana):
+    result = subprocess.run([sys.executable, "-m", "accelgen.cli", "devices"], env=without_habana,
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    [hpu_line] = [line for line in result.stdout.splitlines() if line.startswith("hpu ")]
+    assert "unavailable: Habana's software stack cannot be imported (ModuleNotFoundError" in hpu_line
+    assert "cpu      available" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "device_name, generation, bandwidth, tflops",
+    [("GAUDI", "Gaudi", 900, 60), ("GAUDI2", "Gaudi2", 2460, 432), ("GAUDI3", "Gaudi3", 3670, 1835),
+     ("NEWCHIP", None, None, None)],
+)
+def test_describe_names_the_generation_and_its_peaks(habana_double, monkeypatch, device_name, generation, bandwidth,
+                                                      tflops):
+    monkeypatch.setenv("HABANA_DOUBLE_DEVICE_NAME", device_name)
+    facts = HpuAccelerator().describe()
+    assert facts["device_name"] == device_name and facts["device_count"] == 8
+    assert (facts["generation"], facts["peak_memory_bandwidth_gbps"], facts["peak_bf16_tflops"]) == (
+        generation, bandwidth, tflops)
+    assert facts["driver"] == "habana_frameworks.torch 0.0.0+test-double"
+
+
+def test_memory_stats_come_from_the_bridges_counters(habana_double):
+    stats = HpuAccelerator().memory_stats()
+    assert stats["total_bytes"] == 96 * 10**9
+    assert 0 < stats["peak_allocated_bytes"] and stats["free_bytes"] == stats["total_bytes"] - stats["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize(
+    "error, out_of_memory",
+    [(RuntimeError("[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::939524096 (896)MB"), True),
+     (torch.OutOfMemoryError("out of memory"), True),
+     (RuntimeError("synStatus=26 [Generic failure] Device acquire failed."), False),
+     (ValueError("PT_DEVMEM Allocation failed"), False)],
+)
+def test_out_of_memory_is_recognised_from_the_bridges_error(error, out_of_memory):
+    assert HpuAccelerator().is_out_of_memory(error) is out_of_memory
+
+
+def test_shard_uses_deepspeed_autotp_without_deepspeeds_own_graph(monkeypatch):
+    calls = []
+    monkeypatch.setattr(accelgen.tensor_parallel, "shard_with_deepspeed",
+                        lambda model, world, dtype, **options: calls.append((dtype, options)) or model)
+    HpuAccelerator().shard(torch.nn.Linear(2, 2), World(rank=0, size=2), RunSettings(dtype="bfloat16"))
+    assert calls == [("bfloat16", {"enable_cuda_graph": False})]
+
+
+def test_launch_command_is_deepspeeds_launcher_with_one_rank_per_card():
+    plan = LaunchPlan(world_size=8, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=29600)
+    command = HpuAccelerator().launch_command(["run", "--device", "hpu", "--world-size", "8"], plan)
+    assert command == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "8", "--master_port", "29600",
+                       "--no_local_rank", "--module", "accelgen.cli", "run", "--device", "hpu", "--world-size", "8"]
+
+
+def test_several_nodes_are_one_line_pointing_to_deepspeeds_hostfile():
+    plan = LaunchPlan(world_size=16, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29500)
+    with pytest.raises(UsageError, match=r"--nnodes > 1 on hpu: start accelgen on every node with DeepSpeed's launcher"):
+        HpuAccelerator().launch_command(["run"], plan)
+
+
+def test_bridge_device_is_hpu_unless_the_double_says_otherwise():
+    class RealBridge:  # the real habana_frameworks.torch.hpu has no DEVICE_TYPE_FOR_TESTS
+        pass
+
+    assert bridge.torch_device(RealBridge()) == torch.device("hpu")
+
+
+@pytest.mark.slow
+def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generates(
+    tiny_model_folder, habana_double, tmp_path
+):
+    folder = str(tiny_model_folder("bloom"))
+    output, records = tmp_path / "out.jsonl", tmp_path / "records"
+    records.mkdir()
+    environment = dict(os.environ, HABANA_DOUBLE_RECORD_DIR=str(records), HF_HUB_OFFLINE="1",
+                       TRANSFORMERS_VERBOSITY="error")
+    environment.pop("PT_HPU_LAZY_MODE")  # the plugin must set it in each rank
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--dtype", "float32",
+         "--model", folder, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output)],
+        env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "deepspeed.launcher.launch" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks
+
+    expected = accelgen.generate(PROMPTS, model=folder, device="hpu", dtype="float32", batch_size=2,
+                                 max_new_tokens=10)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["completion_token_ids"] for row in rows] == [c.completion_token_ids for c in expected]
+    assert "world size 2" in result.stderr and "(0.50x / 0.50x)" in result.stderr
+
+    ranks = [json.loads(path.read_text()) for path in records.iterdir()]
+    ranks = sorted((record for record in ranks if record.get("mark_step")), key=lambda record: record["rank"])
+    assert [record["rank"] for record in ranks] == [0, 1]
+    for record in ranks:
+        assert record["lazy_mode"] == "1" and record["hccl_process_group"] >= 1
+        assert record["graph_capture"] == 1 and record["graph_replay"] > 0
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_deepspeed_job(tiny_model_folder, habana_double):
+    environment = dict(os.environ, ACCELGEN_FAULT_RANK="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2",
+         "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--max-new-tokens", "200"],
+        env=environment, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 1
+    assert "RuntimeError: injected fault on rank 1" in result.stderr
+    assert "accelgen: error: the job's launcher" in result.stderr
