@@ -80,7 +80,7 @@ def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder):
     [
         (["--device", "cpu"], "No prompts given: pass --prompt TEXT"),
         (["--device", "cpu", "--prompt", ""], "Prompt 0 is empty"),
-        (["--device", "tpu", "--prompt", "a"], "No plugin provides --device 'tpu'. Known: cpu"),
+        (["--device", "tpu", "--prompt", "a"], "No plugin provides --device 'tpu'. Known: cuda"),
         (["--device", "cpu", "--model", "./no-such-model", "--prompt", "a"], "Model folder './no-such-model' does not exist"),
         (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1 (got 0)"),
         (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1 (got -3)"),
