@@ -96,7 +96,9 @@ def test_unavailable_reasons_say_what_to_install_or_check(monkeypatch):
     assert "install a CUDA build of torch" in accelerator.unavailable_reason()
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert "finds no usable GPU: check that the NVIDIA driver is loaded" in accelerator.unavailable_reason()
+    assert "finds no usable GPU: check that nvidia-smi lists one and that its driver supports CUDA 12.4" in (
+        accelerator.unavailable_reason()
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert accelerator.unavailable_reason().startswith("CUDA_VISIBLE_DEVICES hides every GPU")
 

@@ -61,8 +61,8 @@ class CudaAccelerator:
                     f"install a CUDA build of torch (see https://pytorch.org/get-started)")
         if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
             return "CUDA_VISIBLE_DEVICES hides every GPU: unset it or list the GPUs to use"
-        return (f"torch (CUDA {torch.version.cuda}) finds no usable GPU: "
-                f"check that the NVIDIA driver is loaded (nvidia-smi lists the GPUs)")
+        return (f"torch (CUDA {torch.version.cuda}) finds no usable GPU: check that nvidia-smi lists one "
+                f"and that its driver supports CUDA {torch.version.cuda}")
 
     def device_count(self) -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
