@@ -201,6 +201,22 @@ def test_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, 
     assert recorder.host_syncs == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", [CAPTURABLE_ARCHITECTURES[0], "llama"])  # bloom, llama
+def test_sharded_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, cli_environment, architecture):
+    """The same check on two CPU ranks (gloo): AutoTP's all-reduce and the vocabulary-parallel embedding and
+    head add collectives, and nothing that reads a device value on the host."""
+    pytest.importorskip("deepspeed")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         __file__, str(tiny_model_folder(architecture))],
+        env=cli_environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    reports = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert reports == ["rank 0: host syncs [], collectives yes", "rank 1: host syncs [], collectives yes"]
+
+
 # -- on an NVIDIA GPU ------------------------------------------------------------------------------
 
 
@@ -402,6 +418,14 @@ class CaptureEmulatingCpu:
         pass
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def plugin_manager_with(accelerator):
     class Plugin:
         @accelgen.hookimpl
@@ -411,3 +435,24 @@ def plugin_manager_with(accelerator):
     plugin_manager = get_plugin_manager(load_entry_points=False)
     plugin_manager.register(Plugin())
     return plugin_manager
+
+
+class ShardingCaptureEmulatingCpu(CaptureEmulatingCpu):
+    """CaptureEmulatingCpu that shards like the CPU plugin, for a rank of a tensor-parallel job."""
+
+    def shard(self, model, world, run):
+        from accelgen_cpu import CpuAccelerator
+
+        return CpuAccelerator().shard(model, world, run)
+
+
+if __name__ == "__main__":
+    # One rank of test_sharded_decode_step_never_waits_for_the_host_while_captured, started by torch's launcher.
+    recorder = HostSyncRecorder()
+    generator = accelgen.load(sys.argv[1], device="cpu", batch_size=2, max_new_tokens=4,
+                              plugin_manager=plugin_manager_with(ShardingCaptureEmulatingCpu(recorder)))
+    generator.generate(PROMPTS[:2])
+    collectives = any("c10d" in operation or "deepspeed" in operation for operation in recorder.operations)
+    print(f"rank {generator.world.rank}: host syncs {recorder.host_syncs}, collectives {'yes' if collectives else 'no'}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
