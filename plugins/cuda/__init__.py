@@ -6,12 +6,16 @@ already fixed-address buffers, so a replay copies nothing. Under tensor parallel
 collectives (DeepSpeed AutoTP's all-reduce, our vocabulary-parallel all-reduce and all-gather) are
 captured into the graph too: none of them waits for the host.
 
+A decode step that reads a device value on the host or copies host data in cannot be captured (CUDA
+reports "operation not permitted when stream is capturing"): Falcon's multi-query attention, and BLOOM
+under transformers 4.x, do. Run those with ``--no-graphs``.
+
 Settings read from the environment:
 
 ``ACCELGEN_CUDA_KERNEL_INJECT=1``
-    Shard with DeepSpeed's fused inference kernels (``replace_with_kernel_inject=True``) instead of
-    plain AutoTP. Off by default: those kernels keep their own KV cache and have not been checked
-    against Hugging Face's output here.
+    Under tensor parallelism, shard with DeepSpeed's fused inference kernels
+    (``replace_with_kernel_inject=True``) instead of plain AutoTP. Off by default: those kernels keep
+    their own KV cache and have not been checked against Hugging Face's output here.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class CudaAccelerator:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # "thread_local": CUDA calls from other threads, such as the NCCL watchdog's event queries under
-        # tensor parallelism, must not invalidate the capture (older torch releases let them).
+        # tensor parallelism, must not invalidate the capture (in older torch releases they could).
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             static_output = step(*example_inputs)
         input_addresses = [tensor.data_ptr() for tensor in example_inputs]
