@@ -20,7 +20,7 @@ Per contender and batch size:
                  device-to-device copy, bytes read + written over time) and against the datasheet peak.
 A contender that runs out of GPU memory at a batch size shows "oom" there; the others go on.
 
-    python benchmarks/cuda_decode.py                         # the protocol (H200: ~15 GB of weights)
+    python benchmarks/cuda_decode.py                         # the protocol (7.07B parameters, 14.1 GB of weights)
     python benchmarks/cuda_decode.py --small --runs 2        # smoke test of the script, seconds
     python benchmarks/cuda_decode.py --batch-sizes 1,8 --contenders accelgen_graphs,hf_eager
 
