@@ -11,7 +11,7 @@ import pluggy
 from accelgen import hookspecs
 
 #: Built-in plugins, registered by module name before entry points so installed plugins can override them.
-DEFAULT_PLUGINS = ("accelgen_cpu", "accelgen_hpu")
+DEFAULT_PLUGINS = ("accelgen_cpu", "accelgen_cuda", "accelgen_hpu")
 
 ENTRY_POINT_GROUP = "accelgen"
 

@@ -1,0 +1,191 @@
+"""The built-in CUDA accelerator: NVIDIA GPUs, the decode step replayed as a CUDA graph, NCCL tensor parallelism.
+
+Capture follows PyTorch's documented recipe (``torch.cuda.graph``): a warm-up on a side stream, then
+one capture per static shape, every capture sharing one memory pool. The decode step's inputs are
+already fixed-address buffers, so a replay copies nothing. Under tensor parallelism the NCCL
+collectives (DeepSpeed AutoTP's all-reduce, our vocabulary-parallel all-reduce and all-gather) are
+captured into the graph too: none of them waits for the host.
+
+A decode step that reads a device value on the host or copies host data in cannot be captured (CUDA
+reports "operation not permitted when stream is capturing"): Falcon's multi-query attention, and BLOOM
+under transformers 4.x, do. Run those with ``--no-graphs``.
+
+Settings read from the environment:
+
+``ACCELGEN_CUDA_KERNEL_INJECT=1``
+    Under tensor parallelism, shard with DeepSpeed's fused inference kernels
+    (``replace_with_kernel_inject=True``) instead of plain AutoTP. Off by default: those kernels keep
+    their own KV cache and have not been checked against Hugging Face's output here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from accelgen.errors import UsageError
+from accelgen.hookspecs import hookimpl
+from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen_cuda.gpus import known_gpu_peaks
+
+KERNEL_INJECT_VARIABLE = "ACCELGEN_CUDA_KERNEL_INJECT"
+
+#: Eager runs of the decode step before capture. Each run writes one position of the KV cache and
+#: advances its write index (the core rewinds it afterwards), and the cache has room for just one
+#: position beyond the prompt when max_new_tokens is 1, so one run it is. One run is what the warm-up
+#: is for: cuBLAS handles and workspaces, NCCL communicators, lazily built buffers.
+WARM_UP_RUNS = 1
+
+
+@hookimpl
+def accelgen_register_accelerators(register):
+    register(CudaAccelerator())
+
+
+class CudaAccelerator:
+    name = "cuda"
+    dist_backend = "nccl"
+    supported_dtypes = ("bfloat16", "float16", "float32")
+    default_dtype = "bfloat16"
+    captures_by_default = True
+    priority = 10  # above the CPU: --device auto picks a GPU when there is one
+    one_process_per_device = True
+
+    def __init__(self):
+        self._graph_pool = None  # one memory pool for every graph this accelerator captures
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.cuda is None:
+            return (f"this torch build ({torch.__version__}) has no CUDA support: "
+                    f"install a CUDA build of torch (see https://pytorch.org/get-started)")
+        if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+            return "CUDA_VISIBLE_DEVICES hides every GPU: unset it or list the GPUs to use"
+        return (f"torch (CUDA {torch.version.cuda}) finds no usable GPU: check that nvidia-smi lists one "
+                f"and that its driver supports CUDA {torch.version.cuda}")
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def setup(self, world: World) -> torch.device:
+        device_count = torch.cuda.device_count()
+        if world.local_rank >= device_count:
+            raise UsageError(
+                f"Local rank {world.local_rank} has no GPU: this machine shows {device_count} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                f"start at most {device_count} ranks per node."
+            )
+        torch.cuda.set_device(world.local_rank)
+        return torch.device("cuda", world.local_rank)
+
+    def prepare_model(self, model: torch.nn.Module, run: RunSettings) -> torch.nn.Module:
+        if World.from_environment().size > 1:
+            return model  # stays in host memory: each rank moves only its shard to its GPU (see shard)
+        # already in run.dtype: a blanket cast would also round the fp32 buffers (RoPE frequencies)
+        return model.to(_current_device())
+
+    def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
+        from accelgen.tensor_parallel import shard_with_deepspeed
+
+        kernel_inject = os.environ.get(KERNEL_INJECT_VARIABLE, "0") not in ("", "0")
+        sharded = shard_with_deepspeed(model, world, run.dtype, replace_with_kernel_inject=kernel_inject)
+        # DeepSpeed moves the sharded layers to the current GPU; the vocabulary slices are made after it
+        return sharded.to(_current_device())
+
+    def capture(
+        self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
+    ) -> Callable[..., torch.Tensor]:
+        """A callable that replays ``step`` captured as a CUDA graph on the ``example_inputs`` buffers.
+
+        It must be called with those same buffers, and returns the same output tensor every time:
+        the next replay of any graph of this accelerator (they share memory) overwrites it, so read it first.
+        """
+        _warm_up_on_side_stream(step, example_inputs)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # "thread_local": CUDA calls from other threads, such as the NCCL watchdog's event queries under
+        # tensor parallelism, must not invalidate the capture (in older torch releases they could).
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            static_output = step(*example_inputs)
+        input_addresses = [tensor.data_ptr() for tensor in example_inputs]
+
+        def replay(*inputs: torch.Tensor) -> torch.Tensor:
+            if [tensor.data_ptr() for tensor in inputs] != input_addresses:
+                raise ValueError("a captured CUDA graph must be replayed on the buffers it was captured with")
+            graph.replay()
+            return static_output
+
+        return replay
+
+    def mark_step(self) -> None:
+        pass  # eager: kernels are already queued on the stream
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_stats(self) -> dict[str, int]:
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+        return {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "free_bytes": free_bytes,
+            "total_bytes": total_bytes,
+        }
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        # The caching allocator raises torch.OutOfMemoryError; an allocation inside a library (cuBLAS,
+        # NCCL, graph instantiation) surfaces as a plain CUDA error saying "out of memory".
+        return isinstance(error, torch.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error)
+        )
+
+    def launch_command(self, worker_argv: list[str], plan: LaunchPlan) -> None:
+        return None  # torch's elastic launcher, one rank per GPU
+
+    def describe(self) -> dict[str, Any]:
+        device_name = torch.cuda.get_device_name() if self.is_available() else None
+        peaks = known_gpu_peaks(device_name) if device_name else None
+        return {
+            "device_name": device_name,
+            "device_count": self.device_count(),
+            "driver": _driver_version(),
+            "cuda_runtime": torch.version.cuda,
+            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if device_name else None,
+            "peak_memory_bandwidth_gbps": peaks.memory_bandwidth_gbps if peaks else None,
+            "peak_bf16_tflops": peaks.bf16_tflops if peaks else None,
+        }
+
+
+def _warm_up_on_side_stream(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...]) -> None:
+    """Run ``step`` eagerly on a side stream, as PyTorch requires before capturing it: lazy initialisation
+    (cuBLAS workspaces, NCCL communicators) must not happen during capture."""
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the current stream
+    with torch.cuda.stream(side_stream):
+        for _ in range(WARM_UP_RUNS):
+            step(*example_inputs)
+    torch.cuda.current_stream().wait_stream(side_stream)
+
+
+def _current_device() -> torch.device:
+    """The GPU ``setup`` selected for this process."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver version (e.g. "550.54.15") from NVML when ``pynvml`` is installed, else None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, or no NVML library: the version is simply unknown
+        return None
+    return version.decode() if isinstance(version, bytes) else version
