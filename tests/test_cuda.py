@@ -18,7 +18,7 @@ import accelgen
 from accelgen.accelerators import registered_accelerators, select_accelerator
 from accelgen.cli import main
 from accelgen.errors import UsageError
-from accelgen.models import _DTYPE_KEYWORD
+from accelgen.models import DTYPE_KEYWORD
 from accelgen.plugins import get_plugin_manager
 from accelgen.settings import RunSettings, World
 from accelgen_cuda import CudaAccelerator
@@ -330,7 +330,7 @@ def hugging_face_on_gpu(folder, prompts, dtype, pad_to=None, **generate_options)
 
     Auto-compilation (which transformers turns on for static caches on CUDA) is off: the reference runs eagerly."""
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(folder, **{_DTYPE_KEYWORD: dtype}).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, **{DTYPE_KEYWORD: dtype}).to("cuda").eval()
     padding = dict(padding="max_length", max_length=pad_to) if pad_to else dict(padding=True)
     inputs = tokenizer(prompts, return_tensors="pt", return_token_type_ids=False, **padding).to("cuda")
     with torch.no_grad():
