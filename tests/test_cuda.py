@@ -453,6 +453,9 @@ if __name__ == "__main__":
                               plugin_manager=plugin_manager_with(ShardingCaptureEmulatingCpu(recorder)))
     generator.generate(PROMPTS[:2])
     collectives = any("c10d" in operation or "deepspeed" in operation for operation in recorder.operations)
-    print(f"rank {generator.world.rank}: host syncs {recorder.host_syncs}, collectives {'yes' if collectives else 'no'}")
+    # one write per line: the ranks share the pipe, and print() may write the text and its newline apart
+    sys.stdout.write(f"rank {generator.world.rank}: host syncs {recorder.host_syncs}, "
+                     f"collectives {'yes' if collectives else 'no'}\n")
+    sys.stdout.flush()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
