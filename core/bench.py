@@ -150,7 +150,7 @@ def result_document(measurement: dict[str, Any]) -> dict[str, Any]:
 def environment_facts() -> dict[str, Any]:
     """Library versions, machine and the accelgen source revision, for the result file."""
     versions = {}
-    for package in ("accelgen", "torch", "transformers", "deepspeed", "optimum-habana"):
+    for package in ("accelgen", "torch", "transformers", "deepspeed"):  # device libraries: in describe()
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
