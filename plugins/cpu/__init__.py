@@ -47,11 +47,8 @@ class CpuAccelerator:
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.tensor_parallel import local_world_size, shard_with_deepspeed
 
-        uses_shared_memory = _prepare_deepspeed_shared_memory_all_reduce(world, local_world_size())
-        sharded_model = shard_with_deepspeed(model, world, run.dtype)
-        if uses_shared_memory:
-            _unlink_shared_memory_buffer(world)
-        return sharded_model
+        _prepare_deepspeed_shared_memory_all_reduce(world, local_world_size())
+        return shard_with_deepspeed(model, world, run.dtype)
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
@@ -93,35 +90,17 @@ class CpuAccelerator:
         }
 
 
-def _prepare_deepspeed_shared_memory_all_reduce(world: World, ranks_on_this_node: int) -> bool:
+def _prepare_deepspeed_shared_memory_all_reduce(world: World, ranks_on_this_node: int) -> None:
     """DeepSpeed's CPU all-reduce uses a shared-memory kernel when all ranks share a machine, which it
     learns from LOCAL_SIZE, set by DeepSpeed's launcher but not torch's. Without it the kernel runs
     uninitialised and the rank dies with SIGSEGV (DeepSpeed 0.19.8). So: name the local ranks on one
-    node, and turn the kernel off across nodes, where gloo's all-reduce is used instead.
-    Returns whether the shared-memory kernel will be used."""
+    node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
     import deepspeed.ops
 
     if ranks_on_this_node == world.size:
         os.environ["LOCAL_SIZE"] = str(ranks_on_this_node)
-        return True
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return False
-
-
-def _unlink_shared_memory_buffer(world: World) -> None:
-    """Remove this rank's all-reduce buffer name from /dev/shm once every rank has mapped it.
-
-    DeepSpeed (0.19.8) creates one 66 MB POSIX shared-memory segment per rank and never unlinks it, so
-    each job left its buffers in /dev/shm (20 GB after a day of tests here). Once all ranks have opened
-    each other's segments (during ``init_inference``; hence the barrier), the names can go: the mappings
-    stay valid and the memory is freed when the last rank exits."""
-    torch.distributed.barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{world.rank}")
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:
-        pass
+    else:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _cpu_model_name() -> str:
