@@ -74,10 +74,16 @@ def load_measurements(paths: list[str]) -> list[Measurement]:
         document = _read_result_file(path)
         for record in document["measurements"]:
             label = record["label"]
-            if any(measurement.label == label for measurement in measurements):
-                label = f"{label} ({Path(path).stem})"  # two runs on one kind of hardware: keep both, apart
+            if any(measurement.label == label and _row_keys(measurement.record) & _row_keys(record)
+                   for measurement in measurements):
+                label = f"{label} ({Path(path).stem})"  # two runs of the same rows on one hardware: keep both
             measurements.append(Measurement(label, path, document.get("source", "measured"), record))
     return measurements
+
+
+def _row_keys(record: dict) -> set[tuple[str, int, int]]:
+    """The table rows a measurement fills: (model, world size, batch size)."""
+    return {(record["model"]["name"], record["world_size"], row["batch_size"]) for row in record["results"]}
 
 
 def _read_result_file(path: str) -> dict[str, Any]:

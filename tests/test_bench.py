@@ -235,6 +235,16 @@ def test_compare_three_machines_gives_the_table_and_a_chart(bench_file, tmp_path
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
 
 
+def test_files_of_one_hardware_share_a_column_unless_they_measure_the_same_rows(bench_file, tmp_path, capsys):
+    document = json.loads(bench_file.read_text())
+    document["measurements"][0]["model"]["name"] = "another model"
+    (tmp_path / "other-model.json").write_text(json.dumps(document))
+    (tmp_path / "again.json").write_text(bench_file.read_text())
+    assert main(["compare", str(bench_file), str(tmp_path / "other-model.json"), str(tmp_path / "again.json")]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.split() == ["model", "world", "size", "batch", "laptop", "laptop", "(again)"]
+
+
 def test_compare_flags_files_of_another_protocol(bench_file, tmp_path, capsys):
     other = edited_copy(bench_file, tmp_path / "other.json", "Other", 1.0, max_new_tokens=32)
     assert main(["compare", str(bench_file), str(other), "--metric", "decode"]) == 0
