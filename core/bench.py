@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 from accelgen.errors import UsageError
 from accelgen.generator import Generator
+from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import parameter_bytes
 
 SCHEMA = "accelgen-bench"
@@ -223,7 +224,7 @@ def measurement_record(
 ) -> dict[str, Any]:
     """Everything a result file says about one measured configuration, rows included."""
     hardware = generator.accelerator.describe()
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[generator.run.dtype]
+    dtype_bytes = DTYPE_BYTES[generator.run.dtype]
     unsharded_bytes = generator.unsharded_parameter_bytes or parameter_bytes(generator.model)
     return {
         "label": label or hardware.get("device_name") or generator.accelerator.name,

@@ -12,10 +12,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import attention_head_counts
 
 GIB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 USABLE_SHARE = 0.9
 #: Live activations of a prefill, per token, in units of ``hidden_size`` values (residual, attention and
 #: MLP intermediates, with headroom): a coarse, safe-side figure.

@@ -7,6 +7,8 @@ import os
 
 #: Dtype names users pass (``--dtype``) and the torch attribute each one names.
 DTYPES = ("float32", "bfloat16", "float16")
+#: Bytes per value of each dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
