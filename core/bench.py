@@ -8,7 +8,9 @@ between two calls of the accelerator's ``synchronize``.
 
 Figures per batch size (see :func:`measure_batch_size`): time to first token, per-token decode latency
 and end-to-end latency (median and 90th percentile over the timed runs), tokens/s, ms per token per
-sequence, the device's memory statistics, graph captures, and % of the memory-bandwidth roofline.
+sequence, the device's memory statistics, graph captures, and % of the memory-bandwidth roofline: the
+bytes a decode step must read (this rank's weights, and the KV cache of the positions each row attends
+to) over the device's peak bandwidth, against the measured time per step.
 A batch size that runs out of device memory is recorded as ``"oom"`` and the sweep goes on.
 
 The result file is JSON; its layout (schema ``accelgen-bench``, version :data:`SCHEMA_VERSION`) is
@@ -34,6 +36,7 @@ from typing import Any, Sequence
 
 from accelgen.errors import UsageError
 from accelgen.generator import Generator
+from accelgen.memory_advice import kv_cache_bytes_per_position
 from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import parameter_bytes
 
@@ -104,6 +107,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     decode_seconds_per_token = [timing.seconds_per_decode_step for timing in timings]
     median_end_to_end = statistics.median(end_to_end_seconds)
     sequence_tokens = batch_size * protocol.max_new_tokens
+    step_bytes = decode_step_bytes(sized, batch_size, prompt_token_count(sized, protocol.prompt), protocol.max_new_tokens)
     return {
         "batch_size": batch_size,
         "status": "ok",
@@ -112,22 +116,38 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "end_to_end_s": _median_and_p90(end_to_end_seconds),
         "tokens_per_second": sequence_tokens / median_end_to_end,
         "ms_per_token_per_sequence": 1000 * median_end_to_end / sequence_tokens,
+        "decode_step_bytes": step_bytes,
         "roofline_percent": roofline_percent(
-            parameter_bytes(sized.model), accelerator.describe().get("peak_memory_bandwidth_gbps"),
-            statistics.median(decode_seconds_per_token),
+            step_bytes, accelerator.describe().get("peak_memory_bandwidth_gbps"), statistics.median(decode_seconds_per_token)
         ),
         "graph_captures": sized.stats.graph_captures,
+        "capture_seconds": sized.stats.capture_seconds,
         "memory": accelerator.memory_stats(),
     }
 
 
-def roofline_percent(weight_bytes: int, peak_bandwidth_gbps: float | None, seconds_per_token: float) -> float | None:
-    """How close one decode step comes to the memory-bandwidth limit: the time to read every weight
-    once at the device's peak bandwidth, as a percentage of the measured time per token (None when
-    the peak is unknown). KV-cache reads are left out, as in the published roofline figures."""
-    if not peak_bandwidth_gbps or seconds_per_token <= 0:
+def decode_step_bytes(generator: Generator, batch_size: int, prompt_tokens: int, new_tokens: int) -> int:
+    """Bytes an average decode step must read on this rank: every weight once, and for each row the keys and
+    values of the positions it attends to. Step s (1 to new_tokens - 1) attends to the prompt and s tokens,
+    so prompt_tokens + new_tokens / 2 positions on average. Padding a static cache also reads is not
+    counted: that is overhead the roofline should show, not hide."""
+    config, run = generator.model.config, generator.run
+    attended_positions = prompt_tokens + new_tokens / 2
+    kv_bytes = kv_cache_bytes_per_position(config, run.dtype, generator.world.size) * batch_size * attended_positions
+    return parameter_bytes(generator.model) + round(kv_bytes)
+
+
+def prompt_token_count(generator: Generator, prompt: str) -> int:
+    """How many tokens ``prompt`` is for this generator's tokenizer (after any truncation)."""
+    return len(generator.tokenize([prompt])[0][0])
+
+
+def roofline_percent(step_bytes: int, peak_bandwidth_gbps: float | None, seconds_per_step: float) -> float | None:
+    """How close one decode step comes to the memory-bandwidth limit: the time to read ``step_bytes`` at the
+    device's peak bandwidth, as a percentage of the measured time per step (None when the peak is unknown)."""
+    if not peak_bandwidth_gbps or seconds_per_step <= 0:
         return None
-    return 100 * (weight_bytes / (peak_bandwidth_gbps * 1e9)) / seconds_per_token
+    return 100 * (step_bytes / (peak_bandwidth_gbps * 1e9)) / seconds_per_step
 
 
 def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
@@ -210,6 +230,7 @@ def progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
         f"{row['decode_ms_per_token']['median']:.2f} ms/token (p90 {row['decode_ms_per_token']['p90']:.2f}), "
         f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
         f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
+        + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
     )
 
 
@@ -232,7 +253,8 @@ def measurement_record(
         "hardware": hardware,
         "world_size": generator.world.size,
         "dtype": generator.run.dtype,
-        "graphs": generator.run.use_graphs,
+        "graphs": generator.run.use_graphs and generator.capture_failure is None,
+        "capture_failure": generator.capture_failure,
         "model": {
             "name": model_name,
             "architecture": generator.model.config.model_type,
@@ -242,7 +264,7 @@ def measurement_record(
             "random_weights": random_weights,
             "tokenizer": tokenizer_source,
         },
-        "protocol": protocol.as_record(len(generator.tokenize([protocol.prompt])[0][0])),
+        "protocol": protocol.as_record(prompt_token_count(generator, protocol.prompt)),
         "environment": environment_facts(),
         "load_seconds": load_seconds,
         "results": rows,

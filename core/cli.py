@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Sequence
 
 import pluggy
@@ -26,7 +27,7 @@ from accelgen.compare import (
     write_text_file,
 )
 from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
-from accelgen.errors import UsageError
+from accelgen.errors import AccelgenWarning, UsageError
 from accelgen.memory_advice import out_of_memory_advice, parameter_bytes_of_config
 from accelgen.launcher import check_port_free, free_port, launch_workers, record_worker_failure, running_as_worker
 from accelgen.models import DEFAULT_MODEL, load_config
@@ -42,6 +43,12 @@ def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager
     """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = running_as_worker()
+    with warnings.catch_warnings():
+        _show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
+        return _main(argv, plugin_manager, worker)
+
+
+def _main(argv: list[str], plugin_manager: pluggy.PluginManager | None, worker: bool) -> int:
     try:
         arguments = build_parser().parse_args(argv)
         plugin_manager = plugin_manager or get_plugin_manager()
@@ -66,6 +73,19 @@ def main(argv: Sequence[str] | None = None, plugin_manager: pluggy.PluginManager
         if worker:
             record_worker_failure(error)
         raise
+
+
+def _show_our_warnings_as_lines(shown: bool) -> None:
+    """accelgen's own warnings as one ``accelgen: warning: ...`` line each (on rank 0 only); others as usual."""
+    library_default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, AccelgenWarning):
+            library_default(message, category, filename, lineno, file, line)
+        elif shown:
+            print(f"accelgen: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
 
 
 def devices_command(plugin_manager: pluggy.PluginManager) -> int:
@@ -327,7 +347,9 @@ def _print_summary(generator, load_seconds: float, total_seconds: float) -> None
         f"accelgen: {stats.new_tokens} new tokens in {total_seconds:.2f} s "
         f"({stats.new_tokens / max(total_seconds, 1e-9):.1f} tokens/s, decode {per_token_ms:.2f} ms/step), "
         f"model loaded in {load_seconds:.2f} s, device {generator.accelerator.name}, dtype {generator.run.dtype}, "
-        f"world size {generator.world.size}, graph captures: {stats.graph_captures}",
+        f"world size {generator.world.size}, graph captures: {stats.graph_captures}"
+        + (f" ({stats.capture_seconds:.1f} s)" if stats.graph_captures else "")
+        + (", decoded eagerly: the decode step could not be captured" if generator.capture_failure else ""),
         file=sys.stderr,
     )
 

@@ -1,25 +1,29 @@
 """The generation pipeline: tokenize, pad to a bucket, prefill a static cache, replay one captured step.
 
 One ``Generator`` holds a prepared model on one accelerator. For each static shape (bucket length,
-cache length) it keeps a ``DecodeSlot``: the KV cache and the fixed-address buffers the captured
-decode step reads, so a second batch of the same bucket reuses the graph without capturing again.
+cache length) it keeps a ``DecodeSlot``: the KV cache and the fixed-address buffers the decode step
+reads and writes (``accelgen.decoding``), so a later batch of the same bucket replays the graph
+captured for the first one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
-from typing import Iterable, Iterator, Sequence
+import warnings
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from accelgen import decoding
-from accelgen.errors import UsageError
+from accelgen.errors import GraphCaptureWarning, UsageError
 from accelgen.hookspecs import Accelerator
 from accelgen.kv_cache import new_static_cache, rewind_static_cache
-from accelgen.models import context_limit, forward_accepts
+from accelgen.model_forward import ModelForward
+from accelgen.models import context_limit
 from accelgen.settings import RunSettings, World
 
 #: Decode steps between checks that every row has finished (each check waits for the device).
@@ -55,6 +59,7 @@ class BatchTiming:
 @dataclasses.dataclass
 class GenerationStats:
     graph_captures: int = 0
+    capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
     batches: int = 0
     new_tokens: int = 0
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)
@@ -62,14 +67,12 @@ class GenerationStats:
 
 @dataclasses.dataclass
 class DecodeSlot:
-    """Static buffers for one shape. Shapes: B batch, L cache length."""
+    """Everything one static shape (bucket length, cache length) needs, kept between batches."""
 
-    cache: object  # transformers StaticCache sized [B, heads, L, head_dim] per layer
-    input_ids: torch.Tensor  # [B, 1] the token being decoded
-    position_ids: torch.Tensor  # [B, 1] its position, counting real tokens only
-    cache_position: torch.Tensor  # [1] where its keys and values are written
-    attention_mask: torch.Tensor  # [B, L] 1 where a row may attend
-    decode_step: object = None  # the captured (or plain) step, set after the first prefill
+    cache: object  # transformers StaticCache, [B, heads, L, head_dim] per layer
+    state: decoding.DecodeState  # the buffers the decode step reads and writes
+    forward: decoding.Forward  # the model called on this slot's cache
+    decode_step: Callable[..., object] | None = None  # decode_step(*state): captured, or plain
 
 
 class Generator:
@@ -84,19 +87,23 @@ class Generator:
         run: RunSettings,
         world: World = World(),
         unsharded_parameter_bytes: int | None = None,
+        capture_failure: str | None = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
         self.last_bucket_length: int | None = None  # prompt bucket of the latest batch, for memory advice
         self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
+        #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
+        self.capture_failure = capture_failure
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
-        self._takes_position_ids = forward_accepts(model, "position_ids")
-        self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
+        self._model_forward = ModelForward(model, world, getattr(torch, run.dtype))
         self._context_limit = context_limit(model.config)
         self.pad_token_id = tokenizer.pad_token_id
-        self.eos_token_ids = _eos_token_ids(model, tokenizer).to(device)
-        self._sampler = torch.Generator(device=device) if run.sampling.do_sample else None
+        self._rules = decoding.TokenRules(
+            sampling=run.sampling, eos_token_ids=_eos_token_ids(model, tokenizer).to(device),
+            pad_token_id=self.pad_token_id, stop_at_eos=not run.ignore_eos,
+        )
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -104,7 +111,7 @@ class Generator:
         """A generator sharing this one's model for another fixed batch size (its own caches and graphs)."""
         return Generator(
             self.model, self.tokenizer, self.accelerator, self.device, dataclasses.replace(self.run, batch_size=batch_size),
-            self.world, self.unsharded_parameter_bytes,
+            self.world, self.unsharded_parameter_bytes, self.capture_failure,
         )
 
     def generate(self, prompts: Sequence[str]) -> list[Completion]:
@@ -115,12 +122,13 @@ class Generator:
         """Completions batch by batch (``run.batch_size`` prompts each), so callers can write as they go.
 
         ``prompts`` may be any iterable (a streamed dataset): it is read one batch at a time.
-        ``first_index`` numbers the prompts (and seeds sampling per batch, so a resumed run draws the same)."""
+        ``first_index`` numbers the prompts; a prompt's number (not its batch) decides its sampling draws,
+        so a run resumed at any prompt samples what an uninterrupted run did."""
         remaining = iter(prompts)
         index = first_index
         while batch := list(itertools.islice(remaining, self.run.batch_size)):
             token_ids, truncated = self.tokenize(batch, first_index=index)
-            outputs = self.generate_token_ids(token_ids, seed_offset=index)
+            outputs = self.generate_token_ids(token_ids, first_index=index)
             yield [
                 self._completion(index + row, batch[row], token_ids[row], truncated[row], *outputs[row])
                 for row in range(len(batch))
@@ -149,9 +157,10 @@ class Generator:
 
     @torch.no_grad()
     def generate_token_ids(
-        self, prompts: Sequence[Sequence[int]], seed_offset: int = 0
+        self, prompts: Sequence[Sequence[int]], first_index: int = 0
     ) -> list[tuple[list[int], str]]:
-        """New token ids and finish reason per prompt, for at most ``run.batch_size`` tokenized prompts."""
+        """New token ids and finish reason per prompt, for at most ``run.batch_size`` tokenized prompts
+        numbered from ``first_index``."""
         run = self.run
         if not 0 < len(prompts) <= run.batch_size:
             raise ValueError(f"expected 1 to {run.batch_size} prompts, got {len(prompts)}")
@@ -160,109 +169,93 @@ class Generator:
         )
         self.last_bucket_length = bucket_length
         input_ids, prompt_mask = decoding.left_pad(prompts, bucket_length, run.batch_size, self.pad_token_id)
+        input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
+        prompt_lengths = prompt_mask.sum(-1, keepdim=True)
         slot = self._slot(bucket_length)
+        state = slot.state
         slot.cache.reset()
-        slot.attention_mask.zero_()
-        slot.attention_mask[:, :bucket_length].copy_(prompt_mask)
-        if self._sampler is not None:
-            self._sampler.manual_seed(run.sampling.seed * 1_000_003 + seed_offset)
+        state.attention_mask.zero_()
+        state.attention_mask[:, :bucket_length].copy_(prompt_mask)
+        state.row_indices.copy_(torch.arange(first_index, first_index + run.batch_size))
 
         self.accelerator.synchronize()
         started = time.perf_counter()
-        logits = self._forward(
-            input_ids.to(self.device),
-            slot.attention_mask,
-            decoding.positions_from_mask(prompt_mask).to(self.device),
-            torch.arange(bucket_length, device=self.device),
-            slot.cache,
-        )
-        next_tokens = decoding.sample(logits, run.sampling, self._sampler)
+        first_tokens = decoding.prefill(slot.forward, state, input_ids, prompt_mask, self._rules)
+        decoding.start_decoding(state, first_tokens, prompt_lengths, self._rules)
         self.accelerator.mark_step()
         self.accelerator.synchronize()
-        prefilled = time.perf_counter()
+        prefill_seconds = time.perf_counter() - started
 
-        new_tokens = torch.full((run.batch_size, run.max_new_tokens), self.pad_token_id, device=self.device)
-        new_tokens[:, 0] = next_tokens
-        finished = torch.isin(next_tokens, self.eos_token_ids)
-        slot.input_ids.copy_(next_tokens.unsqueeze(-1))
-        slot.position_ids.copy_(prompt_mask.sum(-1, keepdim=True))
-        slot.cache_position.fill_(bucket_length)
-        if slot.decode_step is None:
-            self._set_decode_step(slot, bucket_length)
-
-        steps = 0
-        for step in range(1, run.max_new_tokens):
-            if not run.ignore_eos and step % EOS_CHECK_INTERVAL == 0 and bool(finished.all()):
-                break
-            next_tokens = decoding.decode_one_token(
-                slot.decode_step, slot.input_ids, slot.position_ids, slot.cache_position, slot.attention_mask,
-                run.sampling, self._sampler,
-            )
-            if not run.ignore_eos:
-                next_tokens = next_tokens.masked_fill(finished, self.pad_token_id)
-                finished |= torch.isin(next_tokens, self.eos_token_ids)
-            new_tokens[:, step] = next_tokens
-            decoding.advance(slot.input_ids, slot.position_ids, slot.cache_position, next_tokens)
+        decode_steps = run.max_new_tokens - 1
+        if slot.decode_step is None and decode_steps:
+            slot.decode_step = self._decode_step_for(slot)  # timed apart, in stats.capture_seconds
+            # capturing ran the step (to warm up or compile): start this batch's decoding again
+            decoding.start_decoding(state, first_tokens, prompt_lengths, self._rules)
+            rewind_static_cache(slot.cache, bucket_length)
             self.accelerator.mark_step()
-            steps += 1
+            self.accelerator.synchronize()
+        decoding_started = time.perf_counter()
+        steps = decoding.decode_n_tokens(
+            slot.decode_step, state, decode_steps, stop_when_finished=self._rules.stop_at_eos,
+            check_every=EOS_CHECK_INTERVAL, after_step=self.accelerator.mark_step,
+        )
         self.accelerator.synchronize()
         decoded = time.perf_counter()
 
         self.stats.batches += 1
         self.stats.new_tokens += len(prompts) * (steps + 1)
-        self.stats.timings.append(BatchTiming(prefilled - started, decoded - prefilled, steps))
-        return [self._trim(row_tokens) for row_tokens in new_tokens[: len(prompts)].tolist()]
+        self.stats.timings.append(BatchTiming(prefill_seconds, decoded - decoding_started, steps))
+        return [self._trim(row_tokens) for row_tokens in state.new_tokens[: len(prompts)].tolist()]
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _forward(self, input_ids, attention_mask, position_ids, cache_position, cache) -> torch.Tensor:
-        """Logits [B, V] of the last position. input_ids, position_ids: [B, T]; attention_mask: [B, L]."""
-        arguments = dict(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
-        )
-        if self._takes_position_ids:
-            arguments["position_ids"] = position_ids
-        if self._takes_logits_to_keep:
-            arguments["logits_to_keep"] = 1
-        return self.model(**arguments).logits[:, -1, :]
 
     def _slot(self, bucket_length: int) -> DecodeSlot:
         cache_length = bucket_length + self.run.max_new_tokens
         key = (bucket_length, cache_length)
         if key not in self._slots:
-            batch_size, device = self.run.batch_size, self.device
+            batch_size = self.run.batch_size
+            cache = new_static_cache(self.model, batch_size, cache_length, self.device, getattr(torch, self.run.dtype))
             self._slots[key] = DecodeSlot(
-                cache=new_static_cache(self.model, batch_size, cache_length, device, getattr(torch, self.run.dtype)),
-                input_ids=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
-                position_ids=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
-                cache_position=torch.zeros((1,), dtype=torch.long, device=device),
-                attention_mask=torch.zeros((batch_size, cache_length), dtype=torch.long, device=device),
+                cache=cache,
+                state=decoding.DecodeState.allocate(batch_size, cache_length, self.run.max_new_tokens, self.device),
+                forward=functools.partial(self._model_forward, cache=cache),
             )
         return self._slots[key]
 
-    def _set_decode_step(self, slot: DecodeSlot, bucket_length: int) -> None:
-        """Give the slot its decode step, captured by the accelerator when graphs are on."""
+    def _decode_step_for(self, slot: DecodeSlot) -> Callable[..., object]:
+        """The slot's decode step, captured by the accelerator when graphs are on and capture works.
 
-        def decode_step(input_ids, position_ids, cache_position, attention_mask):
-            return self._forward(input_ids, attention_mask, position_ids, cache_position, slot.cache)
+        Any failure to capture (other than running out of memory) leaves the step eager, with one warning:
+        the eager step runs the very same code, so a real bug in it still surfaces there, as itself."""
+        forward, rules = slot.forward, self._rules
 
-        if not self.run.use_graphs:
-            slot.decode_step = decode_step
-            return
-        slot.attention_mask.index_fill_(1, slot.cache_position, 1)  # valid example inputs for a warm-up
-        example_inputs = (slot.input_ids, slot.position_ids, slot.cache_position, slot.attention_mask)
-        slot.decode_step = self.accelerator.capture(decode_step, example_inputs, self.run)
-        rewind_static_cache(slot.cache, bucket_length)
+        def decode_step(*buffers: torch.Tensor) -> torch.Tensor:
+            return decoding.decode_one_token(forward, decoding.DecodeState(*buffers), rules)
+
+        if not self.run.use_graphs or self.capture_failure is not None:
+            return decode_step
+        started = time.perf_counter()
+        try:
+            captured = self.accelerator.capture(decode_step, tuple(slot.state), self.run)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            if self.accelerator.is_out_of_memory(error):
+                raise
+            self.capture_failure = _first_line(error)
+            warnings.warn(
+                f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
+                f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
+                f"slower (pass --no-graphs to skip the attempt)",
+                GraphCaptureWarning, stacklevel=2,
+            )
+            return decode_step
         self.stats.graph_captures += 1
+        self.stats.capture_seconds += time.perf_counter() - started
+        return captured
 
     def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:
         """The new tokens up to and including the first EOS (all of them with ignore_eos)."""
         if not self.run.ignore_eos:
-            eos_ids = set(self.eos_token_ids.tolist())
+            eos_ids = set(self._rules.eos_token_ids.tolist())
             for position, token in enumerate(row_tokens):
                 if token in eos_ids:
                     return row_tokens[: position + 1], "eos"
@@ -280,6 +273,12 @@ class Generator:
             prompt_token_count=len(prompt_token_ids),
             finish_reason=finish_reason,
         )
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception as one short line: its first line of text, else its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:

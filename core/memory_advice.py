@@ -22,15 +22,17 @@ USABLE_SHARE = 0.9
 ACTIVATION_VALUES_PER_TOKEN = 16
 
 
+def kv_cache_bytes_per_position(config: transformers.PretrainedConfig, dtype: str, world_size: int) -> int:
+    """Bytes of keys and values one position of one row holds on each rank, over every layer."""
+    heads, key_value_heads = attention_head_counts(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * (key_value_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
+
+
 def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int, dtype: str, world_size: int) -> int:
     """Device bytes one more row of the batch costs on each rank: KV cache plus prefill activations."""
-    heads, key_value_heads = attention_head_counts(config)
-    hidden = config.hidden_size
-    layers = config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    value_bytes = DTYPE_BYTES[dtype]
-    kv_cache = 2 * layers * (key_value_heads // world_size) * head_dim * cache_length * value_bytes
-    activations = cache_length * hidden * ACTIVATION_VALUES_PER_TOKEN * value_bytes + config.vocab_size * 4
+    kv_cache = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
+    activations = cache_length * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
     return kv_cache + activations
 
 

@@ -7,7 +7,6 @@ imported inside the functions: the CUDA plugin uses upstream DeepSpeed, Gaudi us
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -90,28 +89,7 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inf
     sharded = engine.module
     if split_vocab:
         split_vocabulary(sharded, input_weight, None if tied else head_weight, world)
-    if sharded.config.model_type == "bloom":
-        _give_each_rank_its_alibi_slopes(sharded, world)
-    return sharded
-
-
-def _give_each_rank_its_alibi_slopes(model: torch.nn.Module, world: World) -> None:
-    """BLOOM adds a per-head ALiBi bias built for all heads; after sharding a rank holds only
-    heads ``[rank * H / N, (rank + 1) * H / N)``, so it must add only their rows."""
-    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
-
-    model.transformer.build_alibi_tensor = functools.partial(
-        _alibi_for_rank, build_alibi_tensor, total_heads=model.config.n_head, rank=world.rank, world_size=world.size
-    )
-
-
-def _alibi_for_rank(build_alibi, attention_mask, num_heads, dtype, *, total_heads, rank, world_size):
-    """The ALiBi bias [B * H/N, 1, L] of this rank's heads, sliced from the full one [B * H, 1, L]."""
-    batch_size = attention_mask.shape[0]
-    heads_per_rank = total_heads // world_size
-    alibi = build_alibi(attention_mask, total_heads, dtype).view(batch_size, total_heads, 1, -1)
-    own = alibi[:, rank * heads_per_rank : (rank + 1) * heads_per_rank]
-    return own.reshape(batch_size * heads_per_rank, 1, -1)
+    return sharded  # BLOOM's ALiBi bias is sliced per rank where the model is called (accelgen.alibi)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

@@ -132,9 +132,7 @@ def test_out_of_memory_at_one_batch_size_is_recorded_and_the_sweep_goes_on(tiny_
 
 def test_other_errors_during_a_sweep_are_not_taken_for_out_of_memory(tiny_model_folder, tmp_path):
     class BrokenCpu(CpuAccelerator):
-        captures_by_default = True
-
-        def capture(self, step, example_inputs, run):
+        def mark_step(self):  # called after each forward pass: the device fails while generating
             raise RuntimeError("a kernel failed")
 
     with pytest.raises(RuntimeError, match="a kernel failed"):

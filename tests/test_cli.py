@@ -1,11 +1,12 @@
 """``accelgen run`` as a user types it: outputs, files, and one clear line for every mistake."""
 
-import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+from transformers import GenerationConfig
 
 import accelgen
 from accelgen.cli import main
@@ -58,20 +59,28 @@ def test_seeded_sampling_is_reproducible_and_the_seed_matters(tiny_model_folder)
     assert tokens(first) != tokens(greedy)
 
 
-def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder):
-    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=24, batch_size=2)
-    [reference, other] = generator.generate(["DeepSpeed is", "Hello"])
+def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder, tmp_path):
+    prompts = ["DeepSpeed is", "Hello"]
+    [reference, _] = accelgen.generate(prompts, model=tiny_model_folder("llama"), device="cpu", max_new_tokens=24,
+                                       batch_size=2)
     assert reference.finish_reason == "length" and len(reference.completion_token_ids) == 24
-    # make the first repeat-free greedy token after the start the end-of-sequence token, as a trained model would
+    # a copy of the model whose end-of-sequence token is its first repeat-free greedy token after the start,
+    # as a trained model's would be
     tokens = reference.completion_token_ids
     stop_at = next(index for index in range(1, len(tokens)) if tokens[index] not in tokens[:index])
-    generator.eos_token_ids = generator.eos_token_ids.new_tensor([tokens[stop_at]])
-    [stopped, _] = generator.generate(["DeepSpeed is", "Hello"])
-    assert stopped.completion_token_ids == tokens[: stop_at + 1]
-    assert stopped.finish_reason == "eos"
+    folder = shutil.copytree(tiny_model_folder("llama"), tmp_path / "stops")
+    generation_config = GenerationConfig.from_pretrained(folder)
+    generation_config.eos_token_id = tokens[stop_at]
+    generation_config.save_pretrained(folder)
 
-    generator.run = dataclasses.replace(generator.run, ignore_eos=True)
-    [running_on, _] = generator.generate(["DeepSpeed is", "Hello"])
+    for batch_size in (1, 2):
+        [stopped, other] = accelgen.generate(prompts, model=folder, device="cpu", max_new_tokens=24, batch_size=batch_size)
+        assert stopped.completion_token_ids == tokens[: stop_at + 1]
+        assert stopped.finish_reason == "eos"
+        assert other.finish_reason == "eos" or len(other.completion_token_ids) == 24
+
+    [running_on, _] = accelgen.generate(prompts, model=folder, device="cpu", max_new_tokens=24, batch_size=2,
+                                        ignore_eos=True)
     assert running_on.completion_token_ids == tokens and running_on.finish_reason == "length"
 
 

@@ -26,19 +26,8 @@ from accelgen_cuda.gpus import known_gpu_peaks
 from conftest import PROMPTS
 
 MAX_NEW_TOKENS = 24
-TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-#: transformers 4.x (4.55 checked) builds BLOOM's ALiBi slopes with torch.tensor(..., device=...): a host-to-device
-#: copy inside the decode step, which a CUDA graph cannot hold. transformers 5 (5.23 checked) builds them on the device.
-BLOOM_CAPTURABLE = TRANSFORMERS_VERSION >= (5, 0)
-BLOOM_NOT_CAPTURABLE = "transformers 4.x copies BLOOM's ALiBi slopes from the host in every step: no CUDA graph"
 #: Architectures whose decode step can be captured: it never waits for the host (checked below on any machine).
-#: Falcon's multi-query attention indexes with a Python list, which copies an index from the host: not capturable.
-CAPTURABLE_ARCHITECTURES = (
-    pytest.param("bloom", marks=pytest.mark.skipif(not BLOOM_CAPTURABLE, reason=BLOOM_NOT_CAPTURABLE)),
-    "gpt2",
-    "llama",
-    "opt",
-)
+CAPTURABLE_ARCHITECTURES = ("bloom", "gpt2", "llama", "opt", "falcon")
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch")
 requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism on CUDA needs 2 GPUs")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelgen import decoding
+from accelgen import decoding, sampling
 from accelgen.errors import UsageError
 from accelgen.settings import SamplingSettings
 
@@ -35,20 +35,52 @@ def test_left_pad_right_aligns_prompts_and_fills_the_batch():
 
 def test_top_k_and_top_p_keep_the_likely_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    probs = decoding.logits_to_probs(logits, SamplingSettings(do_sample=True, top_k=2))
+    probs = sampling.logits_to_probs(logits, SamplingSettings(do_sample=True, top_k=2))
     assert (probs[0, 2:] == 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
     # the first token alone holds ~64% of the mass, the first two ~88%
-    assert (decoding.logits_to_probs(logits, SamplingSettings(do_sample=True, top_p=0.5))[0, 1:] == 0).all()
-    kept = decoding.logits_to_probs(logits, SamplingSettings(do_sample=True, top_p=0.8))[0]
+    assert (sampling.logits_to_probs(logits, SamplingSettings(do_sample=True, top_p=0.5))[0, 1:] == 0).all()
+    kept = sampling.logits_to_probs(logits, SamplingSettings(do_sample=True, top_p=0.8))[0]
     assert (kept[:2] > 0).all() and (kept[2:] == 0).all()
 
 
-def test_sampling_with_a_seeded_generator_repeats():
+def test_greedy_choice_is_the_argmax():
     logits = torch.randn(4, 50)
-    settings = SamplingSettings(do_sample=True, temperature=0.7)
-    draws = [decoding.sample(logits, settings, torch.Generator().manual_seed(3)) for _ in range(2)]
-    assert torch.equal(draws[0], draws[1])
-    assert torch.equal(decoding.sample(logits, SamplingSettings(), None), logits.argmax(-1))
+    assert torch.equal(sampling.choose_tokens(logits, SamplingSettings(), torch.arange(4), torch.zeros(1)), logits.argmax(-1))
+
+
+def test_a_draw_depends_on_the_seed_row_and_step_only():
+    logits = torch.randn(1, 500).repeat(6, 1)  # six rows with the same distribution
+    settings = SamplingSettings(do_sample=True, temperature=2.0, seed=11)
+    rows, step = torch.tensor([40, 41, 42, 43, 44, 45]), torch.tensor([3])
+    draws = sampling.choose_tokens(logits, settings, rows, step)
+    # the same rows in another batch, in another order, give the same draws
+    reordered = sampling.choose_tokens(logits[:3], settings, rows[[5, 0, 3]], step)
+    assert reordered.tolist() == draws[[5, 0, 3]].tolist()
+    # different rows, steps or seeds draw differently (six rows from 500 likely tokens: not all the same)
+    assert len(set(draws.tolist())) > 1
+    other_step = sampling.choose_tokens(logits, settings, rows, torch.tensor([4]))
+    other_seed = sampling.choose_tokens(logits, SamplingSettings(do_sample=True, temperature=2.0, seed=12), rows, step)
+    assert other_step.tolist() != draws.tolist() and other_seed.tolist() != draws.tolist()
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    settings = SamplingSettings(do_sample=True, seed=5)
+    draws = sampling.choose_tokens(probs.log().repeat(4000, 1), settings, torch.arange(4000), torch.tensor([0]))
+    frequencies = torch.bincount(draws, minlength=4) / 4000
+    # binomial standard deviation at n=4000 is at most 0.008: five of them
+    assert torch.allclose(frequencies, probs, atol=0.04), frequencies
+
+
+def test_seeds_of_any_size_hash_into_the_draw():
+    logits = torch.randn(2, 300)
+    rows, step = torch.tensor([0, 1]), torch.tensor([0])
+    timestamp_seed = 1_732_300_000_123_456_789
+    draws = [
+        sampling.choose_tokens(logits, SamplingSettings(do_sample=True, seed=seed), rows, step).tolist()
+        for seed in (timestamp_seed, timestamp_seed + 1, timestamp_seed)
+    ]
+    assert draws[0] == draws[2] != draws[1]
 
 
 def test_core_names_no_device_and_imports_no_device_library():

@@ -134,11 +134,13 @@ def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_mo
     generator.generate(["one", "two", "three"])
     generator.generate(["four", "five"])
     generator.generate(["a prompt longer than eight tokens needs the next bucket"])
-    # batch [2, 1] tokens, [2, 1] positions, [1] cache index, [2, bucket + 4] mask; one capture per bucket, reused by later batches
-    assert captured == [
-        (torch.Size([2, 1]), torch.Size([2, 1]), torch.Size([1]), torch.Size([2, 12])),
-        (torch.Size([2, 1]), torch.Size([2, 1]), torch.Size([1]), torch.Size([2, 132])),
-    ]
+    # the decode buffers (accelgen.decoding.DecodeState) for batch 2, bucket + 4 cache positions and 4 new tokens:
+    # [2, 1] tokens, [2, 1] positions, [1] cache index, [2, bucket + 4] mask, [1] step, [2, 4] new tokens,
+    # [2] finished rows, [2] prompt numbers; one capture per bucket, reused by later batches
+    def shapes(cache_length):
+        return tuple(torch.Size(shape) for shape in ([2, 1], [2, 1], [1], [2, cache_length], [1], [2, 4], [2], [2]))
+
+    assert captured == [shapes(8 + 4), shapes(128 + 4)]
     assert generator.stats.graph_captures == 2
 
 

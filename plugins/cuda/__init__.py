@@ -1,14 +1,15 @@
 """The built-in CUDA accelerator: NVIDIA GPUs, the decode step replayed as a CUDA graph, NCCL tensor parallelism.
 
-Capture follows PyTorch's documented recipe (``torch.cuda.graph``): a warm-up on a side stream, then
-one capture per static shape, every capture sharing one memory pool. The decode step's inputs are
-already fixed-address buffers, so a replay copies nothing. Under tensor parallelism the NCCL
+Capture follows PyTorch's documented recipe at its three levels (create, capture, replay): a warm-up on
+a side stream, then one capture per static shape, the captures of all live graphs sharing one memory
+pool (``accelgen_cuda.graph_pool``: a new pool once they are all gone). The core hands over the whole
+decode step (forward pass, token choice, end-of-sequence bookkeeping, position advance), working in
+place on fixed-address buffers, so a replay copies nothing. Under tensor parallelism the NCCL
 collectives (DeepSpeed AutoTP's all-reduce, our vocabulary-parallel all-reduce and all-gather) are
 captured into the graph too: none of them waits for the host.
 
-A decode step that reads a device value on the host or copies host data in cannot be captured (CUDA
-reports "operation not permitted when stream is capturing"): Falcon's multi-query attention, and BLOOM
-under transformers 4.x, do. Run those with ``--no-graphs``.
+A step that cannot be captured (it reads a device value on the host, or copies host data in) makes
+``capture`` raise with the step's own error; the core then runs that step eagerly, with one warning.
 
 Settings read from the environment:
 
@@ -16,10 +17,17 @@ Settings read from the environment:
     Under tensor parallelism, shard with DeepSpeed's fused inference kernels
     (``replace_with_kernel_inject=True``) instead of plain AutoTP. Off by default: those kernels keep
     their own KV cache and have not been checked against Hugging Face's output here.
+
+``ACCELGEN_CUDA_COMPILE=1`` (or an inductor mode, e.g. ``max-autotune-no-cudagraphs``)
+    Compile the decode step with ``torch.compile`` (inductor fuses the small elementwise kernels: layer
+    norms, bias adds, GELU, masking, softmax) and capture the compiled step in the CUDA graph. Off by
+    default until measured on a GPU. Inductor caches what it compiles (``TORCHINDUCTOR_CACHE_DIR``), so
+    a later run of the same model and shapes compiles much faster; the time shows as capture time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -29,13 +37,17 @@ from accelgen.errors import UsageError
 from accelgen.hookspecs import hookimpl
 from accelgen.settings import LaunchPlan, RunSettings, World
 from accelgen_cuda.gpus import known_gpu_peaks
+from accelgen_cuda.graph_pool import SharedGraphPool
 
 KERNEL_INJECT_VARIABLE = "ACCELGEN_CUDA_KERNEL_INJECT"
+COMPILE_VARIABLE = "ACCELGEN_CUDA_COMPILE"
+#: torch.compile modes that capture CUDA graphs of their own, inside the one this plugin captures: refused.
+_GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
-#: Eager runs of the decode step before capture. Each run writes one position of the KV cache and
-#: advances its write index (the core rewinds it afterwards), and the cache has room for just one
-#: position beyond the prompt when max_new_tokens is 1, so one run it is. One run is what the warm-up
-#: is for: cuBLAS handles and workspaces, NCCL communicators, lazily built buffers.
+#: Eager runs of the decode step before capture: what a warm-up is for (cuBLAS handles and workspaces, NCCL
+#: communicators, lazily built buffers, and with ACCELGEN_CUDA_COMPILE the compilation) happens in the first.
+#: The contract allows one: each run records a token and advances the positions, and the buffers have room
+#: for max_new_tokens - 1 runs, which can be one (the core starts the batch's decoding again after capture).
 WARM_UP_RUNS = 1
 
 
@@ -54,7 +66,7 @@ class CudaAccelerator:
     one_process_per_device = True
 
     def __init__(self):
-        self._graph_pool = None  # one memory pool for every graph this accelerator captures
+        self._graph_pool = SharedGraphPool(new_pool=lambda: torch.cuda.graph_pool_handle())
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -99,28 +111,15 @@ class CudaAccelerator:
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
     ) -> Callable[..., torch.Tensor]:
-        """A callable that replays ``step`` captured as a CUDA graph on the ``example_inputs`` buffers.
-
-        It must be called with those same buffers, and returns the same output tensor every time:
-        the next replay of any graph of this accelerator (they share memory) overwrites it, so read it first.
-        """
+        """A :class:`CapturedStep` replaying ``step`` as a CUDA graph on the ``example_inputs`` buffers."""
+        compile_mode = _compile_mode()
+        if compile_mode is not None:
+            step = torch.compile(step, mode=compile_mode, dynamic=False)  # compiled in the warm-up below
         _warm_up_on_side_stream(step, example_inputs)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # "thread_local": CUDA calls from other threads, such as the NCCL watchdog's event queries under
-        # tensor parallelism, must not invalidate the capture (in older torch releases they could).
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            static_output = step(*example_inputs)
-        input_addresses = [tensor.data_ptr() for tensor in example_inputs]
-
-        def replay(*inputs: torch.Tensor) -> torch.Tensor:
-            if [tensor.data_ptr() for tensor in inputs] != input_addresses:
-                raise ValueError("a captured CUDA graph must be replayed on the buffers it was captured with")
-            graph.replay()
-            return static_output
-
-        return replay
+        graph, output = _capture_graph(step, example_inputs, self._graph_pool.pool_for_capture())
+        captured = CapturedStep(graph, output, example_inputs)
+        self._graph_pool.register(captured)
+        return captured
 
     def mark_step(self) -> None:
         pass  # eager: kernels are already queued on the stream
@@ -158,6 +157,59 @@ class CudaAccelerator:
             "peak_memory_bandwidth_gbps": peaks.memory_bandwidth_gbps if peaks else None,
             "peak_bf16_tflops": peaks.bf16_tflops if peaks else None,
         }
+
+
+class CapturedStep:
+    """A step replayed from its CUDA graph. Call it with the buffers it was captured on; it returns the same
+    output tensor every time, which the next replay of a graph of this accelerator may overwrite."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, inputs: tuple[torch.Tensor, ...]):
+        self._graph, self._output = graph, output  # the graph's memory lives as long as this object
+        self._input_addresses = [tensor.data_ptr() for tensor in inputs]
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if [tensor.data_ptr() for tensor in inputs] != self._input_addresses:
+            raise ValueError("a captured CUDA graph must be replayed on the buffers it was captured with")
+        self._graph.replay()
+        return self._output
+
+
+def _capture_graph(step: Callable[..., Any], inputs: tuple[torch.Tensor, ...], pool: object) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step(*inputs)`` captured into a new graph that allocates from ``pool``; the graph and the step's output.
+
+    When the step cannot be captured, its own error is raised, after the capture has been ended so that
+    the stream and the allocator leave capture mode and eager work can go on."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # also frees pools whose graphs are all gone
+    capture_stream = torch.cuda.Stream()
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture_stream):
+        # "thread_local": CUDA calls from other threads, such as the NCCL watchdog's event queries under
+        # tensor parallelism, must not invalidate the capture (in older torch releases they could).
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            output = step(*inputs)
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # an invalidated capture fails to end: the step's error says why
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(capture_stream)
+    return graph, output
+
+
+def _compile_mode() -> str | None:
+    """The inductor mode ``ACCELGEN_CUDA_COMPILE`` asks for ("1": inductor's default), or None when unset."""
+    value = os.environ.get(COMPILE_VARIABLE, "0").strip()
+    if value in ("", "0"):
+        return None
+    if value in _GRAPHING_COMPILE_MODES:
+        raise UsageError(
+            f"{COMPILE_VARIABLE}={value} captures CUDA graphs of its own inside accelgen's: set it to 1 or to "
+            f"max-autotune-no-cudagraphs, or pass --no-graphs to let torch.compile graph the step alone."
+        )
+    return "default" if value == "1" else value
 
 
 def _warm_up_on_side_stream(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...]) -> None:
