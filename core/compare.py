@@ -227,9 +227,14 @@ def _check_folder_exists(path: str) -> None:
         raise UsageError(f"Cannot write {path!r}: folder {folder!r} does not exist.")
 
 
-def draw_chart(table: Table, path: str) -> None:
-    """A grouped bar chart of the table: one group per row, one bar per hardware; "oom" written in."""
-    check_chart_possible(path)
+#: Above this ratio between the largest and smallest value, the chart's value axis is logarithmic: a CPU
+#: beside GPUs and Gaudis spans 100x, which a linear axis shows as one bar and a row of slivers.
+LOG_SCALE_SPAN = 10
+
+
+def chart_figure(table: Table):
+    """A grouped bar chart of the table: one group per row, one bar per hardware, each bar labelled with its
+    value and its speed relative to the baseline (as in the table's cells); "oom" written where it ran out."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -238,18 +243,38 @@ def draw_chart(table: Table, path: str) -> None:
     group_names = [f"{model}\nbatch {batch}, world {world}" for (model, world, batch), _ in table.rows]
     bar_width = 0.8 / max(len(table.columns), 1)
     figure, axes = pyplot.subplots(figsize=(max(6.0, 1.6 * len(group_names) * max(len(table.columns), 2) / 2), 4.5))
+    values = [value for _, cells in table.rows for value in cells.values() if isinstance(value, float | int) and value > 0]
+    logarithmic = bool(values) and max(values) / min(values) > LOG_SCALE_SPAN
+    if logarithmic:
+        axes.set_yscale("log")
     for index, column in enumerate(table.columns):
         positions = [group + (index - (len(table.columns) - 1) / 2) * bar_width for group in range(len(table.rows))]
-        values = [cells.get(column) for _, cells in table.rows]
-        heights = [value if isinstance(value, float | int) else 0 for value in values]
+        column_values = [cells.get(column) for _, cells in table.rows]
+        heights = [value if isinstance(value, float | int) else 0 for value in column_values]
         bars = axes.bar(positions, heights, bar_width, label=_header(table, column))
-        for bar, value in zip(bars, values):
-            if value == "oom":
-                axes.annotate("oom", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=8)
+        for bar, value, (_, cells) in zip(bars, column_values, table.rows):
+            if value == "oom" or isinstance(value, float | int):
+                label = "oom" if value == "oom" else _cell_text(table, cells, column).replace(" (", "\n(")
+                height = bar.get_height() if value != "oom" else (min(values) / 3 if logarithmic else 0)
+                axes.annotate(label, (bar.get_x() + bar.get_width() / 2, height), ha="center", va="bottom", fontsize=7)
     axes.set_xticks(range(len(table.rows)), group_names, fontsize=8)
-    axes.set_ylabel(f"{table.metric.title} ({table.metric.unit})")
+    scale = ", logarithmic scale" if logarithmic else ""
+    axes.set_ylabel(f"{table.metric.title} ({table.metric.unit}{scale})")
     axes.set_title(f"{table.metric.title}, {'lower' if table.metric.lower_is_better else 'higher'} is better")
+    if logarithmic:  # every bar visible above the floor, room for the labels above the tallest
+        axes.set_ylim(min(values) / 3, max(values) * 4)
+    else:
+        axes.margins(y=0.25)
     axes.legend(fontsize=8)
     figure.tight_layout()
+    return figure
+
+
+def draw_chart(table: Table, path: str) -> None:
+    """Write :func:`chart_figure` of the table to ``path`` as a PNG."""
+    check_chart_possible(path)
+    from matplotlib import pyplot
+
+    figure = chart_figure(table)
     figure.savefig(path, dpi=120)
     pyplot.close(figure)

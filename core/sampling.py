@@ -30,8 +30,9 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings) -> torch.T
     if sampling.top_p < 1.0:
         sorted_logits, sorted_indices = torch.sort(logits, descending=False)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative <= 1 - sampling.top_p
-        remove_sorted[:, -1] = False  # keep at least the most likely token
+        # keep at least the most likely token (the last); no "[:, -1] = False", which copies a host scalar in
+        keep_last = torch.zeros_like(cumulative[:, -1:], dtype=torch.bool)
+        remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - sampling.top_p, keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits.softmax(-1)

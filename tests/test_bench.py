@@ -11,10 +11,9 @@ import torch
 
 from accelgen.bench import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
 from accelgen.cli import main
-from accelgen.hookspecs import hookimpl
-from accelgen.plugins import get_plugin_manager
 from accelgen.random_weights import build_random_model, resolve_model_config
 from accelgen_cpu import CpuAccelerator
+from conftest import plugin_manager_with
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PUBLISHED = sorted(str(path) for path in (REPOSITORY / "results" / "published").glob("*.json"))
@@ -73,38 +72,28 @@ def test_bench_json_prints_the_document_and_graphs_are_captured_once_per_size(ti
     shown = capsys.readouterr()
     document = json.loads(shown.out)
     assert document == json.loads((tmp_path / "r.json").read_text())
-    assert document["measurements"][0]["results"][0]["graph_captures"] == 1  # in the warm-up, reused by timed runs
+    [row] = document["measurements"][0]["results"]
+    assert row["graph_captures"] == 1 and row["capture_seconds"] > 0  # in the warm-up, reused by timed runs
     assert "accelgen: bench batch size 1:" in shown.err
 
 
-def test_roofline_share_uses_the_device_peak_bandwidth(tiny_model_folder, tmp_path):
+def test_roofline_counts_the_weights_and_the_cache_a_step_reads_at_the_device_peak_bandwidth(tiny_model_folder, tmp_path):
     class KnownBandwidthCpu(CpuAccelerator):
         def describe(self):
-            return {**super().describe(), "peak_memory_bandwidth_gbps": 0.001}  # 1 MB/s: weights take seconds
+            return {**super().describe(), "peak_memory_bandwidth_gbps": 0.001}  # 1 MB/s: a step takes seconds
 
     plugin_manager = plugin_manager_with(KnownBandwidthCpu())
-    assert bench(tiny_model_folder("bloom"), tmp_path / "r.json", plugin_manager=plugin_manager) == 0
+    assert bench(tiny_model_folder("bloom"), tmp_path / "r.json", "--batch-sizes", "1,3", plugin_manager=plugin_manager) == 0
     measurement = json.loads((tmp_path / "r.json").read_text())["measurements"][0]
-    [row] = measurement["results"]
-    ideal_seconds = measurement["model"]["parameter_bytes_per_rank"] / 1e6
-    assert row["roofline_percent"] == pytest.approx(100 * ideal_seconds / (row["decode_ms_per_token"]["median"] / 1000))
-
-
-class Plugin:
-    """A plugin registering the given accelerator (it replaces the built-in one of the same name)."""
-
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-
-    @hookimpl
-    def accelgen_register_accelerators(self, register):
-        register(self.accelerator)
-
-
-def plugin_manager_with(accelerator):
-    plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(accelerator))
-    return plugin_manager
+    prompt_tokens = measurement["protocol"]["prompt_tokens"]
+    # the tiny BLOOM: 2 layers, 4 heads of 16 values, float32: keys and values of one position take 2 * 2 * 4 * 16 * 4
+    # bytes; on average a step attends to the prompt and half the new tokens
+    cache_bytes_per_row = 1024 * (prompt_tokens + NEW_TOKENS / 2)
+    for row in measurement["results"]:
+        expected_bytes = measurement["model"]["parameter_bytes_per_rank"] + row["batch_size"] * cache_bytes_per_row
+        assert row["decode_step_bytes"] == round(expected_bytes)
+        seconds_at_peak = expected_bytes / 1e6
+        assert row["roofline_percent"] == pytest.approx(100 * seconds_at_peak / (row["decode_ms_per_token"]["median"] / 1000))
 
 
 class SmallMemoryCpu(CpuAccelerator):
@@ -231,6 +220,26 @@ def test_compare_three_machines_gives_the_table_and_a_chart(bench_file, tmp_path
 
     pixels = image.imread(str(chart))
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+@pytest.mark.parametrize("span, scale", [(100.0, "log"), (2.0, "linear")])
+def test_a_chart_of_machines_100x_apart_uses_a_log_axis_and_shows_every_bar(bench_file, tmp_path, span, scale):
+    from accelgen.compare import METRICS, chart_figure, comparison_table, load_measurements
+
+    slow = edited_copy(bench_file, tmp_path / "slow.json", "2-core CPU", span)
+    table = comparison_table(load_measurements([str(bench_file), str(slow)]), METRICS["end-to-end"])
+    figure = chart_figure(table)
+    [axes] = figure.axes
+    assert axes.get_yscale() == scale
+    floor, ceiling = axes.get_ylim()
+    bars = [bar for container in axes.containers for bar in container]
+    assert len(bars) == 2 * len(table.rows)
+    assert all(floor < bar.get_height() < ceiling for bar in bars)  # none flattened to nothing, none cut off
+    labels = {text.get_text() for text in axes.texts}
+    for _, cells in table.rows:
+        fast_seconds = cells["laptop"]
+        assert f"{fast_seconds:.3f} s\n(1.00x)" in labels
+        assert f"{fast_seconds * span:.3f} s\n({1 / span:.2f}x)" in labels
 
 
 def test_files_of_one_hardware_share_a_column_unless_they_measure_the_same_rows(bench_file, tmp_path, capsys):

@@ -59,6 +59,20 @@ def test_seeded_sampling_is_reproducible_and_the_seed_matters(tiny_model_folder)
     assert tokens(first) != tokens(greedy)
 
 
+def test_a_sampled_prompt_draws_the_same_in_any_batch(tiny_model_folder):
+    """A row's draws depend on the seed and the prompt's number, not on its batch: a run resumed at any prompt,
+    with any batch size, samples what the uninterrupted run did."""
+    prompts = ["Hello", "DeepSpeed is", "The quick brown fox", "In the beginning", "Static shapes"]
+    settings = dict(device="cpu", max_new_tokens=10, do_sample=True, temperature=1.3, top_p=0.95, seed=3)
+    generator = accelgen.load(tiny_model_folder("llama"), batch_size=2, **settings)
+    tokens = lambda completions: [completion.completion_token_ids for completion in completions]  # noqa: E731
+    whole = tokens(generator.generate(prompts))
+    resumed = accelgen.load(tiny_model_folder("llama"), batch_size=3, **settings)
+    from_third = [completion for batch in resumed.generate_batches(prompts[3:], first_index=3) for completion in batch]
+    assert tokens(from_third) == whole[3:]
+    assert [completion.index for completion in from_third] == [3, 4]
+
+
 def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder, tmp_path):
     prompts = ["DeepSpeed is", "Hello"]
     [reference, _] = accelgen.generate(prompts, model=tiny_model_folder("llama"), device="cpu", max_new_tokens=24,

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,7 +22,7 @@ from accelgen.plugins import get_plugin_manager
 from accelgen.settings import RunSettings, World
 from accelgen_cuda import CudaAccelerator
 from accelgen_cuda.gpus import known_gpu_peaks
-from conftest import PROMPTS
+from conftest import PROMPTS, plugin_manager_with
 
 MAX_NEW_TOKENS = 24
 #: Architectures whose decode step can be captured: it never waits for the host (checked below on any machine).
@@ -175,18 +174,29 @@ def test_a_rank_of_several_leaves_the_whole_model_on_the_host(monkeypatch):
     assert model.weight.device.type == "cpu"
 
 
+#: Operations that show the captured step is the whole decode step, not only the forward pass: the token choice
+#: (argmax; for sampling also the noise's logarithm), the end-of-sequence check, recording the token, the advance.
+WHOLE_STEP_OPERATIONS = {"aten.argmax.default", "aten.isin.Tensor_Tensor", "aten.index_copy_.default", "aten.add_.Tensor"}
+
+
 @pytest.mark.parametrize("architecture", CAPTURABLE_ARCHITECTURES)
-def test_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, architecture):
+@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.8)],
+                         ids=["greedy", "sampling"])
+def test_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, architecture, sampling):
     """A CUDA graph cannot hold an operation that reads a device value on the host (``.item()``, ``if tensor``,
     ``nonzero``) or copies host data in. Transformers avoids them while a CUDA stream is capturing; here the
-    decode step runs on the CPU with transformers told a capture is under way, and every operation is recorded."""
+    decode step runs on the CPU with transformers told a capture is under way, and every operation is recorded.
+    The step handed to capture is the whole one: forward pass, token choice and bookkeeping."""
     recorder = HostSyncRecorder()
     generator = accelgen.load(
         tiny_model_folder(architecture), device="cpu", batch_size=2, max_new_tokens=4,
-        plugin_manager=plugin_manager_with(CaptureEmulatingCpu(recorder)),
+        plugin_manager=plugin_manager_with(CaptureEmulatingCpu(recorder)), **sampling,
     )
     generator.generate(PROMPTS[:2])
-    assert recorder.operations, "the decode step was not run under the recorder"
+    assert generator.stats.graph_captures == 1
+    assert WHOLE_STEP_OPERATIONS <= set(recorder.operations)
+    if sampling:
+        assert "aten.log.default" in recorder.operations  # the exponential noise of the draw
     assert recorder.host_syncs == []
 
 
@@ -229,8 +239,6 @@ def test_float32_greedy_matches_hugging_face_on_the_gpu(tiny_model_folder, archi
 @pytest.mark.cuda
 @requires_gpu
 def test_bfloat16_greedy_matches_hugging_face_static_cache_on_the_gpu(tiny_model_folder, architecture, graphs):
-    if graphs and architecture == "bloom" and not BLOOM_CAPTURABLE:
-        pytest.skip(BLOOM_NOT_CAPTURABLE)
     # As in test_parity: in bfloat16, attention over a different number of (masked) keys rounds differently,
     # so the reference is Hugging Face's static cache with our 32-token bucket padding (not auto-compiled).
     folder = tiny_model_folder(architecture)
@@ -282,6 +290,73 @@ def test_memory_stats_and_description_on_the_gpu(tiny_model_folder):
     description = generator.accelerator.describe()
     assert description["device_name"] == torch.cuda.get_device_name()
     assert description["device_count"] == torch.cuda.device_count() >= 1
+
+
+@pytest.mark.usefixtures("clean_gpu")
+@pytest.mark.cuda
+@requires_gpu
+def test_a_sweep_of_batch_sizes_and_a_second_load_capture_in_one_process(tiny_model_folder, tmp_path, capsys):
+    """Every batch size of a sweep, and a model loaded after another, gets its own graph (torch's allocator
+    refuses a capture into a pool whose graphs are all gone: the sweep crash of the first H100 run)."""
+    folder = str(tiny_model_folder("bloom"))
+    output = tmp_path / "sweep.json"
+    assert main(["bench", "--device", "cuda", "--model", folder, "--batch-sizes", "1,2,4", "--max-new-tokens", "8",
+                 "--runs", "1", "--output", str(output)]) == 0
+    rows = json.loads(output.read_text())["measurements"][0]["results"]
+    assert [(row["batch_size"], row["status"], row["graph_captures"]) for row in rows] == [(1, "ok", 1), (2, "ok", 1), (4, "ok", 1)]
+    assert "warning" not in capsys.readouterr().err
+    settings = dict(device="cuda", dtype="float32", batch_size=2, max_new_tokens=MAX_NEW_TOKENS)
+    for _ in range(2):  # load, drop, load again
+        generator = accelgen.load(folder, **settings)
+        assert token_ids(generator.generate(PROMPTS)) == hugging_face_on_gpu(folder, PROMPTS, torch.float32)
+        assert generator.stats.graph_captures == 1 and generator.capture_failure is None
+        del generator
+
+
+@pytest.mark.usefixtures("clean_gpu")
+@pytest.mark.cuda
+@requires_gpu
+def test_a_step_that_cannot_be_captured_raises_its_own_error_and_leaves_the_gpu_usable():
+    accelerator = select_accelerator(get_plugin_manager(), "cuda")
+    accelerator.setup(World())
+    buffer = torch.arange(4.0, device="cuda")
+    stream = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError) as raised:
+        accelerator.capture(lambda tensor: tensor * tensor.sum().item(), (buffer,), RunSettings(dtype="float32"))
+    assert "capturing" in str(raised.value)
+    assert torch.cuda.current_stream() == stream
+    assert (buffer * 2).sum().item() == 12.0  # eager work goes on
+    doubled = accelerator.capture(lambda tensor: tensor * 2, (buffer,), RunSettings(dtype="float32"))
+    assert doubled(buffer).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.usefixtures("clean_gpu")
+@pytest.mark.cuda
+@requires_gpu
+def test_a_compiled_decode_step_is_captured_and_matches_hugging_face(tiny_model_folder, monkeypatch):
+    monkeypatch.setenv("ACCELGEN_CUDA_COMPILE", "1")
+    folder = tiny_model_folder("llama")
+    generator = accelgen.load(folder, device="cuda", dtype="float32", batch_size=len(PROMPTS), max_new_tokens=MAX_NEW_TOKENS)
+    assert token_ids(generator.generate(PROMPTS)) == hugging_face_on_gpu(folder, PROMPTS, torch.float32)
+    assert generator.stats.graph_captures == 1 and generator.capture_failure is None
+
+
+@pytest.mark.usefixtures("clean_gpu")
+@pytest.mark.cuda
+@requires_gpu
+def test_sampling_inside_the_graph_repeats_and_resumes_at_any_row(tiny_model_folder):
+    """The draw of a row depends on the seed, its prompt number and the step: the same run twice, or the rows
+    from the third on generated alone (a resumed run), give the same tokens."""
+    folder = tiny_model_folder("llama")
+    prompts = PROMPTS * 2
+    settings = dict(device="cuda", dtype="float32", batch_size=2, max_new_tokens=MAX_NEW_TOKENS, do_sample=True,
+                    top_p=0.9, temperature=1.2, seed=7)
+    generator = accelgen.load(folder, **settings)
+    first = token_ids(generator.generate(prompts))
+    assert token_ids(generator.generate(prompts)) == first
+    resumed = [completion for batch in generator.generate_batches(prompts[3:], first_index=3) for completion in batch]
+    assert token_ids(resumed) == first[3:]
+    assert generator.stats.graph_captures == 1
 
 
 @pytest.mark.parametrize("architecture", [CAPTURABLE_ARCHITECTURES[0], "llama"])  # bloom, llama
@@ -413,17 +488,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def plugin_manager_with(accelerator):
-    class Plugin:
-        @accelgen.hookimpl
-        def accelgen_register_accelerators(self, register):
-            register(accelerator)
-
-    plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin())
-    return plugin_manager
 
 
 class ShardingCaptureEmulatingCpu(CaptureEmulatingCpu):
