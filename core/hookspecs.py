@@ -96,11 +96,18 @@ class Accelerator(Protocol):
     def capture(
         self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"
     ) -> Callable[..., "torch.Tensor"]:
-        """Return a callable equivalent to ``step`` that replays a captured graph (CUDA graph, HPU
-        graph, compiled code). ``step(*inputs)`` takes static-shape tensors and returns a tensor;
-        ``example_inputs`` are the buffers it will be called with, already holding valid values.
-        The returned callable is called with the same buffers (same shapes and addresses) for every
-        decoded token; the core calls ``capture`` once per static shape and counts the calls."""
+        """Return a callable equivalent to ``step`` that replays a captured graph (CUDA graph, HPU graph,
+        compiled code). ``step(*inputs)`` is the whole decode step: it reads and updates the static-shape
+        buffers ``inputs`` in place (and the KV cache), never waits for the host, and returns the chosen
+        tokens; ``example_inputs`` are those buffers, holding valid values (``accelgen.decoding.DecodeState``).
+        The returned callable is called with the same buffers (same shapes and addresses) for every decoded
+        token and must have the same effect on them; what it returns is not read. ``capture`` may run
+        ``step`` once (to warm up or compile); the core sets the buffers again afterwards. It is called once
+        per static shape, and the calls are counted.
+
+        When the step cannot be captured, raise (the step's own error says best why): the core then runs it
+        eagerly, with one warning, and tries no more captures for that model. An error that
+        ``is_out_of_memory`` recognises is reported as running out of memory instead."""
 
     def mark_step(self) -> None:
         """Called after each forward pass the core issues (the prefill, then every decode step, captured

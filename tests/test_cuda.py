@@ -267,11 +267,9 @@ def test_one_graph_per_bucket_is_replayed_by_later_batches(tiny_model_folder):
 @pytest.mark.usefixtures("clean_gpu")
 @pytest.mark.cuda
 @requires_gpu
-def test_a_replay_reads_the_buffers_as_they_are_now_and_refuses_others():
-    accelerator = select_accelerator(get_plugin_manager(), "cuda")
-    accelerator.setup(World())
+def test_a_replay_reads_the_buffers_as_they_are_now_and_refuses_others(gpu_accelerator):
     buffer = torch.arange(4.0, device="cuda")
-    doubled = accelerator.capture(lambda tensor: tensor * 2, (buffer,), RunSettings(dtype="float32"))
+    doubled = gpu_accelerator.capture(lambda tensor: tensor * 2, (buffer,), RunSettings(dtype="float32"))
     buffer.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert doubled(buffer).tolist() == [2.0, 4.0, 6.0, 8.0]
     with pytest.raises(ValueError, match="replayed on the buffers it was captured with"):
@@ -316,17 +314,15 @@ def test_a_sweep_of_batch_sizes_and_a_second_load_capture_in_one_process(tiny_mo
 @pytest.mark.usefixtures("clean_gpu")
 @pytest.mark.cuda
 @requires_gpu
-def test_a_step_that_cannot_be_captured_raises_its_own_error_and_leaves_the_gpu_usable():
-    accelerator = select_accelerator(get_plugin_manager(), "cuda")
-    accelerator.setup(World())
+def test_a_step_that_cannot_be_captured_raises_its_own_error_and_leaves_the_gpu_usable(gpu_accelerator):
     buffer = torch.arange(4.0, device="cuda")
     stream = torch.cuda.current_stream()
     with pytest.raises(RuntimeError) as raised:
-        accelerator.capture(lambda tensor: tensor * tensor.sum().item(), (buffer,), RunSettings(dtype="float32"))
+        gpu_accelerator.capture(lambda tensor: tensor * tensor.sum().item(), (buffer,), RunSettings(dtype="float32"))
     assert "capturing" in str(raised.value)
     assert torch.cuda.current_stream() == stream
     assert (buffer * 2).sum().item() == 12.0  # eager work goes on
-    doubled = accelerator.capture(lambda tensor: tensor * 2, (buffer,), RunSettings(dtype="float32"))
+    doubled = gpu_accelerator.capture(lambda tensor: tensor * 2, (buffer,), RunSettings(dtype="float32"))
     assert doubled(buffer).tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
@@ -406,6 +402,14 @@ def hugging_face_on_gpu(folder, prompts, dtype, pad_to=None, **generate_options)
             row = row[: row.index(tokenizer.eos_token_id) + 1]
         completions.append(row)
     return completions
+
+
+@pytest.fixture
+def gpu_accelerator():
+    """The cuda accelerator, set up for one process."""
+    accelerator = select_accelerator(get_plugin_manager(), "cuda")
+    accelerator.setup(World())
+    return accelerator
 
 
 @pytest.fixture
