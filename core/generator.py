@@ -100,9 +100,11 @@ class Generator:
         self._model_forward = ModelForward(model, world, getattr(torch, run.dtype))
         self._context_limit = context_limit(model.config)
         self.pad_token_id = tokenizer.pad_token_id
+        eos_token_ids = _eos_token_ids(model, tokenizer)
+        self._eos_token_id_set = set(eos_token_ids.tolist())
         self._rules = decoding.TokenRules(
-            sampling=run.sampling, eos_token_ids=_eos_token_ids(model, tokenizer).to(device),
-            pad_token_id=self.pad_token_id, stop_at_eos=not run.ignore_eos,
+            sampling=run.sampling, eos_token_ids=eos_token_ids.to(device), pad_token_id=self.pad_token_id,
+            stop_at_eos=not run.ignore_eos,
         )
 
     # -- public ---------------------------------------------------------------------------------
@@ -255,9 +257,8 @@ class Generator:
     def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:
         """The new tokens up to and including the first EOS (all of them with ignore_eos)."""
         if not self.run.ignore_eos:
-            eos_ids = set(self._rules.eos_token_ids.tolist())
             for position, token in enumerate(row_tokens):
-                if token in eos_ids:
+                if token in self._eos_token_id_set:
                     return row_tokens[: position + 1], "eos"
         return row_tokens, "length"
 
