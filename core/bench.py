@@ -34,9 +34,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from accelgen.errors import UsageError
+from accelgen.api import load_request
+from accelgen.errors import UsageError, first_line
 from accelgen.generator import Generator
 from accelgen.memory_advice import kv_cache_bytes_per_position
+from accelgen.model_source import ModelSource
+from accelgen.models import tokenizer_source
+from accelgen.request import Request
 from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import parameter_bytes
 
@@ -100,8 +104,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, anything else goes on up
         if not accelerator.is_out_of_memory(error):
             raise
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return {"batch_size": batch_size, "status": "oom", "error": message[:300]}
+        return {"batch_size": batch_size, "status": "oom", "error": first_line(error)}
 
     timings = sized.stats.timings[-protocol.runs :]
     decode_seconds_per_token = [timing.seconds_per_decode_step for timing in timings]
@@ -239,9 +242,21 @@ def print_json(document: dict[str, Any]) -> None:
     sys.stdout.write("\n")
 
 
+def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None) -> dict[str, Any] | None:
+    """Load the request's model once, then measure every batch size of ``protocol``; ``report(row)`` is called
+    as each is done. Returns the result document on rank 0 (None on the other ranks of a job)."""
+    started = time.perf_counter()
+    generator = load_request(request)
+    load_seconds = time.perf_counter() - started
+    rows = measure(generator, protocol, report if generator.world.is_main else None)
+    if not generator.world.is_main:
+        return None
+    return result_document(measurement_record(generator, request.model, protocol, rows, label, load_seconds))
+
+
 def measurement_record(
-    generator: Generator, protocol: BenchProtocol, rows: list[dict[str, Any]], *, label: str | None, model_name: str,
-    random_weights: bool, tokenizer_source: str, load_seconds: float,
+    generator: Generator, source: ModelSource, protocol: BenchProtocol, rows: list[dict[str, Any]], label: str | None,
+    load_seconds: float,
 ) -> dict[str, Any]:
     """Everything a result file says about one measured configuration, rows included."""
     hardware = generator.accelerator.describe()
@@ -256,13 +271,13 @@ def measurement_record(
         "graphs": generator.run.use_graphs and generator.capture_failure is None,
         "capture_failure": generator.capture_failure,
         "model": {
-            "name": model_name,
+            "name": source.report_name,
             "architecture": generator.model.config.model_type,
             "parameters": unsharded_bytes // dtype_bytes,
             "parameter_bytes": unsharded_bytes,
             "parameter_bytes_per_rank": parameter_bytes(generator.model),
-            "random_weights": random_weights,
-            "tokenizer": tokenizer_source,
+            "random_weights": source.random_weights,
+            "tokenizer": tokenizer_source(generator.tokenizer),
         },
         "protocol": protocol.as_record(prompt_token_count(generator, protocol.prompt)),
         "environment": environment_facts(),

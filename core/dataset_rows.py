@@ -13,7 +13,7 @@ import os
 import re
 from typing import Iterator
 
-from accelgen.errors import UsageError
+from accelgen.errors import UsageError, first_line
 
 #: Local file suffixes and the ``datasets`` builder that reads them.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -80,7 +80,7 @@ def _load_split(request: DatasetRequest):
         raise
     except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(
-            f"Dataset {request.source!r} not found, or the Hub cannot be reached ({_first_line(error)}): "
+            f"Dataset {request.source!r} not found, or the Hub cannot be reached ({first_line(error)}): "
             f"pass a local JSON, JSONL, CSV or Parquet file, or a folder made by save_to_disk."
         ) from None
     except ValueError as error:
@@ -114,7 +114,7 @@ def _check_column(dataset, request: DatasetRequest) -> None:
 
 
 def _explain_value_error(error: ValueError, request: DatasetRequest) -> str:
-    message = _first_line(error)
+    message = first_line(error)
     split_names = re.search(r"Should be one of \[(.*)\]", str(error))
     if split_names:
         return f"Unknown split {request.split!r}; {request.source!r} has: {split_names.group(1).replace(chr(39), '')}."
@@ -127,8 +127,3 @@ def _explain_value_error(error: ValueError, request: DatasetRequest) -> str:
             return f"Dataset {request.source!r} has several configurations: pass --dataset-config (one of: {available})."
         return f"Unknown --dataset-config {request.config!r} for {request.source!r}; available: {available}."
     return f"Cannot read dataset {request.source!r}: {message}"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -12,3 +12,9 @@ class AccelgenWarning(UserWarning):
 
 class GraphCaptureWarning(AccelgenWarning):
     """The accelerator could not capture the decode step: it runs eagerly (same output, slower)."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message as one short line, for messages that quote it (its type's name if it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__

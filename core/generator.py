@@ -3,7 +3,8 @@
 One ``Generator`` holds a prepared model on one accelerator. For each static shape (bucket length,
 cache length) it keeps a ``DecodeSlot``: the KV cache and the fixed-address buffers the decode step
 reads and writes (``accelgen.decoding``), so a later batch of the same bucket replays the graph
-captured for the first one.
+captured for the first one. The caches of all slots share one storage (``accelgen.kv_cache``), sized
+for the largest cache in use: a generator holds one cache's memory, whatever the prompt lengths it meets.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from accelgen import decoding
-from accelgen.errors import GraphCaptureWarning, UsageError
+from accelgen.errors import GraphCaptureWarning, UsageError, first_line
 from accelgen.hookspecs import Accelerator
-from accelgen.kv_cache import new_static_cache, rewind_static_cache
+from accelgen.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.model_forward import ModelForward
 from accelgen.models import context_limit
 from accelgen.settings import RunSettings, World
@@ -92,11 +93,11 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
-        self.last_bucket_length: int | None = None  # prompt bucket of the latest batch, for memory advice
         self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
         #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
         self.capture_failure = capture_failure
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
+        self._cache_storage: CacheStorage | None = None
         self._model_forward = ModelForward(model, world, getattr(torch, run.dtype))
         self._context_limit = context_limit(model.config)
         self.pad_token_id = tokenizer.pad_token_id
@@ -169,7 +170,6 @@ class Generator:
         bucket_length = decoding.choose_bucket(
             max(len(ids) for ids in prompts), run.buckets, self._context_limit, run.max_new_tokens
         )
-        self.last_bucket_length = bucket_length
         input_ids, prompt_mask = decoding.left_pad(prompts, bucket_length, run.batch_size, self.pad_token_id)
         input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
         prompt_lengths = prompt_mask.sum(-1, keepdim=True)
@@ -211,12 +211,23 @@ class Generator:
 
     # -- internals ------------------------------------------------------------------------------
 
+    @property
+    def cache_length_in_use(self) -> int | None:
+        """Positions per row of the KV cache memory this generator holds (its largest cache), None before any."""
+        return self._cache_storage.capacity if self._cache_storage else None
+
     def _slot(self, bucket_length: int) -> DecodeSlot:
         cache_length = bucket_length + self.run.max_new_tokens
         key = (bucket_length, cache_length)
         if key not in self._slots:
             batch_size = self.run.batch_size
-            cache = new_static_cache(self.model, batch_size, cache_length, self.device, getattr(torch, self.run.dtype))
+            if self._cache_storage is None or cache_length > self._cache_storage.capacity:
+                # the slots' caches (and the graphs captured on them) live in the storage that goes: drop them first
+                self._slots.clear()
+                self._cache_storage = None
+                self._cache_storage = CacheStorage(batch_size, cache_length)
+            cache = new_static_cache(self.model, cache_length, getattr(torch, self.run.dtype), self.device,
+                                     self._cache_storage)
             self._slots[key] = DecodeSlot(
                 cache=cache,
                 state=decoding.DecodeState.allocate(batch_size, cache_length, self.run.max_new_tokens, self.device),
@@ -242,7 +253,7 @@ class Generator:
         except Exception as error:  # noqa: BLE001 - see the docstring
             if self.accelerator.is_out_of_memory(error):
                 raise
-            self.capture_failure = _first_line(error)
+            self.capture_failure = first_line(error)
             warnings.warn(
                 f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
                 f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
@@ -274,12 +285,6 @@ class Generator:
             prompt_token_count=len(prompt_token_ids),
             finish_reason=finish_reason,
         )
-
-
-def _first_line(error: BaseException) -> str:
-    """An exception as one short line: its first line of text, else its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:

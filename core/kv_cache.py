@@ -1,36 +1,95 @@
-"""The static KV cache: Hugging Face's ``StaticCache``, across the transformers releases we support.
+"""The static KV cache: Hugging Face's ``StaticCache``, across the transformers releases we support, with the
+memory of a generator's caches held once.
 
-transformers >= 4.56 allocates each layer on its first write (so the head count comes from the model
-as it runs, tensor-parallel shards and multi-query attention included) and keeps its own write
-position in a tensor. transformers 4.55 allocates every layer up front from the config, which gets
-the head count wrong for multi-query models (Falcon) and sharded ones, and writes at the
-``cache_position`` the model is given: there we size each layer from one probe forward pass.
-The helpers below hide those differences from the generation loop.
+A generator keeps one cache per static shape (prompt bucket), so that each shape's captured graph finds
+its cache at the same addresses. Their memory is one :class:`CacheStorage`: per layer, one flat buffer
+for keys and one for values, as large as the largest cache in use; every cache views the beginning of
+it. Only one batch runs at a time and each starts by resetting its cache, so caches that share memory
+never disturb each other, and a generator that meets every bucket holds one cache's worth of memory.
+
+transformers >= 4.56 allocates each layer on its first write (the head count comes from the model as it
+runs, tensor-parallel shards and multi-query attention included) and keeps its own write position in a
+tensor: there the release initialises the layer as it always does, only with nothing to allocate, and the
+layer is then handed its views. transformers 4.55 allocates every layer up front from the config, which
+gets the head count wrong for multi-query models (Falcon) and sharded ones, and writes at the
+``cache_position`` the model is given: there each layer is sized from one probe forward pass.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from transformers import DynamicCache, StaticCache
 
 
+class CacheStorage:
+    """The memory behind a generator's caches: ``capacity`` positions of ``batch_size`` rows per layer."""
+
+    def __init__(self, batch_size: int, capacity: int):
+        self.batch_size, self.capacity = batch_size, capacity
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def view(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed, contiguous ``shape`` [B, heads, L, head_dim] at the start of the layer's ``kind`` ("keys" or
+        "values") buffer, allocated for ``capacity`` positions on first use."""
+        batch_size, heads, length, head_dim = shape
+        if length > self.capacity:
+            raise ValueError(f"a cache of {length} positions does not fit a storage of {self.capacity}")
+        buffer = self._buffers.get((layer, kind))
+        if buffer is None:
+            buffer = torch.zeros(batch_size * heads * self.capacity * head_dim, dtype=dtype, device=device)
+            self._buffers[(layer, kind)] = buffer
+        view = buffer[: math.prod(shape)].view(shape)
+        view.zero_()
+        return view
+
+    @property
+    def bytes(self) -> int:
+        """Bytes allocated so far."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
+
 def new_static_cache(
-    model: torch.nn.Module, batch_size: int, max_cache_len: int, device: torch.device, dtype: torch.dtype
+    model: torch.nn.Module, max_cache_len: int, dtype: torch.dtype, device: torch.device, storage: CacheStorage
 ) -> StaticCache:
-    """A cache holding ``max_cache_len`` positions for ``batch_size`` rows of ``model``."""
+    """A cache holding ``max_cache_len`` positions for ``storage.batch_size`` rows of ``model``, in ``storage``."""
+    batch_size = storage.batch_size
     if "max_cache_len" in inspect.signature(StaticCache.__init__).parameters:
-        return StaticCache(config=model.config, max_cache_len=max_cache_len)
-    cache = StaticCache(
-        config=model.config, max_batch_size=batch_size, max_cache_len=max_cache_len, device=device, dtype=dtype
-    )
-    for layer, (heads, key_dim, value_dim) in zip(cache.layers, _key_value_shapes(model, device)):
-        layer.keys = torch.zeros((batch_size, heads, max_cache_len, key_dim), dtype=dtype, device=device)
-        layer.values = torch.zeros((batch_size, heads, max_cache_len, value_dim), dtype=dtype, device=device)
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        for index, layer in enumerate(cache.layers):
+            _draw_from(storage, index, layer)
+        return cache
+    # transformers 4.55 allocates here: one position (0 would read as "unset"), replaced by the storage's views
+    cache = StaticCache(config=model.config, max_batch_size=batch_size, max_cache_len=1, device=device, dtype=dtype)
+    for index, (layer, (heads, key_dim, value_dim)) in enumerate(zip(cache.layers, _key_value_shapes(model, device))):
+        layer.max_cache_len = max_cache_len
+        layer.keys = storage.view(index, "keys", (batch_size, heads, max_cache_len, key_dim), dtype, device)
+        layer.values = storage.view(index, "values", (batch_size, heads, max_cache_len, value_dim), dtype, device)
         torch._dynamo.mark_static_address(layer.keys)
         torch._dynamo.mark_static_address(layer.values)
     return cache
+
+
+def _draw_from(storage: CacheStorage, index: int, layer) -> None:
+    """Make a lazily allocated layer (transformers >= 4.56) take its keys and values from ``storage``."""
+    initialize = layer.lazy_initialization
+
+    def lazy_initialization(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        max_cache_len, layer.max_cache_len = layer.max_cache_len, 0
+        try:
+            initialize(key_states, value_states)  # every attribute set as this release sets it; nothing allocated
+        finally:
+            layer.max_cache_len = max_cache_len
+        batch_size, heads = key_states.shape[:2]
+        dtype, device = key_states.dtype, key_states.device
+        layer.keys = storage.view(index, "keys", (batch_size, heads, max_cache_len, key_states.shape[-1]), dtype, device)
+        layer.values = storage.view(index, "values", (batch_size, heads, max_cache_len, value_states.shape[-1]), dtype, device)
+        torch._dynamo.mark_static_address(layer.keys)
+        torch._dynamo.mark_static_address(layer.values)
+
+    layer.lazy_initialization = lazy_initialization
 
 
 def _key_value_shapes(model: torch.nn.Module, device: torch.device) -> list[tuple[int, int, int]]:

@@ -1,24 +1,30 @@
-"""Starting the worker processes of a tensor-parallel job with torch's elastic launcher (torchrun).
+"""Starting the worker processes of a tensor-parallel job, and how a failing one ends the job.
 
-``accelgen run --world-size N`` calls :func:`launch_workers`, which runs ``python -m accelgen.cli run
-...`` N times (``N / nnodes`` on this node) under ``torch.distributed.run``: the launcher's agent sets
-RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of
-them when one fails or when it is interrupted. Workers report a failure through the error file the
-agent gives them (:func:`record_worker_failure`), so the launcher can print it as one line.
+``accelgen run --world-size N`` calls :func:`launch_job`, which checks what can be checked before any
+process starts, then runs ``python -m accelgen.cli run ...`` N times (``N / nnodes`` on this node) with the
+device's own launcher or under ``torch.distributed.run``: the launcher's agent sets RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of them when one fails or
+when it is interrupted. Workers report a failure through the error file the agent gives them
+(:func:`record_worker_failure`), so the launcher can print it as one line. ``ACCELGEN_FAULT_RANK=N``
+makes rank N fail after loading, to drill exactly that (:func:`inject_fault_if_asked`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from accelgen.errors import UsageError
-from accelgen.settings import LaunchPlan
+from accelgen.settings import LaunchPlan, World
+
+if TYPE_CHECKING:
+    from accelgen.request import Request
 
 #: Set by torch's elastic launcher in every worker it starts.
 WORKER_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -44,6 +50,37 @@ def check_port_free(address: str, port: int) -> None:
             raise UsageError(
                 f"Cannot use --master-port {port} on {address}: {error.strerror or error}; pass a free port."
             ) from None
+
+
+def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> LaunchPlan:
+    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank``."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {world_size}).")
+    if nnodes < 1 or world_size % nnodes:
+        raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank}).")
+    port = master_port or (free_port() if nnodes == 1 else 29500)
+    if node_rank == 0:
+        check_port_free(master_addr, port)
+    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
+
+
+def launch_job(request: "Request", plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
+    """Check that the job can start (devices on this node, a model whose heads split over the ranks), then
+    start this node's ranks, each running ``accelgen <worker_argv>``; return the job's exit status."""
+    from accelgen.tensor_parallel import check_shardable
+
+    accelerator = request.accelerator
+    if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
+        raise UsageError(
+            f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
+            f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
+        )
+    check_shardable(request.model.config(), plan.world_size)
+    for name, value in accelerator.worker_environment(plan).items():
+        os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
+    return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))
 
 
 def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> int:
@@ -132,3 +169,24 @@ def record_worker_failure(error: BaseException) -> bool:
 
     ErrorHandler().record_exception(error)
     return True
+
+
+def end_worker_process(status: int) -> NoReturn:
+    """End a launched worker, its work done, without tearing the interpreter down.
+
+    DeepSpeed's layers keep torch's gloo process groups alive until the interpreter finalizes, and a gloo
+    worker thread may then still be releasing the tensors of a finished collective: it cannot take the GIL
+    of a finalizing interpreter, and the process aborts ("terminate called without an active exception",
+    SIGABRT; pytorch/pytorch#190489, seen here in about one job in ten). Python's exit handlers run first
+    and the output is flushed, so nothing the worker wrote or registered is lost."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def inject_fault_if_asked(world: World) -> None:
+    """The failure drill: with ``ACCELGEN_FAULT_RANK=N``, rank N fails here (after loading its model)."""
+    fault_rank = os.environ.get("ACCELGEN_FAULT_RANK")
+    if fault_rank is not None and int(fault_rank) == world.rank:
+        raise RuntimeError(f"injected fault on rank {world.rank} (ACCELGEN_FAULT_RANK={fault_rank})")

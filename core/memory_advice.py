@@ -2,18 +2,25 @@
 
 Estimated from the model's shape and the device's total memory (``memory_stats()["total_bytes"]``):
 per rank, the weights, then per sequence its KV cache (keys and values of every layer for the cache
-length) plus the activations of a prefill over the prompt bucket. The estimate leaves 10% of the
+length: the generator's one cache, which every bucket shares, sized for the largest bucket met) plus
+the activations of a prefill over the prompt bucket. The estimate leaves 10% of the
 device to the runtime and allocator, so it errs on the side of fitting.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
 from accelgen.settings import DTYPE_BYTES
-from accelgen.tensor_parallel import attention_head_counts
+from accelgen.tensor_parallel import attention_head_counts, parameter_bytes
+
+if TYPE_CHECKING:
+    from accelgen.generator import Generator
+    from accelgen.request import Request
 
 GIB = 1024**3
 USABLE_SHARE = 0.9
@@ -34,6 +41,27 @@ def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int,
     kv_cache = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
     activations = cache_length * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
     return kv_cache + activations
+
+
+def out_of_memory_line(request: "Request", generator: "Generator | None", kept_output: str | None = None) -> str:
+    """Running out of memory as one line, with a batch size or world size that would fit; ``generator`` is
+    None when the weights themselves did not fit, ``kept_output`` the file holding the rows finished so far."""
+    run, world = request.run, request.world
+    config = request.model.config()
+    cache_length = min(run.buckets) + run.max_new_tokens
+    if generator is not None:
+        weight_bytes_per_rank = parameter_bytes(generator.model)
+        cache_length = generator.cache_length_in_use or cache_length  # the one cache all buckets share
+    else:
+        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype) // world.size
+    advice = out_of_memory_advice(
+        config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,
+        world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
+        total_bytes=request.accelerator.memory_stats().get("total_bytes"),
+    )
+    kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
+    return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
+            f"{world.size}{kept}: {advice}")
 
 
 def out_of_memory_advice(

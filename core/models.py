@@ -11,10 +11,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from accelgen.errors import UsageError
+from accelgen.errors import UsageError, first_line
 
 #: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
+#: What reports and run records call it.
+BUILT_IN_NAME = "accelgen built-in default"
 
 # transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
 _TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
@@ -55,9 +57,8 @@ def loading_errors_as_usage_errors(source: str):
     try:
         yield
     except (OSError, ValueError, KeyError, ImportError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UsageError(
-            f"Cannot load model {source!r}: {reason} (pass a local folder, or a Hub id reachable from here; "
+            f"Cannot load model {source!r}: {first_line(error)} (pass a local folder, or a Hub id reachable from here; "
             f"models with custom code need --trust-remote-code)"
         ) from error
 
@@ -70,14 +71,16 @@ def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code:
 
 
 def load_model(
-    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False
+    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False,
+    config: transformers.PretrainedConfig | None = None,
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Model (eval mode, ``dtype``, on CPU) and tokenizer; the built-in default model when None.
+    ``config`` is the model's, when already loaded.
 
     Raises UsageError with a one-line reason when the path is missing or the model cannot be loaded.
     """
     # The config first: a Hub id that cannot be reached fails there once, not again for each file.
-    config = load_config(model_name_or_path, trust_remote_code)
+    config = config or load_config(model_name_or_path, trust_remote_code)
     source = model_source(model_name_or_path)
     with loading_errors_as_usage_errors(source):
         tokenizer = load_tokenizer(source, trust_remote_code)
@@ -85,6 +88,12 @@ def load_model(
             source, config=config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
         )
     return model.eval(), tokenizer
+
+
+def tokenizer_source(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Where ``tokenizer`` came from, for reports: its folder or Hub id, or the built-in model's."""
+    path = tokenizer.name_or_path
+    return BUILT_IN_NAME if path == str(DEFAULT_MODEL) else path
 
 
 def context_limit(config: transformers.PretrainedConfig) -> int | None:

@@ -69,13 +69,13 @@ def build_random_model(
     return model.eval()
 
 
-def tokenizer_for(name: str, trust_remote_code: bool = False) -> tuple[PreTrainedTokenizerBase, str]:
-    """(tokenizer, where it came from) for a random-weight model: the model's own when ``name`` is a
-    folder or Hub id that has one, else the built-in default model's (only the prompt's length in
-    tokens matters for timing, and it is recorded with the results)."""
+def tokenizer_for(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer for a random-weight model: the model's own when ``name`` is a folder or Hub id that
+    has one, else the built-in default model's (only the prompt's length in tokens matters for timing,
+    and where the tokenizer came from is recorded with the results: ``accelgen.models.tokenizer_source``)."""
     if built_in_config_name(name) is None and not name.endswith(".json"):
         try:
-            return load_tokenizer(os.path.expanduser(name), trust_remote_code), name
+            return load_tokenizer(os.path.expanduser(name), trust_remote_code)
         except (OSError, ValueError):
             pass
-    return load_tokenizer(str(DEFAULT_MODEL)), "accelgen built-in default"
+    return load_tokenizer(str(DEFAULT_MODEL))

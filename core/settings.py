@@ -26,7 +26,7 @@ class SamplingSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-    """What a generation run asks of the core and of the accelerator."""
+    """What a generation run asks of the core and of the accelerator (built by ``accelgen.request``)."""
 
     dtype: str
     batch_size: int = 1
@@ -36,7 +36,13 @@ class RunSettings:
     use_graphs: bool = False
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
-    trust_remote_code: bool = False
+
+    def output_deciding(self) -> dict:
+        """The settings that decide what a run writes (graph capture does not), flat, as JSON values."""
+        settings = dataclasses.asdict(self)
+        sampling = settings.pop("sampling")
+        del settings["use_graphs"]
+        return {**settings, "buckets": list(self.buckets), **sampling}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +52,17 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1  # ranks on this node
 
     @classmethod
     def from_environment(cls) -> "World":
-        """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher."""
+        """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher: the only
+        place that reads them; everything else is handed this object."""
         return cls(
             rank=int(os.environ.get("RANK", 0)),
             size=int(os.environ.get("WORLD_SIZE", 1)),
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            local_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))),
         )
 
     @property

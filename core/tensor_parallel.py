@@ -121,8 +121,3 @@ def gather_from_ranks(value, world: World) -> list:
     values = [None] * world.size
     torch.distributed.all_gather_object(values, value)
     return values
-
-
-def local_world_size() -> int:
-    """Ranks on this node, as set by torch's elastic launcher (or DeepSpeed's)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))

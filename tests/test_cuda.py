@@ -144,34 +144,11 @@ def test_out_of_memory_errors_are_recognised():
     assert not accelerator.is_out_of_memory(ValueError("out of memory"))
 
 
-def test_kernel_injection_is_opt_in(monkeypatch):
-    """shard() asks DeepSpeed for its fused kernels only when ACCELGEN_CUDA_KERNEL_INJECT is set."""
-    asked = []
-
-    class ShardedModel:
-        def to(self, device):
-            return self
-
-    def fake_shard_with_deepspeed(model, world, dtype, **options):
-        asked.append(options)
-        return ShardedModel()
-
-    monkeypatch.setattr("accelgen.tensor_parallel.shard_with_deepspeed", fake_shard_with_deepspeed)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    run = RunSettings(dtype="bfloat16")
-    world = World(rank=0, size=2)
-    CudaAccelerator().shard(object(), world, run)
-    monkeypatch.setenv("ACCELGEN_CUDA_KERNEL_INJECT", "1")
-    CudaAccelerator().shard(object(), world, run)
-    assert asked == [{"replace_with_kernel_inject": False}, {"replace_with_kernel_inject": True}]
-
-
-def test_a_rank_of_several_leaves_the_whole_model_on_the_host(monkeypatch):
+def test_a_rank_of_several_leaves_the_whole_model_on_the_host():
     """Under tensor parallelism each GPU receives only its shard: prepare_model does not move the model."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
     model = torch.nn.Linear(2, 2)
-    assert CudaAccelerator().prepare_model(model, RunSettings(dtype="float32")) is model
-    assert model.weight.device.type == "cpu"
+    prepared = CudaAccelerator().prepare_model(model, torch.device("cuda", 0), RunSettings(dtype="float32"), World(size=2))
+    assert prepared is model and model.weight.device.type == "cpu"
 
 
 #: Operations that show the captured step is the whole decode step, not only the forward pass: the token choice
@@ -446,16 +423,11 @@ class HostSyncRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CaptureEmulatingCpu:
+class CaptureEmulatingCpu(accelgen.Accelerator):
     """A CPU accelerator whose capture runs the step once with transformers believing a CUDA capture is on."""
 
     name = "cpu"
-    dist_backend = "gloo"
-    supported_dtypes = ("float32",)
-    default_dtype = "float32"
     captures_by_default = True
-    priority = 0
-    one_process_per_device = False
 
     def __init__(self, recorder):
         self.recorder = recorder
@@ -466,9 +438,6 @@ class CaptureEmulatingCpu:
     def setup(self, world):
         return torch.device("cpu")
 
-    def prepare_model(self, model, run):
-        return model
-
     def capture(self, step, example_inputs, run):
         capturing = torch.cuda.is_current_stream_capturing
         torch.cuda.is_current_stream_capturing = lambda: True  # what transformers asks before a host sync
@@ -478,12 +447,6 @@ class CaptureEmulatingCpu:
         finally:
             torch.cuda.is_current_stream_capturing = capturing
         return step
-
-    def mark_step(self):
-        pass
-
-    def synchronize(self):
-        pass
 
 
 def free_port() -> int:

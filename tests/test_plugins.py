@@ -1,5 +1,6 @@
 """The plugin system: built-ins and third-party plugins through one pluggy manager."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,10 @@ from accelgen.plugins import DEFAULT_PLUGINS, get_plugin_manager
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-class UnavailableAccelerator:
+class UnavailableAccelerator(accelgen.Accelerator):
     """A device whose software stack is missing, as hpu is on a laptop."""
 
     name = "npu"
-    dist_backend = "gloo"
     supported_dtypes = ("bfloat16",)
     default_dtype = "bfloat16"
     captures_by_default = True
@@ -31,8 +31,8 @@ class UnavailableAccelerator:
     def unavailable_reason(self):
         return "NPU runtime not installed (pip install npu-runtime)"
 
-    def device_count(self):
-        return 0
+    def setup(self, world):
+        raise AssertionError("an unavailable device is never set up")
 
 
 class Plugin:
@@ -98,13 +98,9 @@ def test_auto_device_skips_unavailable_accelerators():
 def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_model_folder):
     captured = []
 
-    class RecordingCpu:
+    class RecordingCpu(accelgen.Accelerator):
         name = "cpu"
-        dist_backend = "gloo"
-        supported_dtypes = ("float32",)
-        default_dtype = "float32"
         captures_by_default = True
-        priority = 0
 
         def is_available(self):
             return True
@@ -112,18 +108,9 @@ def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_mo
         def setup(self, world):
             return torch.device("cpu")
 
-        def prepare_model(self, model, run):
-            return model
-
         def capture(self, step, example_inputs, run):
             captured.append(tuple(tensor.shape for tensor in example_inputs))
             return step
-
-        def mark_step(self):
-            pass
-
-        def synchronize(self):
-            pass
 
     plugin_manager = get_plugin_manager(load_entry_points=False)
     plugin_manager.register(Plugin(RecordingCpu()))
@@ -179,5 +166,104 @@ def test_third_party_plugin_package_runs_the_whole_pipeline(tmp_path, tiny_model
     assert "graph captures: 1" in result.stderr
     expected = accelgen.generate(["Hello", "DeepSpeed is"], model=tiny_model_folder("gpt2"), device="cpu",
                                  batch_size=2, max_new_tokens=6)
-    assert output.read_text().count("\n") == 2
-    assert [c.completion for c in expected][0] in result.stdout
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["completion_token_ids"] for row in written] == [c.completion_token_ids for c in expected]
+    assert all(row["completion_token_ids"] for row in written)
+
+
+# -- broken plugins: refused with one line, never silent, the other devices still work ------------------
+
+
+class HalfWrittenAccelerator(accelgen.Accelerator):
+    """A plugin author's first draft: a name and availability, but no setup()."""
+
+    name = "npu"
+
+    def is_available(self):
+        return True
+
+
+class OldStyleAccelerator:
+    """Written against a protocol, not the base class, and missing most of it."""
+
+    name = "tpu"
+
+    def is_available(self):
+        return True
+
+
+class WrongDtypes(UnavailableAccelerator):
+    name = "xpu"
+    supported_dtypes = ("bfloat16", "float8")
+    default_dtype = "float16"
+
+
+@pytest.mark.parametrize("accelerator, device, problem", [
+    (HalfWrittenAccelerator(), "npu", "registers HalfWrittenAccelerator, which does not define setup (required of every accelerator)"),
+    (OldStyleAccelerator(), "tpu", "registers OldStyleAccelerator, which lacks dist_backend, supported_dtypes, "),
+    (WrongDtypes(), "xpu", "registers 'xpu' with supported_dtypes ('bfloat16', 'float8') and default_dtype 'float16'"),
+])
+def test_a_broken_accelerator_is_refused_at_registration_with_one_line(accelerator, device, problem, capsys):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(Plugin(accelerator), name="my_plugin")
+
+    assert main(["devices"], plugin_manager) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [broken] = [line for line in lines if line.startswith("broken")]
+    assert broken.startswith("broken   plugin my_plugin (") and problem in broken  # its package: this test's
+    assert any(line.startswith("cpu ") and "available" in line for line in lines)  # the others still work
+
+    assert main(["run", "--device", device, "--prompt", "hi"], plugin_manager) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"accelgen: error: --device {device} cannot be used: plugin my_plugin")
+    assert problem in error
+
+
+def test_a_plugin_whose_hook_raises_is_set_aside_and_the_others_work(tiny_model_folder, capsys):
+    class RaisingPlugin:
+        @accelgen.hookimpl
+        def accelgen_register_accelerators(self, register):
+            raise RuntimeError("driver library libnpu.so not found")
+
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(RaisingPlugin(), name="raising_plugin")
+    assert list(registered_accelerators(plugin_manager)) == ["hpu", "cuda", "cpu"]
+    assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("gpt2")), "--prompt", "hi",
+                 "--max-new-tokens", "2"], plugin_manager) == 0
+    assert main(["devices"], plugin_manager) == 0
+    assert ("broken   plugin raising_plugin (package unknown): accelgen_register_accelerators raised RuntimeError: "
+            "driver library libnpu.so not found") in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_installed_plugin_that_fails_to_import_is_shown_with_its_error(tmp_path, tiny_model_folder, cli_environment):
+    """The most reported plugin problem elsewhere: an entry point whose import fails, skipped without a word."""
+    package = tmp_path / "accelgen-broken-device"
+    package.mkdir()
+    (package / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "accelgen-broken-device"\nversion = "0.3.0"\n\n'
+        '[project.entry-points.accelgen]\nbroken_device = "accelgen_broken_device"\n'
+    )
+    (package / "accelgen_broken_device.py").write_text("import vendor_runtime_that_is_not_installed\n")
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(package)], check=True)
+    environment = dict(cli_environment, PYTHONPATH=str(target))
+
+    devices = subprocess.run([sys.executable, "-m", "accelgen.cli", "devices"], env=environment,
+                             capture_output=True, text=True)
+    assert devices.returncode == 0, devices.stderr
+    assert ("broken   plugin broken_device (accelgen-broken-device 0.3.0): cannot be loaded: ModuleNotFoundError: "
+            "No module named 'vendor_runtime_that_is_not_installed'") in devices.stdout
+    assert any(line.startswith("cpu ") for line in devices.stdout.splitlines())
+
+    unknown = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "broken", "--prompt", "hi"],
+                             env=environment, capture_output=True, text=True)
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "Traceback" not in unknown.stderr
+    assert "Plugins that could not be used: broken_device (accelgen-broken-device 0.3.0): cannot be loaded" in unknown.stderr
+
+    works = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model",
+                            str(tiny_model_folder("gpt2")), "--prompt", "hi", "--max-new-tokens", "2"],
+                           env=environment, capture_output=True, text=True)
+    assert works.returncode == 0, works.stderr

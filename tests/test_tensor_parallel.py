@@ -167,22 +167,17 @@ def free_port():
         return probe.getsockname()[1]
 
 
-class OneGpuAccelerator:
+class OneGpuAccelerator(accelgen.Accelerator):
     """A device with one card per rank and only one card here."""
 
     name = "onecard"
-    dist_backend = "gloo"
-    supported_dtypes = ("float32",)
-    default_dtype = "float32"
-    captures_by_default = False
-    priority = 0
     one_process_per_device = True
 
     def is_available(self):
         return True
 
-    def device_count(self):
-        return 1
+    def setup(self, world):
+        raise AssertionError("the launch is refused before any rank starts")
 
 
 @accelgen.hookimpl

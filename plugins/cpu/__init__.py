@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.hookspecs import hookimpl
-from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen.hookspecs import Accelerator, hookimpl
+from accelgen.settings import RunSettings, World
 
 
 @hookimpl
@@ -18,7 +18,7 @@ def accelgen_register_accelerators(register):
     register(CpuAccelerator())
 
 
-class CpuAccelerator:
+class CpuAccelerator(Accelerator):
     name = "cpu"
     dist_backend = "gloo"
     supported_dtypes = ("float32", "bfloat16")
@@ -32,22 +32,13 @@ class CpuAccelerator:
     def is_available(self) -> bool:
         return True
 
-    def unavailable_reason(self) -> str:
-        return "never: the CPU is always available"
-
-    def device_count(self) -> int:
-        return 1
-
     def setup(self, world: World) -> torch.device:
         return torch.device("cpu")
 
-    def prepare_model(self, model: torch.nn.Module, run: RunSettings) -> torch.nn.Module:
-        return model.to("cpu")  # already in run.dtype: a blanket cast would also round fp32 buffers (RoPE)
-
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.tensor_parallel import local_world_size, shard_with_deepspeed
+        from accelgen.tensor_parallel import shard_with_deepspeed
 
-        _prepare_deepspeed_shared_memory_all_reduce(world, local_world_size())
+        _prepare_deepspeed_shared_memory_all_reduce(world)
         return shard_with_deepspeed(model, world, run.dtype)
 
     def capture(
@@ -57,12 +48,6 @@ class CpuAccelerator:
         compiled_step = torch.compile(step, dynamic=False, fullgraph=False)
         compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
         return compiled_step
-
-    def mark_step(self) -> None:
-        pass  # eager: every operation has already run
-
-    def synchronize(self) -> None:
-        pass  # CPU work is finished when the call returns
 
     def memory_stats(self) -> dict[str, int]:
         # ru_maxrss is in KiB on Linux: the process's peak resident memory, weights and caches included.
@@ -74,9 +59,6 @@ class CpuAccelerator:
         return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
             isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
         )
-
-    def launch_command(self, worker_argv: list[str], plan: LaunchPlan) -> None:
-        return None  # torch's elastic launcher
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -90,15 +72,15 @@ class CpuAccelerator:
         }
 
 
-def _prepare_deepspeed_shared_memory_all_reduce(world: World, ranks_on_this_node: int) -> None:
+def _prepare_deepspeed_shared_memory_all_reduce(world: World) -> None:
     """DeepSpeed's CPU all-reduce uses a shared-memory kernel when all ranks share a machine, which it
     learns from LOCAL_SIZE, set by DeepSpeed's launcher but not torch's. Without it the kernel runs
     uninitialised and the rank dies with SIGSEGV (DeepSpeed 0.19.8). So: name the local ranks on one
     node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
     import deepspeed.ops
 
-    if ranks_on_this_node == world.size:
-        os.environ["LOCAL_SIZE"] = str(ranks_on_this_node)
+    if world.local_size == world.size:
+        os.environ["LOCAL_SIZE"] = str(world.local_size)
     else:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 

@@ -11,12 +11,10 @@ captured into the graph too: none of them waits for the host.
 A step that cannot be captured (it reads a device value on the host, or copies host data in) makes
 ``capture`` raise with the step's own error; the core then runs that step eagerly, with one warning.
 
-Settings read from the environment:
+DeepSpeed's fused inference kernels (``replace_with_kernel_inject=True``) are not used: they keep a KV
+cache of their own and would ignore the static cache the captured step writes and reads.
 
-``ACCELGEN_CUDA_KERNEL_INJECT=1``
-    Under tensor parallelism, shard with DeepSpeed's fused inference kernels
-    (``replace_with_kernel_inject=True``) instead of plain AutoTP. Off by default: those kernels keep
-    their own KV cache and have not been checked against Hugging Face's output here.
+Settings read from the environment:
 
 ``ACCELGEN_CUDA_COMPILE=1`` (or an inductor mode, e.g. ``max-autotune-no-cudagraphs``)
     Compile the decode step with ``torch.compile`` (inductor fuses the small elementwise kernels: layer
@@ -34,12 +32,11 @@ from typing import Any, Callable
 import torch
 
 from accelgen.errors import UsageError
-from accelgen.hookspecs import hookimpl
-from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen.hookspecs import Accelerator, hookimpl
+from accelgen.settings import RunSettings, World
 from accelgen_cuda.gpus import known_gpu_peaks
 from accelgen_cuda.graph_pool import SharedGraphPool
 
-KERNEL_INJECT_VARIABLE = "ACCELGEN_CUDA_KERNEL_INJECT"
 COMPILE_VARIABLE = "ACCELGEN_CUDA_COMPILE"
 #: torch.compile modes that capture CUDA graphs of their own, inside the one this plugin captures: refused.
 _GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -56,7 +53,7 @@ def accelgen_register_accelerators(register):
     register(CudaAccelerator())
 
 
-class CudaAccelerator:
+class CudaAccelerator(Accelerator):
     name = "cuda"
     dist_backend = "nccl"
     supported_dtypes = ("bfloat16", "float16", "float32")
@@ -94,17 +91,16 @@ class CudaAccelerator:
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
 
-    def prepare_model(self, model: torch.nn.Module, run: RunSettings) -> torch.nn.Module:
-        if World.from_environment().size > 1:
+    def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings, world: World) -> torch.nn.Module:
+        if world.size > 1:
             return model  # stays in host memory: each rank moves only its shard to its GPU (see shard)
         # already in run.dtype: a blanket cast would also round the fp32 buffers (RoPE frequencies)
-        return model.to(_current_device())
+        return model.to(device)
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.tensor_parallel import shard_with_deepspeed
 
-        kernel_inject = os.environ.get(KERNEL_INJECT_VARIABLE, "0") not in ("", "0")
-        sharded = shard_with_deepspeed(model, world, run.dtype, replace_with_kernel_inject=kernel_inject)
+        sharded = shard_with_deepspeed(model, world, run.dtype)
         # DeepSpeed moves the sharded layers to the current GPU; the vocabulary slices are made after it
         return sharded.to(_current_device())
 
@@ -120,9 +116,6 @@ class CudaAccelerator:
         captured = CapturedStep(graph, output, example_inputs)
         self._graph_pool.register(captured)
         return captured
-
-    def mark_step(self) -> None:
-        pass  # eager: kernels are already queued on the stream
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -141,9 +134,6 @@ class CudaAccelerator:
         return isinstance(error, torch.OutOfMemoryError) or (
             isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error)
         )
-
-    def launch_command(self, worker_argv: list[str], plan: LaunchPlan) -> None:
-        return None  # torch's elastic launcher, one rank per GPU
 
     def describe(self) -> dict[str, Any]:
         device_name = torch.cuda.get_device_name() if self.is_available() else None

@@ -14,7 +14,9 @@ How a run goes on Gaudi:
 - capture: the decode step is wrapped in an HPU graph (``wrap_in_hpu_graph_func``) once per bucket.
 - mark_step: ``htcore.mark_step()`` after every forward pass, which hands the queued graph to the card.
 - shard: DeepSpeed-Inference AutoTP (``deepspeed.init_inference``), Habana's DeepSpeed fork on Gaudi.
-- launch: DeepSpeed's launcher starts one rank per card, as Habana's inference guides do.
+- launch: DeepSpeed's launcher starts one rank per card, as Habana's inference guides do, with
+  ``PT_HPU_ENABLE_LAZY_COLLECTIVES=true`` in every rank's environment (Habana requires it for HPU graphs
+  together with DeepSpeed tensor parallelism; a job started by hand must set it too).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from accelgen.errors import UsageError
-from accelgen.hookspecs import hookimpl
+from accelgen.hookspecs import Accelerator, hookimpl
 from accelgen.settings import LaunchPlan, RunSettings, World
 from accelgen_hpu import bridge
 
@@ -40,7 +42,7 @@ def accelgen_register_accelerators(register):
     register(HpuAccelerator())
 
 
-class HpuAccelerator:
+class HpuAccelerator(Accelerator):
     name = "hpu"
     dist_backend = "hccl"
     supported_dtypes = ("bfloat16", "float32")
@@ -66,11 +68,7 @@ class HpuAccelerator:
         if world.size > 1:
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  registers the "hccl" backend
         # Each rank owns one card (Habana's launcher and DeepSpeed's give every process its own module).
-        return bridge.torch_device(hpu)
-
-    def prepare_model(self, model: torch.nn.Module, run: RunSettings) -> torch.nn.Module:
-        _, hpu = bridge.import_bridge()
-        return model.to(bridge.torch_device(hpu))  # already in run.dtype; fp32 buffers (RoPE) stay fp32
+        return bridge.torch_device()
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.tensor_parallel import shard_with_deepspeed
@@ -112,6 +110,9 @@ class HpuAccelerator:
         return isinstance(error, torch.OutOfMemoryError) or (
             isinstance(error, RuntimeError) and OUT_OF_MEMORY_TEXT in str(error)
         )
+
+    def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
+        return {"PT_HPU_ENABLE_LAZY_COLLECTIVES": "true"}  # HPU graphs with DeepSpeed tensor parallelism
 
     def launch_command(self, worker_argv: list[str], plan: LaunchPlan) -> list[str]:
         """DeepSpeed's launcher, one rank per card of this node (``deepspeed --num_gpus N``): it sets RANK,

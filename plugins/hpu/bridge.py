@@ -35,14 +35,9 @@ GAUDI_GENERATIONS = (
 
 
 def import_bridge() -> tuple[ModuleType, ModuleType]:
-    """``(habana_frameworks.torch.core, habana_frameworks.torch.hpu)``, imported in lazy mode by default.
-
-    Ranks of a multi-card job also get ``PT_HPU_ENABLE_LAZY_COLLECTIVES=true``, which Habana requires
-    for HPU graphs together with DeepSpeed tensor parallelism. Both are defaults: a value the user set wins.
-    """
+    """``(habana_frameworks.torch.core, habana_frameworks.torch.hpu)``, imported in lazy mode unless the
+    user set ``PT_HPU_LAZY_MODE`` otherwise."""
     os.environ.setdefault("PT_HPU_LAZY_MODE", "1")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        os.environ.setdefault("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true")
     import habana_frameworks.torch.core as htcore
     import habana_frameworks.torch.hpu as hpu
 
@@ -63,12 +58,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def torch_device(hpu: ModuleType) -> torch.device:
-    """The device tensors are placed on: ``hpu``, which importing the bridge registers with torch.
-
-    The bridge's test double (tests/habana_double) cannot register a device, so it names the CPU in
-    ``DEVICE_TYPE_FOR_TESTS``; the real bridge has no such attribute."""
-    return torch.device(getattr(hpu, "DEVICE_TYPE_FOR_TESTS", "hpu"))
+def torch_device() -> torch.device:
+    """The device tensors are placed on: ``hpu``, which importing the bridge registers with torch."""
+    return torch.device("hpu")
 
 
 def generation_facts(device_name: str) -> dict:

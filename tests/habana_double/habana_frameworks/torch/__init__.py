@@ -1,7 +1,7 @@
 """Test double of ``habana_frameworks.torch``, Habana's PyTorch bridge: not Habana's software.
 
 The real package registers the ``hpu`` device with torch when imported; this one cannot, and keeps
-tensors on the CPU (see ``hpu.DEVICE_TYPE_FOR_TESTS``). It counts the calls the plugin makes in
+tensors on the CPU (see the end of ``hpu``). It counts the calls the plugin makes in
 ``double_record``, and writes them to ``$HABANA_DOUBLE_RECORD_DIR/<pid>.json`` at exit when that is set.
 """
 
@@ -19,7 +19,8 @@ double_record: collections.Counter = collections.Counter()
 def _write_record() -> None:
     folder = os.environ.get("HABANA_DOUBLE_RECORD_DIR")
     if folder:
-        record = dict(double_record, rank=int(os.environ.get("RANK", 0)), lazy_mode=os.environ.get("PT_HPU_LAZY_MODE"))
+        record = dict(double_record, rank=int(os.environ.get("RANK", 0)), lazy_mode=os.environ.get("PT_HPU_LAZY_MODE"),
+                      lazy_collectives=os.environ.get("PT_HPU_ENABLE_LAZY_COLLECTIVES"))
         with open(os.path.join(folder, f"{os.getpid()}.json"), "w", encoding="utf-8") as record_file:
             json.dump(record, record_file)
 

@@ -1,18 +1,17 @@
 """Test double of ``habana_frameworks.torch.hpu``: not Habana's software.
 
 Answers as one Gaudi card per process would (``HABANA_DOUBLE_DEVICE_NAME``, default ``GAUDI2``;
-``HABANA_DOUBLE_DEVICE_COUNT`` cards, default 8), with tensors on the CPU (``DEVICE_TYPE_FOR_TESTS``).
+``HABANA_DOUBLE_DEVICE_COUNT`` cards, default 8), with tensors on the CPU (see the end of this module).
 Memory figures are the process's peak resident memory, standing in for the card's.
 """
 
 import os
 import resource
 
+import torch
+
 from habana_frameworks.torch import double_record
 from habana_frameworks.torch.hpu.graphs import wrap_in_hpu_graph, wrap_in_hpu_graph_func  # noqa: F401
-
-#: Only in the double: the torch device type tensors really live on (the real bridge registers "hpu").
-DEVICE_TYPE_FOR_TESTS = "cpu"
 
 #: The memory "Limit" the double reports: a Gaudi2's 96 GB.
 MEMORY_LIMIT_BYTES = 96 * 10**9
@@ -42,3 +41,14 @@ def memory_stats(device=None) -> dict:
     """The keys of the real ``memory_stats`` that accelgen reads, in bytes."""
     peak = max_memory_allocated()
     return {"InUse": peak, "MaxInUse": peak, "Limit": MEMORY_LIMIT_BYTES}
+
+
+def _keep_tensors_on_the_cpu() -> None:
+    """The real bridge registers the ``hpu`` device with torch when imported, which a pure-Python double
+    cannot do: so the double points the plugin's device at the CPU. This is the one place that knows."""
+    import accelgen_hpu.bridge
+
+    accelgen_hpu.bridge.torch_device = lambda: torch.device("cpu")
+
+
+_keep_tensors_on_the_cpu()

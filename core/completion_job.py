@@ -1,0 +1,106 @@
+"""Completing prompts or a dataset's rows into a resumable JSON-lines output: what ``accelgen run`` does
+once its request is built, callable from Python the same way.
+
+:func:`open_job` checks the inputs and the output (and finds where a stopped run left off) before any
+model loads; :func:`complete` loads the model and generates every row not yet written, appending each
+batch as it completes. Running out of device memory becomes one line saying what would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import time
+from typing import Callable, Sequence
+
+from accelgen.api import load_request
+from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
+from accelgen.errors import UsageError
+from accelgen.generator import Completion, Generator
+from accelgen.memory_advice import out_of_memory_line
+from accelgen.models import BUILT_IN_NAME
+from accelgen.output import CompletionWriter
+from accelgen.progress import Progress
+from accelgen.request import Request
+
+
+@dataclasses.dataclass
+class CompletionJob:
+    """The texts to complete, where the completions go, and how many were already written there."""
+
+    rows: TextRows
+    writer: CompletionWriter | None
+    done: int
+
+    @property
+    def output(self) -> str | None:
+        return self.writer.path if self.writer else None
+
+    @property
+    def finished(self) -> bool:
+        return self.rows.total is not None and self.done >= self.rows.total
+
+
+@dataclasses.dataclass
+class CompletedRun:
+    generator: Generator
+    load_seconds: float
+    generate_seconds: float
+
+
+def open_job(
+    request: Request, *, prompts: Sequence[str] = (), dataset: DatasetRequest | None = None, output: str | None = None,
+    overwrite: bool = False,
+) -> CompletionJob:
+    """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
+    a stopped run's completed rows found; nothing loaded or written yet."""
+    if dataset is not None:
+        rows = open_rows(dataset)
+        source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+    else:
+        rows = TextRows(iter(prompts), len(prompts))
+        source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
+    writer = CompletionWriter.open(output, run_record(request, source), overwrite) if output else None
+    return CompletionJob(rows, writer, writer.completed_rows if writer else 0)
+
+
+def run_record(request: Request, source: dict) -> dict:
+    """What decides an output file's rows, written beside it: a resumed run must match it."""
+    return dict(model=request.model.name or BUILT_IN_NAME, **source, **request.run.output_deciding())
+
+
+def complete(
+    request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
+    show_progress: bool = False,
+) -> CompletedRun:
+    """Load the request's model and complete every row of ``job`` not yet written. Rank 0 writes each batch
+    as it completes and calls ``on_batch(batch number, completions)``; ``show_progress`` draws progress."""
+    generator = None
+    is_main = request.world.is_main
+    try:
+        started = time.perf_counter()
+        generator = load_request(request)
+        loaded = time.perf_counter()
+        progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
+        texts = itertools.islice(job.rows.texts, job.done, None)
+        first_batch = job.done // request.run.batch_size + 1
+        try:
+            for number, completions in enumerate(generator.generate_batches(texts, job.done), start=first_batch):
+                if is_main and job.writer:
+                    job.writer.write(completions)
+                if is_main and on_batch:
+                    on_batch(number, completions)
+                if progress:
+                    progress.update(len(completions))
+        finally:
+            if job.writer:
+                job.writer.close()
+            if progress:
+                progress.close()
+    except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
+        if request.accelerator.is_out_of_memory(error):
+            raise UsageError(out_of_memory_line(request, generator, job.output)) from None
+        raise
+    return CompletedRun(generator, loaded - started, time.perf_counter() - loaded)

@@ -1,0 +1,108 @@
+"""A run as the user asked for it, built and checked once, then passed down.
+
+The command line, the Python API (``accelgen.load``, ``accelgen.generate``) and every launched worker
+build their :class:`Request` with :func:`build_request`: the accelerator is chosen (and the plugins asked)
+once, the settings are checked once, the launcher's environment is read once. :func:`run_settings` is the
+one declaration of the settings a run takes: its keyword names are the Python API's, and the command
+line's options carry the same names (``--max-new-tokens`` for ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Sequence
+
+from accelgen.accelerators import AUTO_DEVICE, check_dtype, select_accelerator
+from accelgen.errors import UsageError
+from accelgen.hookspecs import Accelerator
+from accelgen.model_source import ModelSource
+from accelgen.plugins import PluginManager, get_plugin_manager
+from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to run, where, and how: checked, ready to load."""
+
+    model: ModelSource
+    run: RunSettings
+    accelerator: Accelerator
+    world: World
+
+
+def build_request(
+    model: str | os.PathLike | None = None,
+    *,
+    random_weights: bool = False,
+    device: str = AUTO_DEVICE,
+    trust_remote_code: bool = False,
+    plugin_manager: PluginManager | None = None,
+    world: World | None = None,
+    **settings,
+) -> Request:
+    """The request for ``model`` (a Hub id or folder; None: the built-in model) on ``device`` with the
+    :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment.
+    Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
+    unknown = set(settings) - set(SETTING_NAMES)
+    if unknown:
+        raise TypeError(f"unknown settings {', '.join(sorted(unknown))}; the settings are: {', '.join(SETTING_NAMES)}")
+    accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device)
+    source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
+    return Request(source, run_settings(accelerator, **settings), accelerator, world or World.from_environment())
+
+
+def run_settings(
+    accelerator: Accelerator,
+    *,
+    dtype: str | None = None,
+    batch_size: int = 1,
+    max_new_tokens: int = 100,
+    max_input_tokens: int | None = None,
+    ignore_eos: bool = False,
+    graphs: bool | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> RunSettings:
+    """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
+    ``graphs=None`` lets the device decide whether to capture the decode step."""
+    run = RunSettings(
+        dtype=check_dtype(accelerator, dtype),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        max_input_tokens=max_input_tokens,
+        ignore_eos=ignore_eos,
+        use_graphs=accelerator.captures_by_default if graphs is None else graphs,
+        buckets=tuple(buckets),
+        sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
+    )
+    _check(run)
+    return run
+
+
+#: The settings a run takes, by name: :func:`run_settings`'s keywords.
+SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameters if name != "accelerator")
+
+
+def _check(run: RunSettings) -> None:
+    """Raise UsageError for settings no model could run with."""
+    if run.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1 (got {run.max_new_tokens}).")
+    if run.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {run.batch_size}).")
+    if run.max_input_tokens is not None and run.max_input_tokens < 1:
+        raise UsageError(f"--max-input-tokens must be at least 1 (got {run.max_input_tokens}).")
+    if not run.buckets or min(run.buckets) < 1:
+        raise UsageError("--buckets must list positive prompt lengths, e.g. 32,64,128.")
+    sampling = run.sampling
+    if sampling.do_sample and sampling.temperature <= 0:
+        raise UsageError(f"--temperature must be above 0 when sampling (got {sampling.temperature}).")
+    if sampling.top_k < 0:
+        raise UsageError(f"--top-k must be 0 (off) or more (got {sampling.top_k}).")
+    if not 0 < sampling.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (got {sampling.top_p}).")
