@@ -79,9 +79,6 @@ def run_command(arguments: argparse.Namespace, plugin_manager: PluginManager, ar
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
-    for index, prompt in enumerate(arguments.prompt):
-        if not prompt.strip():
-            raise UsageError(f"Prompt {index} is empty: give it some text.")
     request = _request(arguments, plugin_manager)
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,

@@ -9,6 +9,7 @@ from accelgen.bench import PUBLISHED_PROMPT
 from accelgen.compare import METRICS
 from accelgen.errors import UsageError
 from accelgen.settings import DEFAULT_BUCKETS, DTYPES
+from accelgen.value_ranges import RANGES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,19 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
     data.add_argument("--split", default="train", help="split to complete (default: train)")
     data.add_argument("--column", default="text", help="column holding the prompts (default: text)")
-    data.add_argument("--limit", type=int, help="complete only the first N rows")
+    data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
     data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
-    run.add_argument("--max-new-tokens", type=int, default=100)
-    run.add_argument("--max-input-tokens", type=int, help="keep only the first N tokens of each prompt")
-    run.add_argument("--batch-size", type=int, default=1, help="fixed batch shape; the last batch is padded")
-    run.add_argument("--buckets", type=_int_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
+    run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("default 100", "max_new_tokens"))
+    run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))
+    run.add_argument("--batch-size", type=_number("batch_size"), default=1, help=_with_range("fixed batch shape; the last batch is padded", "batch_size"))
+    run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    run.add_argument("--temperature", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--temperature", type=_number("temperature"), default=1.0, help=_with_range("default 1.0", "temperature"))
+    run.add_argument("--top-k", type=_number("top_k"), default=0, help=_with_range("0 (default): off", "top_k"))
+    run.add_argument("--top-p", type=_number("top_p"), default=1.0, help=_with_range("1.0 (default): off", "top_p"))
+    run.add_argument("--seed", type=_number("seed"), default=0, help=_with_range("decides the sampled draws of every row (default 0)", "seed"))
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
     _add_parallel_arguments(run)
@@ -52,10 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-config", help="with --random-weights: a built-in config (bloom, bloomz, bloomz-7b1, bloom-560m), "
                                               "a config.json or model folder, or a Hub id")
     bench.add_argument("--random-weights", action="store_true", help="build the model from its config, no weights read")
-    bench.add_argument("--batch-sizes", type=_int_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")
-    bench.add_argument("--max-new-tokens", type=int, default=100, help="new tokens per run, always generated (default 100)")
-    bench.add_argument("--runs", type=int, default=5, help="timed runs per batch size (default 5)")
-    bench.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first, graph capture included (default 1)")
+    bench.add_argument("--batch-sizes", type=RANGES["batch_sizes"].parse_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")
+    bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("new tokens per run, always generated (default 100)", "max_new_tokens"))
+    bench.add_argument("--runs", type=_number("runs"), default=5, help=_with_range("timed runs per batch size (default 5)", "runs"))
+    bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=1, help=_with_range("untimed runs first, graph capture included (default 1)", "warmup_runs"))
     bench.add_argument("--prompt", default=PUBLISHED_PROMPT, help=f"default: {PUBLISHED_PROMPT!r}, as published")
     bench.add_argument("--label", help="column name in 'accelgen compare' (default: the device's name)")
     bench.add_argument("--output", help="write the result file (JSON) here")
@@ -85,15 +86,17 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parallel = parser.add_argument_group("tensor parallelism (started with the device's launcher, torchrun by default)")
-    parallel.add_argument("--world-size", type=int, help="ranks in the whole job, all nodes together (default 1)")
-    parallel.add_argument("--nnodes", type=int, default=1, help="machines taking part (run accelgen on each)")
-    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
+    parallel.add_argument("--world-size", type=_number("world_size"), help=_with_range("ranks in the whole job, all nodes together (default 1)", "world_size"))
+    parallel.add_argument("--nnodes", type=_number("nnodes"), default=1, help=_with_range("machines taking part (run accelgen on each)", "nnodes"))
+    parallel.add_argument("--node-rank", type=_number("node_rank"), default=0, help=_with_range("this machine's index, 0 to nnodes-1", "node_rank"))
     parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
-    parallel.add_argument("--master-port", type=int, help="free port on node 0 (default: any free port on one node, 29500 on several)")
+    parallel.add_argument("--master-port", type=_number("master_port"), help=_with_range("free port on node 0 (default: any free port on one node, 29500 on several)", "master_port"))
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+def _number(setting: str):
+    """The argparse ``type`` of a numeric option: parsed and checked against its range."""
+    return RANGES[setting].parse
+
+
+def _with_range(help_text: str, setting: str) -> str:
+    return f"{help_text}; {RANGES[setting].describe()}"

@@ -12,17 +12,19 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import time
 from typing import Callable, Sequence
 
 from accelgen.api import load_request
+from accelgen.completion_file import CompletionFile
 from accelgen.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.errors import UsageError
 from accelgen.generator import Completion, Generator
 from accelgen.memory_advice import out_of_memory_line
 from accelgen.models import BUILT_IN_NAME
-from accelgen.output import CompletionWriter
 from accelgen.progress import Progress
+from accelgen.prompts import check_prompts
 from accelgen.request import Request
 
 
@@ -31,7 +33,7 @@ class CompletionJob:
     """The texts to complete, where the completions go, and how many were already written there."""
 
     rows: TextRows
-    writer: CompletionWriter | None
+    writer: CompletionFile | None
     done: int
 
     @property
@@ -57,13 +59,30 @@ def open_job(
     """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
     a stopped run's completed rows found; nothing loaded or written yet."""
     if dataset is not None:
+        if output:
+            check_not_dataset(output, dataset.source)
         rows = open_rows(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
     else:
+        check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
-    writer = CompletionWriter.open(output, run_record(request, source), overwrite) if output else None
+    writer = CompletionFile(output, run_record(request, source), overwrite) if output else None
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0)
+
+
+def check_not_dataset(output: str, dataset_source: str) -> None:
+    """Raise UsageError when ``output`` (or the run record beside it) is the local dataset being read, or
+    lies in the dataset's folder (whose files are all read): the input is never an output, whatever the flags."""
+    source = os.path.realpath(os.path.expanduser(dataset_source))
+    if not os.path.exists(source):
+        return  # a Hub dataset
+    for written in (output, output + ".run.json"):
+        path = os.path.realpath(written)
+        inside = os.path.isdir(source) and os.path.commonpath([source, path]) == source
+        if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
+            raise UsageError(f"--output {output!r} would overwrite the dataset being read ({dataset_source!r}): "
+                             f"write the completions to a file outside it.")
 
 
 def run_record(request: Request, source: dict) -> dict:
@@ -86,6 +105,7 @@ def complete(
         progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
         texts = itertools.islice(job.rows.texts, job.done, None)
         first_batch = job.done // request.run.batch_size + 1
+        completed = False
         try:
             for number, completions in enumerate(generator.generate_batches(texts, job.done), start=first_batch):
                 if is_main and job.writer:
@@ -94,11 +114,12 @@ def complete(
                     on_batch(number, completions)
                 if progress:
                     progress.update(len(completions))
+            completed = True
         finally:
             if job.writer:
                 job.writer.close()
             if progress:
-                progress.close()
+                progress.close(final_line=completed)  # a failure's own line is the last word
     except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
         if request.accelerator.is_out_of_memory(error):
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None

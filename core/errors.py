@@ -1,5 +1,20 @@
 """Errors a user can fix, and warnings a user should see. The CLI prints each as one line: an error
-with exit status 2, a warning as ``accelgen: warning: ...`` while the run goes on."""
+with exit status 2, a warning as ``accelgen: warning: ...`` while the run goes on.
+
+:func:`user_errors` is the one place where an exception from reading or writing the user's files (or a
+library reading them for us) becomes such a line: the caller names the file and the fix, the exception
+gives the reason. It converts only the exception types it is given, around the call that reads or writes,
+so a bug in our own code still surfaces as one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+#: What a broken or unreachable file raises: OSError (missing, unreadable, a full disk) and ValueError
+#: (JSON, Unicode and Arrow parse errors are all ValueErrors).
+FILE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError)
 
 
 class UsageError(Exception):
@@ -18,3 +33,29 @@ def first_line(error: BaseException) -> str:
     """An exception's message as one short line, for messages that quote it (its type's name if it has none)."""
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def reason(error: BaseException) -> str:
+    """Why ``error`` happened, in one line: the innermost cause of a wrapped error (a library's "an error
+    occurred" around the parser's own message), and an OSError's text without its errno number."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return first_line(error).rstrip(".")
+
+
+@contextlib.contextmanager
+def user_errors(
+    what: str, fix: str, errors: tuple[type[BaseException], ...] = FILE_ERRORS,
+    explain: Callable[[BaseException], str | None] = lambda error: None,
+) -> Iterator[None]:
+    """Re-raise an exception of the ``errors`` types raised inside as ``UsageError("{what}: {reason}: {fix}")``,
+    e.g. ``with user_errors(f"Cannot read {path!r}", "pass a file written by accelgen bench"): ...``.
+    ``explain(error)`` may give the whole message instead, for errors the caller knows more about."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except errors as error:
+        raise UsageError(explain(error) or f"{what}: {reason(error)}: {fix}") from None

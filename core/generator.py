@@ -21,6 +21,8 @@ from transformers import PreTrainedTokenizerBase
 
 from accelgen import decoding
 from accelgen.errors import GraphCaptureWarning, UsageError, first_line
+from accelgen.memory_advice import check_cache_fits
+from accelgen.prompts import check_prompts
 from accelgen.hookspecs import Accelerator
 from accelgen.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.model_forward import ModelForward
@@ -143,6 +145,7 @@ class Generator:
     def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
         """Token ids per prompt, truncated to their first ``run.max_input_tokens`` tokens, and which
         prompts were truncated. ``first_index`` is the first prompt's number, for error messages."""
+        check_prompts(prompts, first_index)
         token_ids = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
         limit = self.run.max_input_tokens
         truncated = [limit is not None and len(ids) > limit for ids in token_ids]
@@ -150,7 +153,7 @@ class Generator:
         vocab_size = self.model.config.vocab_size
         for index, ids in enumerate(token_ids, start=first_index):
             if not ids:
-                raise UsageError(f"Prompt {index} is empty: give it some text (or drop that row from the dataset).")
+                raise UsageError(f"Prompt {index} makes no tokens: give it some text (or drop that row from the dataset).")
             if max(ids) >= vocab_size:
                 raise UsageError(
                     f"Prompt {index} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}: "
@@ -225,6 +228,9 @@ class Generator:
                 # the slots' caches (and the graphs captured on them) live in the storage that goes: drop them first
                 self._slots.clear()
                 self._cache_storage = None
+                check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=batch_size, cache_length=cache_length,
+                                 world_size=self.world.size, device_name=self.accelerator.name,
+                                 free_bytes=self.accelerator.memory_stats().get("free_bytes"))
                 self._cache_storage = CacheStorage(batch_size, cache_length)
             cache = new_static_cache(self.model, cache_length, getattr(torch, self.run.dtype), self.device,
                                      self._cache_storage)

@@ -53,10 +53,9 @@ def check_port_free(address: str, port: int) -> None:
 
 
 def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> LaunchPlan:
-    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank``."""
-    if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1 (got {world_size}).")
-    if nnodes < 1 or world_size % nnodes:
+    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank`` (each
+    number already in its range: ``accelgen.value_ranges``)."""
+    if world_size % nnodes:
         raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank}).")

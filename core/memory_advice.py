@@ -15,6 +15,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from accelgen.errors import UsageError
 from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import attention_head_counts, parameter_bytes
 
@@ -41,6 +42,21 @@ def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int,
     kv_cache = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
     activations = cache_length * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
     return kv_cache + activations
+
+
+def check_cache_fits(
+    config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
+    device_name: str, free_bytes: int | None,
+) -> None:
+    """Raise UsageError before allocating a KV cache larger than the memory free on the device (a cache the
+    operating system would grant lazily and then kill the process for, on a CPU)."""
+    needed = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length * batch_size
+    if free_bytes is not None and needed > free_bytes:
+        raise UsageError(
+            f"The KV cache for --batch-size {batch_size} and {cache_length:,} positions per row (prompt bucket + "
+            f"--max-new-tokens) needs {needed / GIB:,.1f} GiB per device, more than the {free_bytes / GIB:,.1f} GiB "
+            f"free on {device_name}: lower --max-new-tokens or --batch-size, or spread the model with --world-size."
+        )
 
 
 def out_of_memory_line(request: "Request", generator: "Generator | None", kept_output: str | None = None) -> str:

@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.models import BUILT_IN_NAME, DEFAULT_MODEL, load_config, load_model
+from accelgen.models import BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_model
 from accelgen.random_weights import build_random_model, resolve_model_config, tokenizer_for
 
 
@@ -28,7 +28,9 @@ class ModelSource:
         """(the name reports use, the model's config), read once."""
         if self.random_weights:
             return resolve_model_config(str(self.name or DEFAULT_MODEL), self.trust_remote_code)
-        return self.name or BUILT_IN_NAME, load_config(self.name, self.trust_remote_code)
+        config = load_config(self.name, self.trust_remote_code)
+        check_weight_files(self.name)
+        return self.name or BUILT_IN_NAME, config
 
     @property
     def report_name(self) -> str:

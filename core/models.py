@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from pathlib import Path
@@ -11,7 +10,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from accelgen.errors import UsageError, first_line
+from accelgen.checkpoint_files import weight_file_problem
+from accelgen.errors import UsageError, reason, user_errors
 
 #: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -52,15 +52,28 @@ def model_source(model_name_or_path: str | os.PathLike | None) -> str:
     return source
 
 
-@contextlib.contextmanager
 def loading_errors_as_usage_errors(source: str):
-    try:
-        yield
-    except (OSError, ValueError, KeyError, ImportError) as error:
-        raise UsageError(
-            f"Cannot load model {source!r}: {first_line(error)} (pass a local folder, or a Hub id reachable from here; "
-            f"models with custom code need --trust-remote-code)"
-        ) from error
+    """Errors of loading the model from ``source`` as one line (a damaged cached file of a Hub model included)."""
+    from safetensors import SafetensorError
+
+    return user_errors(
+        f"Cannot load model {source!r}",
+        "pass a local folder, or a Hub id reachable from here; models with custom code need --trust-remote-code",
+        errors=(OSError, ValueError, KeyError, ImportError, SafetensorError),
+        explain=lambda error: (
+            f"Cannot load model {source!r}: a weight file is damaged ({reason(error)}): download it again "
+            f"(delete the model from the Hugging Face cache first) or save the model again."
+        ) if isinstance(error, SafetensorError) else None,
+    )
+
+
+def check_weight_files(model_name_or_path: str | os.PathLike | None) -> None:
+    """Raise UsageError naming a damaged or missing weight file of a local model (headers only are read)."""
+    source = model_source(model_name_or_path)
+    if os.path.isdir(source):
+        problem = weight_file_problem(source)
+        if problem:
+            raise UsageError(f"Model {source!r} has a damaged weight file: {problem}: download or save the model again.")
 
 
 def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):

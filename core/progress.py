@@ -28,10 +28,11 @@ class Progress:
         elif time.monotonic() - self._last_line >= self.every_seconds:
             self._print_line()
 
-    def close(self) -> None:
+    def close(self, final_line: bool = True) -> None:
+        """End the bar, or print the last progress line when ``final_line``."""
         if self._bar is not None:
             self._bar.close()
-        else:
+        elif final_line:
             self._print_line()
 
     def line(self) -> str:

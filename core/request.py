@@ -20,6 +20,7 @@ from accelgen.hookspecs import Accelerator
 from accelgen.model_source import ModelSource
 from accelgen.plugins import PluginManager, get_plugin_manager
 from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
+from accelgen.value_ranges import check_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +92,9 @@ SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameter
 
 def _check(run: RunSettings) -> None:
     """Raise UsageError for settings no model could run with."""
-    if run.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1 (got {run.max_new_tokens}).")
-    if run.batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1 (got {run.batch_size}).")
-    if run.max_input_tokens is not None and run.max_input_tokens < 1:
-        raise UsageError(f"--max-input-tokens must be at least 1 (got {run.max_input_tokens}).")
-    if not run.buckets or min(run.buckets) < 1:
-        raise UsageError("--buckets must list positive prompt lengths, e.g. 32,64,128.")
     sampling = run.sampling
-    if sampling.do_sample and sampling.temperature <= 0:
-        raise UsageError(f"--temperature must be above 0 when sampling (got {sampling.temperature}).")
-    if sampling.top_k < 0:
-        raise UsageError(f"--top-k must be 0 (off) or more (got {sampling.top_k}).")
-    if not 0 < sampling.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1] (got {sampling.top_p}).")
+    check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
+                   buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                   seed=sampling.seed)
+    if not run.buckets:
+        raise UsageError("--buckets must list prompt lengths, e.g. 32,64,128.")

@@ -105,13 +105,13 @@ def test_eos_ends_a_row_and_ignore_eos_runs_on(tiny_model_folder, tmp_path):
         (["--device", "cpu", "--prompt", ""], "Prompt 0 is empty"),
         (["--device", "tpu", "--prompt", "a"], "No plugin provides --device 'tpu'. Known: "),
         (["--device", "cpu", "--model", "./no-such-model", "--prompt", "a"], "Model folder './no-such-model' does not exist"),
-        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1 (got 0)"),
-        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1 (got -3)"),
-        (["--device", "cpu", "--prompt", "a", "--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"], "argument --max-new-tokens: must be a whole number from 1 to 2147483647, got '0'"),
+        (["--device", "cpu", "--prompt", "a", "--max-new-tokens", "-3"], "must be a whole number from 1 to 2147483647, got '-3'"),
+        (["--device", "cpu", "--prompt", "a", "--batch-size", "0"], "argument --batch-size: must be a whole number from 1"),
         (["--device", "cpu", "--prompt", "a", "--dtype", "float16"], "--dtype float16 is not supported on cpu"),
         (["--device", "cpu", "--prompt", "a", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
-        (["--device", "cpu", "--prompt", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
-        (["--device", "cpu", "--prompt", "a", "--buckets", "8,x"], "expected comma-separated whole numbers"),
+        (["--device", "cpu", "--prompt", "a", "--top-p", "0"], "argument --top-p: must be a number above 0 and at most 1"),
+        (["--device", "cpu", "--prompt", "a", "--buckets", "8,x"], "argument --buckets: must list numbers each a whole number from 1 to 2147483647, e.g. 32,64,128; got '8,x'"),
         (["--device", "cpu", "--prompt", "a", "--output", "/no/such/folder/out.jsonl"], "folder '/no/such/folder' does not exist"),
         (["--device", "cpu", "--prompt", "a b c d e f g h i j k l m n o p", "--buckets", "4"], "more than the largest bucket (4): pass --max-input-tokens"),
     ],
@@ -178,4 +178,5 @@ def test_bad_input_from_the_real_script_has_no_traceback(cli_environment):
         env=cli_environment, capture_output=True, text=True,
     )
     assert result.returncode == 2
-    assert result.stderr == "accelgen: error: --batch-size must be at least 1 (got -1).\n"
+    assert result.stderr == ("accelgen: error: argument --batch-size: must be a whole number from 1 to 2147483647, "
+                             "got '-1' (see 'accelgen run --help')\n")

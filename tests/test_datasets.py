@@ -168,7 +168,7 @@ def test_dataset_completion_with_two_ranks(table, tiny_model_folder, tmp_path, c
         (["--dataset", "{folder}/empty.csv", "--column", "content"], "has no rows to complete"),
         (["--dataset", "{folder}/rows.txt"], "use a file ending in .json, .jsonl, .csv, .parquet"),
         (["--dataset", "./no/such/rows.jsonl"], "Dataset path './no/such/rows.jsonl' does not exist."),
-        (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--limit", "0"], "--limit must be at least 1 (got 0)."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--limit", "0"], "argument --limit: must be a whole number from 1 to 2147483647, got '0'"),
         (["--dataset", "{folder}/rows.jsonl", "--prompt", "a"], "Pass --prompt or --dataset, not both."),
         (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--output", "{folder}/missing/out.jsonl"], "does not exist"),
     ],
@@ -187,20 +187,22 @@ def test_bad_dataset_input_is_one_line(table, tmp_path, capsys, arguments, messa
 
 def test_configurations_of_a_dataset_folder(tmp_path, tiny_model_folder, capsys):
     """A folder whose README declares two configurations, as Hub datasets do."""
+    folder = tmp_path / "dataset"
+    folder.mkdir()
     for name, text in (("first", "Hello"), ("second", "DeepSpeed is")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "rows.jsonl").write_text(json.dumps({"text": text}) + "\n")
-    (tmp_path / "README.md").write_text(
+        (folder / name).mkdir()
+        (folder / name / "rows.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (folder / "README.md").write_text(
         "---\nconfigs:\n- config_name: first\n  data_files: first/*.jsonl\n"
         "- config_name: second\n  data_files: second/*.jsonl\n---\n"
     )
-    assert complete("--dataset", str(tmp_path)) == 2
+    assert complete("--dataset", str(folder)) == 2
     assert "has several configurations: pass --dataset-config (one of: first, second)." in capsys.readouterr().err
-    assert complete("--dataset", str(tmp_path), "--dataset-config", "third") == 2
+    assert complete("--dataset", str(folder), "--dataset-config", "third") == 2
     error = capsys.readouterr().err
-    assert f"Unknown --dataset-config 'third' for '{tmp_path}'; available: first, second." in error
+    assert f"Unknown --dataset-config 'third' for '{folder}'; available: first, second." in error
     output = tmp_path / "out.jsonl"
-    assert complete("--model", str(tiny_model_folder("gpt2")), "--dataset", str(tmp_path), "--dataset-config",
+    assert complete("--model", str(tiny_model_folder("gpt2")), "--dataset", str(folder), "--dataset-config",
                     "second", "--max-new-tokens", "3", "--output", str(output)) == 0
     assert [row["prompt"] for row in rows_of(output)] == ["DeepSpeed is"]
 

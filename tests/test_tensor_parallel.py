@@ -188,8 +188,8 @@ def accelgen_register_accelerators(register):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--world-size", "0"], "--world-size must be at least 1 (got 0)"),
-        (["--world-size", "-2"], "--world-size must be at least 1 (got -2)"),
+        (["--world-size", "0"], "argument --world-size: must be a whole number from 1 to 65536, got '0'"),
+        (["--world-size", "-2"], "argument --world-size: must be a whole number from 1 to 65536, got '-2'"),
         (["--world-size", "3", "--nnodes", "2"], "--world-size 3 must be a multiple of --nnodes 2"),
         (["--world-size", "2", "--device", "onecard"], "--world-size 2 needs 2 onecard devices on this node, which has 1"),
         (["--world-size", "3"], "The model has 4 attention heads, which do not split over --world-size 3: use a world size that divides 4 (1, 2, 4)"),

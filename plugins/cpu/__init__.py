@@ -51,7 +51,7 @@ class CpuAccelerator(Accelerator):
 
     def memory_stats(self) -> dict[str, int]:
         # ru_maxrss is in KiB on Linux: the process's peak resident memory, weights and caches included.
-        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **_system_memory()}
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         # The CPU allocator raises RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or
@@ -94,3 +94,15 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _system_memory() -> dict[str, int]:
+    """``free_bytes`` (memory the kernel can give without swapping: MemAvailable) and ``total_bytes`` of
+    this machine, where Linux tells them."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return {"free_bytes": int(fields["MemAvailable"].split()[0]) * 1024,
+                "total_bytes": int(fields["MemTotal"].split()[0]) * 1024}
+    except (OSError, KeyError, ValueError):
+        return {}
