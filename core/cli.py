@@ -16,7 +16,9 @@ from accelgen.compare import METRICS, check_chart_possible, comparison_table, dr
 from accelgen.completion_job import complete, open_job
 from accelgen.dataset_rows import DatasetRequest
 from accelgen.errors import UsageError
-from accelgen.launcher import end_worker_process, launch_job, plan_launch, record_worker_failure, running_as_worker
+from accelgen.launcher import (
+    end_worker_process, launch_job, plan_launch, record_worker_failure, running_as_worker, stop_at_once_when_interrupted,
+)
 from accelgen.output import (
     describe_plugin, print_batch, print_rank_memory, print_summary, quiet_libraries, show_our_warnings_as_lines,
 )
@@ -84,9 +86,15 @@ def run_command(arguments: argparse.Namespace, plugin_manager: PluginManager, ar
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming,
     ) if arguments.dataset else None
+    # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
+    # and no launcher of ours holds the lock (torchrun started by hand)
     job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
-                   overwrite=arguments.overwrite)
-    return _here_or_launched(arguments, request, argv, lambda: _generate(arguments, request, job))
+                   overwrite=arguments.overwrite,
+                   lock_output=request.world.is_main if running_as_worker() else arguments.node_rank == 0)
+    try:
+        return _here_or_launched(arguments, request, argv, lambda: _generate(arguments, request, job))
+    finally:
+        job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
 
 
 def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
@@ -179,6 +187,8 @@ def _here_or_launched(arguments: argparse.Namespace, request: Request, argv: Seq
 
 
 if __name__ == "__main__":  # how every launched worker runs (python -m accelgen.cli ...)
+    if running_as_worker():
+        stop_at_once_when_interrupted()
     exit_status = main()
     if running_as_worker():
         end_worker_process(exit_status)

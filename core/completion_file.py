@@ -17,6 +17,11 @@ from typing import IO, Sequence
 from accelgen.errors import UsageError, reason, user_errors
 from accelgen.generator import Completion
 from accelgen.output_files import check_output_file
+from accelgen.output_lock import OutputLock
+
+#: Run record fields for people, not compared: the model as named (the same model by another path resumes;
+#: what decides is ``model_identity``, its content).
+DESCRIPTIVE_FIELDS = ("model",)
 
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
 LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion))
@@ -25,7 +30,9 @@ LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion))
 class CompletionFile:
     """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
 
-    def __init__(self, path: str, run_record: dict, overwrite: bool = False):
+    def __init__(self, path: str, run_record: dict, overwrite: bool = False, lock: bool = True):
+        """``lock``: take the output's lock (:mod:`accelgen.output_lock`) until :meth:`close`; the ranks of a
+        job other than rank 0 read the file but do not lock it."""
         check_output_file(path, "--output", "out.jsonl")
         self.path = path
         self.run_file = path + ".run.json"
@@ -33,7 +40,14 @@ class CompletionFile:
             raise UsageError(f"Run record {self.run_file!r} (beside --output {path!r}) is not a file: move it away.")
         self.run_record = run_record
         self._file: IO[bytes] | None = None
-        self.completed_rows = 0 if overwrite else self._count_completed_rows()
+        self._lock = OutputLock(path) if lock else None
+        if self._lock:
+            self._lock.acquire()
+        try:
+            self.completed_rows = 0 if overwrite else self._count_completed_rows()
+        except BaseException:
+            self.close()
+            raise
 
     def _count_completed_rows(self) -> int:
         """Complete lines already in the file (a torn last line does not count), checked against this run."""
@@ -69,9 +83,9 @@ class CompletionFile:
         return earlier
 
     def _check_same_run(self, earlier: dict) -> None:
-        if earlier != self.run_record:
-            changed = sorted(key for key in earlier.keys() | self.run_record.keys()
-                             if earlier.get(key) != self.run_record.get(key))
+        changed = sorted(key for key in earlier.keys() | self.run_record.keys()
+                         if key not in DESCRIPTIVE_FIELDS and earlier.get(key) != self.run_record.get(key))
+        if changed:
             raise UsageError(
                 f"--output {self.path!r} holds completions of another run (different {', '.join(changed)}): "
                 f"pass --overwrite to replace it, or the same arguments to resume it."
@@ -101,8 +115,12 @@ class CompletionFile:
         return open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
+        """Close the file and give up its lock (again: nothing)."""
         if self._file is not None:
             self._file.close()
+            self._file = None
+        if self._lock:
+            self._lock.release()
 
 
 def _line_problem(line: bytes, index: int) -> str | None:

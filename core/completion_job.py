@@ -40,6 +40,11 @@ class CompletionJob:
     def output(self) -> str | None:
         return self.writer.path if self.writer else None
 
+    def close(self) -> None:
+        """Close the output and give up its lock (also done when :func:`complete` ends)."""
+        if self.writer:
+            self.writer.close()
+
     @property
     def finished(self) -> bool:
         return self.rows.total is not None and self.done >= self.rows.total
@@ -54,10 +59,11 @@ class CompletedRun:
 
 def open_job(
     request: Request, *, prompts: Sequence[str] = (), dataset: DatasetRequest | None = None, output: str | None = None,
-    overwrite: bool = False,
+    overwrite: bool = False, lock_output: bool | None = None,
 ) -> CompletionJob:
     """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
-    a stopped run's completed rows found; nothing loaded or written yet."""
+    a stopped run's completed rows found; nothing loaded or written yet. The output is locked against other
+    writers until the job closes when ``lock_output`` (default: on rank 0, the writer)."""
     if dataset is not None:
         if output:
             check_not_dataset(output, dataset.source)
@@ -67,7 +73,8 @@ def open_job(
         check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
-    writer = CompletionFile(output, run_record(request, source), overwrite) if output else None
+    lock_output = request.world.is_main if lock_output is None else lock_output
+    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output) if output else None
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0)
 
 
@@ -87,7 +94,8 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
 
 def run_record(request: Request, source: dict) -> dict:
     """What decides an output file's rows, written beside it: a resumed run must match it."""
-    return dict(model=request.model.name or BUILT_IN_NAME, **source, **request.run.output_deciding())
+    return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
+                **request.run.output_deciding())
 
 
 def complete(

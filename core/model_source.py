@@ -10,7 +10,8 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.models import BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_model
+from accelgen.model_identity import model_identity
+from accelgen.models import BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_model, model_source
 from accelgen.random_weights import build_random_model, resolve_model_config, tokenizer_for
 
 
@@ -36,6 +37,10 @@ class ModelSource:
     def report_name(self) -> str:
         """The model as reports name it: the Hub id of a built-in config, the given name, or the built-in model."""
         return self._resolved[0]
+
+    def identity(self) -> dict[str, str | None]:
+        """The model by content (config and weights, or Hub revision): see ``accelgen.model_identity``."""
+        return model_identity(model_source(self.name), self.config())
 
     def config(self) -> transformers.PretrainedConfig:
         """The model's config (cheap: for checks made before any weights load)."""

@@ -11,6 +11,7 @@ import torch
 
 from accelgen.hookspecs import Accelerator, hookimpl
 from accelgen.settings import RunSettings, World
+from accelgen_cpu.extension_lock import check_extension_build_lock
 
 
 @hookimpl
@@ -81,6 +82,7 @@ def _prepare_deepspeed_shared_memory_all_reduce(world: World) -> None:
 
     if world.local_size == world.size:
         os.environ["LOCAL_SIZE"] = str(world.local_size)
+        check_extension_build_lock(world.local_rank)
     else:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
