@@ -24,7 +24,6 @@ import datetime
 import gc
 import importlib.metadata
 import json
-import os
 import platform
 import socket
 import statistics
@@ -40,9 +39,13 @@ from accelgen.generator import Generator
 from accelgen.memory_advice import kv_cache_bytes_per_position
 from accelgen.model_source import ModelSource
 from accelgen.models import tokenizer_source
+from accelgen.output_files import check_output_file, write_whole_file
+from accelgen.output_files import check_output_file, write_whole_file
+from accelgen.prompts import prompt_problem
 from accelgen.request import Request
 from accelgen.settings import DTYPE_BYTES
 from accelgen.tensor_parallel import parameter_bytes
+from accelgen.value_ranges import check_settings
 
 SCHEMA = "accelgen-bench"
 SCHEMA_VERSION = 1
@@ -60,14 +63,13 @@ class BenchProtocol:
     runs: int = 5
 
     def check(self) -> None:
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise UsageError("--batch-sizes must list positive batch sizes, e.g. 1,8,32.")
-        if self.runs < 1:
-            raise UsageError(f"--runs must be at least 1 (got {self.runs}).")
-        if self.warmup_runs < 0:
-            raise UsageError(f"--warmup-runs must be 0 or more (got {self.warmup_runs}).")
-        if not self.prompt.strip():
-            raise UsageError("--prompt is empty: give it some text (the default is the published prompt).")
+        if not self.batch_sizes:
+            raise UsageError("--batch-sizes must list batch sizes, e.g. 1,8,32.")
+        check_settings(batch_sizes=self.batch_sizes, max_new_tokens=self.max_new_tokens, runs=self.runs,
+                       warmup_runs=self.warmup_runs)
+        problem = prompt_problem(self.prompt)
+        if problem:
+            raise UsageError(f"--prompt {problem} (the default is the published prompt).")
 
     def as_record(self, prompt_tokens: int) -> dict[str, Any]:
         return dict(prompt=self.prompt, prompt_tokens=prompt_tokens, max_new_tokens=self.max_new_tokens,
@@ -202,24 +204,20 @@ def _git_revision() -> str | None:
 
 
 def check_output_path(path: str, overwrite: bool) -> None:
-    """Refuse, before anything is measured, an output that exists (unless ``overwrite``) or is a folder."""
-    if os.path.isdir(path):
-        raise UsageError(f"--output {path!r} is a folder: give a file name such as results/cpu.json.")
-    if os.path.exists(path) and not overwrite:
-        raise UsageError(f"--output {path!r} already exists: pass --overwrite to replace it, or another file name.")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(folder) and not os.access(folder, os.W_OK):
-        raise UsageError(f"Cannot write --output {path!r}: folder {folder!r} is not writable.")
+    """Refuse, before anything is measured, an --output that cannot be written as a regular file, or that
+    exists (unless ``overwrite``)."""
+    check_output_file(path, "--output", "results/cpu.json", exists_ok=overwrite)
 
 
 def write_result(path: str, document: dict[str, Any]) -> None:
-    """Write the result file whole or not at all (a temporary file renamed into place)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as file:
-        json.dump(document, file, indent=2)
-        file.write("\n")
-    os.replace(temporary, path)
+    """Write the result file whole or not at all: a full disk leaves the file that was there as it was."""
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(document, file, indent=2)
+            file.write("\n")
+
+    write_whole_file(path, "--output", write)
 
 
 def progress_line(row: dict[str, Any], max_new_tokens: int) -> str:

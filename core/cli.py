@@ -22,6 +22,7 @@ from accelgen.launcher import (
 from accelgen.output import (
     describe_plugin, print_batch, print_rank_memory, print_summary, quiet_libraries, show_our_warnings_as_lines,
 )
+from accelgen.output_files import check_output_file
 from accelgen.plugins import PluginManager, get_plugin_manager
 from accelgen.request import SETTING_NAMES, Request, build_request
 from accelgen.settings import World
@@ -153,10 +154,12 @@ def _measure(arguments: argparse.Namespace, request: Request, protocol: BenchPro
 def compare_command(arguments: argparse.Namespace) -> int:
     if arguments.plot:
         check_chart_possible(arguments.plot)
+    if arguments.markdown:
+        check_output_file(arguments.markdown, "--markdown", "table.md")
     table = comparison_table(load_measurements(arguments.files), METRICS[arguments.metric], arguments.baseline)
     print(render_text(table))
     if arguments.markdown:
-        write_text_file(arguments.markdown, render_markdown(table))
+        write_text_file(arguments.markdown, "--markdown", render_markdown(table))
     if arguments.plot:
         draw_chart(table, arguments.plot)
     return 0

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from accelgen.bench import SCHEMA, SCHEMA_VERSION
-from accelgen.errors import UsageError
+from accelgen.errors import UsageError, user_errors
+from accelgen.output_files import check_output_file, write_whole_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +88,71 @@ def _row_keys(record: dict) -> set[tuple[str, int, int]]:
 
 
 def _read_result_file(path: str) -> dict[str, Any]:
-    try:
+    if not os.path.exists(path):
+        raise UsageError(f"Result file {path!r} does not exist.")
+    with user_errors(f"Result file {path!r} is not readable JSON", "pass files written by 'accelgen bench'"):
         with open(path, encoding="utf-8") as file:
             document = json.load(file)
-    except FileNotFoundError:
-        raise UsageError(f"Result file {path!r} does not exist.") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"Result file {path!r} is not readable JSON ({error}): pass files written by 'accelgen bench'.") from None
     if not isinstance(document, dict) or document.get("schema") != SCHEMA:
         raise UsageError(f"{path!r} is not an accelgen bench result (no \"schema\": \"{SCHEMA}\"): "
                          f"pass files written by 'accelgen bench'.")
     if document.get("schema_version") != SCHEMA_VERSION:
         raise UsageError(f"{path!r} has result schema version {document.get('schema_version')}, this accelgen reads "
                          f"version {SCHEMA_VERSION}: measure again with this version, or compare it with the accelgen that wrote it.")
+    problem = shape_problem(document, DOCUMENT_SHAPE)
+    if problem:
+        raise UsageError(f"Result file {path!r}: {problem}: pass files written by 'accelgen bench'.")
     return document
+
+
+@dataclasses.dataclass(frozen=True)
+class Maybe:
+    """A field that may be absent or null, holding ``shape`` when present."""
+
+    shape: Any
+
+
+#: What this module reads of a result file, and the types it needs: a type, an object's fields (dict), a
+#: non-empty list of items of one shape ([shape]), or Maybe(shape). Read once, when the file is read.
+_MEDIAN = Maybe({"median": Maybe(float)})
+ROW_SHAPE = {
+    "batch_size": int, "status": Maybe(str), "end_to_end_s": _MEDIAN, "decode_ms_per_token": _MEDIAN,
+    "first_token_ms": Maybe(float), "ms_per_token_per_sequence": Maybe(float), "tokens_per_second": Maybe(float),
+    "roofline_percent": Maybe(float),
+}
+RECORD_SHAPE = {
+    "label": str, "model": {"name": str}, "world_size": int, "dtype": Maybe(str), "protocol": dict,
+    "reference": Maybe(dict), "results": [ROW_SHAPE],
+}
+DOCUMENT_SHAPE = {"source": Maybe(str), "measurements": [RECORD_SHAPE]}
+_TYPE_NAMES = {int: "a whole number", float: "a number", str: "text", dict: "an object", list: "a list"}
+
+
+def shape_problem(value: Any, shape: Any, where: str = "") -> str | None:
+    """What in ``value`` does not have ``shape`` ("field measurements[0].results[1].batch_size should be a whole
+    number, not str"), or None."""
+    if isinstance(shape, Maybe):
+        return None if value is None else shape_problem(value, shape.shape, where)
+    field = f"field {where}" if where else "the file"
+    if isinstance(shape, dict) and shape is not dict:
+        if not isinstance(value, dict):
+            return f"{field} should be an object, not {type(value).__name__}"
+        for key, item_shape in shape.items():
+            if key not in value and not isinstance(item_shape, Maybe):
+                return f"field {where + '.' if where else ''}{key} is missing"
+            problem = shape_problem(value.get(key), item_shape, f"{where + '.' if where else ''}{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(shape, list):
+        if not isinstance(value, list) or not value:
+            return f"{field} should be a non-empty list" + ("" if isinstance(value, list) else f", not {type(value).__name__}")
+        return next((problem for index, item in enumerate(value)
+                     if (problem := shape_problem(item, shape[0], f"{where}[{index}]"))), None)
+    accepted = (int, float) if shape is float else shape
+    if not isinstance(value, accepted) or isinstance(value, bool):
+        return f"{field} should be {_TYPE_NAMES[shape]}, not {type(value).__name__}"
+    return None
 
 
 def comparison_table(measurements: list[Measurement], metric: Metric, baseline: str | None = None) -> Table:
@@ -206,10 +258,13 @@ def render_markdown(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_text_file(path: str, text: str) -> None:
-    _check_folder_exists(path)
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
+def write_text_file(path: str, option: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole (``option``, e.g. "--markdown", names it in errors)."""
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+
+    write_whole_file(path, option, write)
 
 
 def check_chart_possible(path: str) -> None:
@@ -218,13 +273,7 @@ def check_chart_possible(path: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install \"accelgen[plot]\" (or matplotlib).") from None
-    _check_folder_exists(path)
-
-
-def _check_folder_exists(path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"Cannot write {path!r}: folder {folder!r} does not exist.")
+    check_output_file(path, "--plot", "chart.png")
 
 
 #: Above this ratio between the largest and smallest value, the chart's value axis is logarithmic: a CPU
@@ -276,5 +325,7 @@ def draw_chart(table: Table, path: str) -> None:
     from matplotlib import pyplot
 
     figure = chart_figure(table)
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
+    try:
+        write_whole_file(path, "--plot", lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
+    finally:
+        pyplot.close(figure)

@@ -211,9 +211,9 @@ def test_random_weights_from_a_config_file_or_a_folder(tiny_model_folder, tmp_pa
 
 @pytest.mark.parametrize("arguments, message", [
     (["--model-config", "bloomz-7b1"], "--model-config builds the model from its config alone: add --random-weights"),
-    (["--runs", "0"], "--runs must be at least 1"),
-    (["--batch-sizes", "0,8"], "--batch-sizes must list positive batch sizes"),
-    (["--batch-sizes", "one"], "expected comma-separated whole numbers"),
+    (["--runs", "0"], "argument --runs: must be a whole number from 1 to 2147483647, got '0'"),
+    (["--batch-sizes", "0,8"], "argument --batch-sizes: must list numbers each a whole number from 1 to 2147483647"),
+    (["--batch-sizes", "one"], "argument --batch-sizes: must list numbers each a whole number from 1"),
     (["--model-config", "./no/such.json", "--random-weights"], "--model-config './no/such.json' does not exist"),
     (["--model", "x", "--model-config", "bloom", "--random-weights"], "Pass --model or --model-config, not both."),
 ])
