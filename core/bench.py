@@ -40,7 +40,6 @@ from accelgen.memory_advice import kv_cache_bytes_per_position
 from accelgen.model_source import ModelSource
 from accelgen.models import tokenizer_source
 from accelgen.output_files import check_output_file, write_whole_file
-from accelgen.output_files import check_output_file, write_whole_file
 from accelgen.prompts import prompt_problem
 from accelgen.request import Request
 from accelgen.settings import DTYPE_BYTES

@@ -197,6 +197,21 @@ def stop_at_once_when_interrupted() -> None:
     in one write, and a torn last line is cut on resume."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _end_with_the_launcher()
+
+
+def _end_with_the_launcher() -> None:
+    """Have Linux kill this worker when the launcher that started it dies (SIGKILL, a crash), which no signal
+    handler of the launcher's can forward: the rank would otherwise wait in its next collective for ever."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died while we asked
+        os._exit(1)
 
 
 def inject_fault_if_asked(world: World) -> None:

@@ -162,3 +162,26 @@ def test_a_stale_deepspeed_build_lock_is_cleared_in_one_line_not_a_hang(tiny_mod
     assert warnings == [f"accelgen: warning: removed {lock}, left by a compile of DeepSpeed's CPU all-reduce extension "
                         f"that was stopped (no process is compiling it); every tensor-parallel job would have waited on "
                         f"it for ever"]
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it(tiny_model_folder, tmp_path, cli_environment):
+    """SIGKILL to the launcher (no handler of its own can run): the ranks end too, none waits for ever."""
+    pytest.importorskip("deepspeed")
+    marker = str(tmp_path / "killed-out.jsonl")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", "2", "--model",
+         str(tiny_model_folder("llama")), "--max-new-tokens", "200", "--ignore-eos", "--quiet",
+         *[argument for text in TEXTS * 20 for argument in ("--prompt", text)], "--output", marker],
+        env=cli_environment, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while not (Path(marker).exists() and Path(marker).stat().st_size) and time.monotonic() < deadline:
+        assert job.poll() is None
+        time.sleep(0.05)
+    assert len(_processes_with(marker)) == 3  # the launcher and its two ranks
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + 30
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
