@@ -14,7 +14,7 @@ import socket
 import time
 from typing import IO
 
-from accelgen.errors import UsageError
+from accelgen.errors import UsageError, user_errors
 
 #: Set by the process holding an output's lock to the lock's path, for the processes it starts.
 HELD_VARIABLE = "ACCELGEN_OUTPUT_LOCK_HELD"
@@ -36,17 +36,19 @@ class OutputLock:
         if self.held_by_parent:
             return
         while True:
-            file = open(self.path, "a+", encoding="utf-8")
-            try:
-                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                file.seek(0)
-                holder = file.read().strip() or "another process"
-                file.close()
-                raise UsageError(
-                    f"--output {self.output!r} is being written by another accelgen run ({holder}): wait for it to "
-                    f"end or stop it, or choose another --output (two writers would mix their rows)."
-                ) from None
+            with user_errors(f"Cannot lock --output {self.output!r} (through {self.path!r})",
+                             "choose an --output on a file system that supports locks (a local disk)", (OSError,)):
+                file = open(self.path, "a+", encoding="utf-8")
+                try:
+                    fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    file.seek(0)
+                    holder = file.read().strip() or "another process"
+                    file.close()
+                    raise UsageError(
+                        f"--output {self.output!r} is being written by another accelgen run ({holder}): wait for it "
+                        f"to end or stop it, or choose another --output (two writers would mix their rows)."
+                    ) from None
             if _same_file(file, self.path):
                 break
             file.close()  # the holder removed the file as we opened it: lock the one now there

@@ -185,3 +185,19 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tiny_model_folder, tmp_path, 
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_with(marker) == []
+
+
+def test_a_file_system_without_locks_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_locks(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)  # as on a network file system without lock support
+    output = tmp_path / "out.jsonl"
+    assert main(["run", *SAMPLED, "--prompt", "Hello", "--output", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert error == (f"accelgen: error: Cannot lock --output '{output}' (through '{output}.lock'): No locks available: "
+                     f"choose an --output on a file system that supports locks (a local disk)\n")
+    assert not output.exists()
