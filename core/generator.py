@@ -234,6 +234,7 @@ class Generator:
                 self._cache_storage = CacheStorage(batch_size, cache_length)
             cache = new_static_cache(self.model, cache_length, getattr(torch, self.run.dtype), self.device,
                                      self._cache_storage)
+            self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
             self._slots[key] = DecodeSlot(
                 cache=cache,
                 state=decoding.DecodeState.allocate(batch_size, cache_length, self.run.max_new_tokens, self.device),

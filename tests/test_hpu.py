@@ -65,7 +65,7 @@ def test_float32_matches_hugging_face_with_one_hpu_graph_per_bucket(tiny_model_f
     assert habana_double["graph_wrap"] == 1 and habana_double["graph_capture"] == 1
     assert habana_double["graph_replay"] == decode_steps
     # lazy mode: a mark_step hands each forward pass to the card before the next one is queued, and after the last
-    assert all(later > earlier for earlier, later in zip(marks_before_each_forward, marks_before_each_forward[1:]))
+    assert all(later > earlier for earlier, later in zip(marks_before_each_forward, marks_before_each_forward[1:])), marks_before_each_forward
     assert habana_double["mark_step"] > marks_before_each_forward[-1]
 
 
