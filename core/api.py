@@ -13,7 +13,7 @@ from accelgen.errors import UsageError
 from accelgen.generator import Completion, Generator
 from accelgen.launcher import inject_fault_if_asked
 from accelgen.request import Request, build_request
-from accelgen.tensor_parallel import init_process_group, parameter_bytes
+from accelgen.process_groups import init_process_group
 
 
 def load(model: str | os.PathLike | None = None, **options) -> Generator:
@@ -31,15 +31,14 @@ def load(model: str | os.PathLike | None = None, **options) -> Generator:
 
 
 def load_request(request: Request) -> Generator:
-    """Set the device up, load the model, prepare it for the device, shard it over the ranks: a Generator."""
+    """Set the device up, load the model (this rank's part of it under tensor parallelism), prepare it for
+    the device: a Generator."""
     accelerator, run, world = request.accelerator, request.run, request.world
     device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
-    model, tokenizer = request.model.load(run.dtype, device)
-    unsharded_parameter_bytes = parameter_bytes(model)
+    shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None
+    model, tokenizer, unsharded_parameter_bytes = request.model.load(run.dtype, device, world, shard)
     model = accelerator.prepare_model(model, device, run, world)
-    if world.size > 1:
-        model = accelerator.shard(model, world, run)
     inject_fault_if_asked(world)
     return Generator(model, tokenizer, accelerator, device, run, world, unsharded_parameter_bytes)
 

@@ -43,7 +43,7 @@ from accelgen.output_files import check_output_file, write_whole_file
 from accelgen.prompts import prompt_problem
 from accelgen.request import Request
 from accelgen.settings import DTYPE_BYTES
-from accelgen.tensor_parallel import parameter_bytes
+from accelgen.weight_loading import parameter_bytes
 from accelgen.value_ranges import check_settings
 
 SCHEMA = "accelgen-bench"

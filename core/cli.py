@@ -26,7 +26,8 @@ from accelgen.output_files import check_output_file
 from accelgen.plugins import PluginManager, get_plugin_manager
 from accelgen.request import SETTING_NAMES, Request, build_request
 from accelgen.settings import World
-from accelgen.tensor_parallel import gather_from_ranks, leave_process_group, parameter_bytes
+from accelgen.process_groups import gather_from_ranks, leave_process_group
+from accelgen.weight_loading import parameter_bytes
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:

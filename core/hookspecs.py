@@ -93,17 +93,19 @@ class Accelerator:
         raise NotImplementedError
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: "RunSettings", world: "World") -> torch.nn.Module:
-        """Return the model ready for this device: moved to ``device`` (what ``setup`` returned), with any
-        device-specific patches. The model arrives loaded in ``run.dtype`` by ``from_pretrained``, which
-        keeps the buffers that must stay float32 (rotary frequencies) in float32: do not cast the whole
-        model again. Under tensor parallelism (``world.size > 1``) ``shard`` follows. Default: moved."""
+        """Return the model ready for this device, with any device-specific patches. The model arrives with
+        its weights in ``run.dtype`` on ``device`` (what ``setup`` returned), already split by ``shard`` under
+        tensor parallelism (``world.size > 1``); the buffers that must stay float32 (rotary frequencies) are
+        float32: do not cast the whole model again. Default: moved to ``device`` (where it already is)."""
         return model.to(device)
 
     def shard(self, model: torch.nn.Module, world: "World", run: "RunSettings") -> torch.nn.Module:
-        """Return the model split over ``world.size`` ranks with tensor parallelism, or raise
-        ``accelgen.errors.UsageError`` saying why it cannot be. Called only when ``world.size > 1``, after
-        the core has joined the process group with ``dist_backend``.
-        ``accelgen.tensor_parallel.shard_with_deepspeed`` does the DeepSpeed-Inference (AutoTP) part.
+        """Return the model split over ``world.size`` ranks with tensor parallelism: this rank's part, its
+        parameters allocated on this rank's device; or raise ``accelgen.errors.UsageError`` saying why it
+        cannot be. Called while the model loads, only when ``world.size > 1``, after the core has joined the
+        process group with ``dist_backend``. The model usually arrives empty (parameters on the meta device):
+        the core fills the parameters afterwards, each rank reading only its part of the checkpoint.
+        ``accelgen.deepspeed_adapter.shard_with_deepspeed`` does all of this with DeepSpeed-Inference (AutoTP).
         Default: refused, since DeepSpeed may not know the device."""
         from accelgen.errors import UsageError
 

@@ -68,17 +68,16 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
 
 
 def launch_job(request: "Request", plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
-    """Check that the job can start (devices on this node, a model whose heads split over the ranks), then
+    """Check that the job can start (devices on this node, a model whose heads split over the ranks, a
+    pre-sharded model sharded for this world size and dtype), then
     start this node's ranks, each running ``accelgen <worker_argv>``; return the job's exit status."""
-    from accelgen.tensor_parallel import check_shardable
-
     accelerator = request.accelerator
     if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
         raise UsageError(
             f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
             f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
-    check_shardable(request.model.config(), plan.world_size)
+    request.model.check_runs_on(plan.world_size, request.run.dtype)
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
     return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))

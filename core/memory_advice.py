@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from accelgen.errors import UsageError
 from accelgen.settings import DTYPE_BYTES
-from accelgen.tensor_parallel import attention_head_counts, parameter_bytes
+from accelgen.architectures import attention_head_counts
+from accelgen.weight_loading import parameter_bytes
 
 if TYPE_CHECKING:
     from accelgen.generator import Generator

@@ -1,18 +1,48 @@
 """Where a run's model comes from, resolved once: a Hub id or a local folder (the built-in model when none
-is given), or, with random weights, a config to build the model from (``accelgen.random_weights``)."""
+is given; a folder ``accelgen shard`` wrote is recognised), or, with random weights, a config to build the
+model from (``accelgen.random_weights``); and its loading, with no process ever holding the whole model
+unless it runs the model alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
+from typing import Callable
 
 import torch
 import transformers
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from accelgen.checkpoint_download import checkpoint_folder
+from accelgen.deepspeed_adapter import check_shardable, slices_checkpoints
+from accelgen.empty_model import empty_model
+from accelgen.errors import UsageError
 from accelgen.model_identity import model_identity
-from accelgen.models import BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_model, model_source
-from accelgen.random_weights import build_random_model, resolve_model_config, tokenizer_for
+from accelgen.models import (
+    BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_tokenizer,
+    loading_errors_as_usage_errors, model_source,
+)
+from accelgen.pre_sharded import check_sharded_for, rank_files, read_manifest
+from accelgen.random_weights import resolve_model_config, tokenizer_for
+from accelgen.settings import World
+from accelgen.weight_loading import load_weights, parameter_bytes
+from accelgen.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights, checkpoint_files
+
+#: Host memory, where a model that DeepSpeed splits whole is put first.
+HOST = torch.device("cpu")
+
+
+@dataclasses.dataclass
+class OpenedModel:
+    """A model ready to be given memory and filled: its empty ``skeleton``, where its weights come from,
+    and its tokenizer. ``whole_tensors``: the source holds exactly this rank's tensors (pre-sharded)."""
+
+    skeleton: torch.nn.Module
+    weights: object
+    tokenizer: PreTrainedTokenizerBase
+    whole_tensors: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +76,69 @@ class ModelSource:
         """The model's config (cheap: for checks made before any weights load)."""
         return self._resolved[1]
 
-    def load(self, dtype: str, device: torch.device) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-        """The model in ``dtype`` and its tokenizer: random weights drawn directly on ``device``, real ones
-        read into host memory (the accelerator moves or shards them)."""
+    def pre_sharded_manifest(self) -> dict | None:
+        """The manifest when the model is a folder ``accelgen shard`` wrote, else None."""
+        if self.random_weights or self.name is None or not os.path.isdir(model_source(self.name)):
+            return None
+        return read_manifest(model_source(self.name))
+
+    def check_runs_on(self, world_size: int, dtype: str) -> None:
+        """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (heads that do not
+        split; a pre-sharded folder made for another world size or dtype): before any rank starts."""
+        manifest = self.pre_sharded_manifest()
+        if manifest is not None:
+            check_sharded_for(model_source(self.name), manifest, world_size, dtype)
+        if world_size > 1:
+            check_shardable(self.config(), world_size)
+
+    def load(
+        self, dtype: str, device: torch.device, world: World,
+        shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, int]:
+        """(the model in ``dtype`` with its weights on ``device``, its tokenizer, its parameter bytes unsharded).
+        With ``shard`` (tensor parallelism, ``world.size`` > 1) this rank's part only: each rank reads its own
+        slices of the checkpoint, or its own files of a pre-sharded one."""
+        self.check_runs_on(world.size, dtype)
+        opened = self.open(dtype, world)
+        unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
+        if world.size > 1 and not slices_checkpoints(self.config()):
+            if world.is_main:
+                print(f"accelgen: {self.config().model_type} models are not sliced while loading: each rank puts the "
+                      f"whole model in host memory before DeepSpeed splits it.", file=sys.stderr)
+            model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
+        else:
+            model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors)
+        return model.eval(), opened.tokenizer, unsharded_parameter_bytes
+
+    def open(self, dtype: str, world: World) -> OpenedModel:
+        """The empty model, its weight source and its tokenizer (every rank must call this)."""
+        config = self.config()
         if self.random_weights:
-            model = build_random_model(self.config(), dtype, device, self.trust_remote_code)
-            return model, tokenizer_for(str(self.name or DEFAULT_MODEL), self.trust_remote_code)
-        return load_model(self.name, dtype, self.trust_remote_code, config=self.config())
+            skeleton = empty_model(config, dtype, self.trust_remote_code)
+            shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.named_parameters()}
+            weights = RandomWeights(shapes, std=getattr(config, "initializer_range", 0.02))
+            return OpenedModel(skeleton, weights, tokenizer_for(str(self.name or DEFAULT_MODEL), self.trust_remote_code))
+        folder = checkpoint_folder(self.name, world)
+        with loading_errors_as_usage_errors(folder):
+            tokenizer = load_tokenizer(folder, self.trust_remote_code)
+            skeleton = empty_model(config, dtype, self.trust_remote_code)
+            if os.path.isfile(os.path.join(folder, "generation_config.json")):
+                skeleton.generation_config = GenerationConfig.from_pretrained(folder)
+            prefix = skeleton.base_model_prefix
+            manifest = read_manifest(folder)
+            if manifest is not None:
+                weights = SafetensorsWeights(rank_files(folder, manifest, world.rank), prefix, where=folder)
+                return OpenedModel(skeleton, weights, tokenizer, whole_tensors=True)
+            files, are_safetensors = checkpoint_files(folder)
+            if not are_safetensors:
+                print(f"accelgen: {folder} has pickle (.bin) weights, read file by file; safetensors load faster "
+                      f"and slice by slice (save the model with save_pretrained, or use accelgen shard).", file=sys.stderr)
+            weights = SafetensorsWeights(files, prefix) if are_safetensors else PickleWeights(files, prefix)
+        return OpenedModel(skeleton, weights, tokenizer)
+
+
+def refuse_unsliced_family(config: transformers.PretrainedConfig) -> None:
+    """Raise UsageError for a family accelgen cannot pre-shard (its split is not checked for slicing)."""
+    if not slices_checkpoints(config):
+        raise UsageError(f"accelgen shard does not know how DeepSpeed splits {config.model_type} models yet: "
+                         f"run them unsharded (accelgen run --world-size N --model the original folder).")

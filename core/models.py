@@ -83,26 +83,6 @@ def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
 
 
-def load_model(
-    model_name_or_path: str | os.PathLike | None, dtype: str, trust_remote_code: bool = False,
-    config: transformers.PretrainedConfig | None = None,
-) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Model (eval mode, ``dtype``, on CPU) and tokenizer; the built-in default model when None.
-    ``config`` is the model's, when already loaded.
-
-    Raises UsageError with a one-line reason when the path is missing or the model cannot be loaded.
-    """
-    # The config first: a Hub id that cannot be reached fails there once, not again for each file.
-    config = config or load_config(model_name_or_path, trust_remote_code)
-    source = model_source(model_name_or_path)
-    with loading_errors_as_usage_errors(source):
-        tokenizer = load_tokenizer(source, trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
-        )
-    return model.eval(), tokenizer
-
-
 def tokenizer_source(tokenizer: PreTrainedTokenizerBase) -> str:
     """Where ``tokenizer`` came from, for reports: its folder or Hub id, or the built-in model's."""
     path = tokenizer.name_or_path

@@ -1,7 +1,7 @@
 """Models built from a config alone, with seeded random weights, for benchmarking without downloads.
 
 Decode speed does not depend on weight values, so a model of the right shape measures what the real
-one would. ``--model-config`` names the shape: a built-in config of a published model (the BLOOM
+one would; its values come from ``accelgen.weight_sources.RandomWeights``, drawn where they are held. ``--model-config`` names the shape: a built-in config of a published model (the BLOOM
 family the published Gaudi / A100 tables measure), a local ``config.json`` (or a folder holding one),
 or a Hub id whose config is fetched (a few kilobytes, no weights).
 """
@@ -12,10 +12,10 @@ import os
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, BloomConfig, PreTrainedTokenizerBase
 
 from accelgen.errors import UsageError
-from accelgen.models import DEFAULT_MODEL, DTYPE_KEYWORD, load_tokenizer, loading_errors_as_usage_errors, looks_local
+from accelgen.models import DEFAULT_MODEL, load_tokenizer, loading_errors_as_usage_errors, looks_local
 
 #: Shapes of the published BLOOM models (their config.json on the Hub), by their Hub ids.
 BUILT_IN_CONFIGS = {
@@ -54,19 +54,6 @@ def resolve_model_config(name: str, trust_remote_code: bool = False) -> tuple[st
         return config_dictionary.get("_name_or_path") or os.path.basename(os.path.abspath(path)), config
     with loading_errors_as_usage_errors(name):
         return name, AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-
-
-def build_random_model(
-    config: transformers.PretrainedConfig, dtype: str, device: torch.device, trust_remote_code: bool = False
-) -> torch.nn.Module:
-    """The model ``config`` describes, in ``dtype``, with weights drawn from a fixed seed, created
-    directly on ``device`` (a 7B model is built in seconds on a GPU instead of minutes on the host)."""
-    torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
-        )
-    return model.eval()
 
 
 def tokenizer_for(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

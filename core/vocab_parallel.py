@@ -29,21 +29,24 @@ def vocabulary_slice(vocab_size: int, world: World) -> tuple[int, int, int]:
     return first, held, allotted
 
 
-def _slice_rows(full_weight: torch.Tensor, world: World) -> tuple[torch.Tensor, int]:
+def rank_rows(full_weight: torch.Tensor, world: World) -> nn.Parameter:
+    """This rank's rows of a vocabulary matrix [V, H] -> [V / N (padded), H]; without memory (meta) when
+    ``full_weight`` has none, to be filled from the checkpoint (rows past the vocabulary stay zero)."""
     first, held, allotted = vocabulary_slice(full_weight.shape[0], world)
     shard = full_weight.new_zeros((allotted, full_weight.shape[1]))
-    shard[:held] = full_weight[first : first + held]
-    return shard, first
+    if not shard.is_meta:
+        shard[:held] = full_weight[first : first + held]
+    return nn.Parameter(shard, requires_grad=False)
 
 
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` whose rows are split over the ranks. input_ids [*] -> embeddings [*, H]."""
 
-    def __init__(self, full_weight: torch.Tensor, world: World):
+    def __init__(self, weight_shard: nn.Parameter, vocab_size: int, world: World):
         super().__init__()
-        shard, self.first_row = _slice_rows(full_weight.detach(), world)
-        self.weight = nn.Parameter(shard, requires_grad=False)
-        self.vocab_size = full_weight.shape[0]
+        self.weight = weight_shard  # [V / N (padded), H]
+        self.first_row = vocabulary_slice(vocab_size, world)[0]
+        self.vocab_size = vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local_ids = input_ids - self.first_row
@@ -70,13 +73,17 @@ class VocabParallelHead(nn.Module):
         return torch.cat(gathered, dim=-1)[..., : self.vocab_size]
 
 
-def split_vocabulary(model: nn.Module, input_embedding: torch.Tensor, output_head: torch.Tensor | None, world: World) -> None:
-    """Replace ``model``'s embedding and head by vocabulary-parallel ones, built from the unsharded
-    weights (``output_head`` None when the head is tied to the embedding, or has a bias we keep)."""
-    embedding = VocabParallelEmbedding(input_embedding, world)
-    model.set_input_embeddings(embedding)
-    if output_head is None:
-        head_shard = embedding.weight
-    else:
-        head_shard = nn.Parameter(_slice_rows(output_head.detach(), world)[0], requires_grad=False)
-    model.set_output_embeddings(VocabParallelHead(head_shard, embedding.vocab_size, world))
+def split_vocabulary(model: nn.Module, world: World) -> bool:
+    """Replace ``model``'s embedding and output head by vocabulary-parallel ones holding this rank's rows
+    (one matrix for both when they are tied); False, and nothing changed, for models whose embedding or
+    head is not a plain matrix (a head with a bias)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None):
+        return False
+    vocab_size = embedding.weight.shape[0]
+    embedding_shard = rank_rows(embedding.weight.detach(), world)
+    tied = head.weight is embedding.weight
+    head_shard = embedding_shard if tied else rank_rows(head.weight.detach(), world)
+    model.set_input_embeddings(VocabParallelEmbedding(embedding_shard, vocab_size, world))
+    model.set_output_embeddings(VocabParallelHead(head_shard, vocab_size, world))
+    return True

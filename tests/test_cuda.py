@@ -144,13 +144,6 @@ def test_out_of_memory_errors_are_recognised():
     assert not accelerator.is_out_of_memory(ValueError("out of memory"))
 
 
-def test_a_rank_of_several_leaves_the_whole_model_on_the_host():
-    """Under tensor parallelism each GPU receives only its shard: prepare_model does not move the model."""
-    model = torch.nn.Linear(2, 2)
-    prepared = CudaAccelerator().prepare_model(model, torch.device("cuda", 0), RunSettings(dtype="float32"), World(size=2))
-    assert prepared is model and model.weight.device.type == "cpu"
-
-
 #: Operations that show the captured step is the whole decode step, not only the forward pass: the token choice
 #: (argmax; for sampling also the noise's logarithm), the end-of-sequence check, recording the token, the advance.
 WHOLE_STEP_OPERATIONS = {"aten.argmax.default", "aten.isin.Tensor_Tensor", "aten.index_copy_.default", "aten.add_.Tensor"}

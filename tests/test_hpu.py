@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import accelgen
-import accelgen.tensor_parallel
+
 from accelgen.errors import UsageError
 from accelgen.settings import LaunchPlan, RunSettings, World
 from accelgen_hpu import HpuAccelerator, bridge

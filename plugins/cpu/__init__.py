@@ -37,7 +37,7 @@ class CpuAccelerator(Accelerator):
         return torch.device("cpu")
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.tensor_parallel import shard_with_deepspeed
+        from accelgen.deepspeed_adapter import shard_with_deepspeed
 
         _prepare_deepspeed_shared_memory_all_reduce(world)
         return shard_with_deepspeed(model, world, run.dtype)

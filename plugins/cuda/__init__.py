@@ -91,18 +91,11 @@ class CudaAccelerator(Accelerator):
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
 
-    def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings, world: World) -> torch.nn.Module:
-        if world.size > 1:
-            return model  # stays in host memory: each rank moves only its shard to its GPU (see shard)
-        # already in run.dtype: a blanket cast would also round the fp32 buffers (RoPE frequencies)
-        return model.to(device)
-
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.tensor_parallel import shard_with_deepspeed
+        from accelgen.deepspeed_adapter import shard_with_deepspeed
 
-        sharded = shard_with_deepspeed(model, world, run.dtype)
-        # DeepSpeed moves the sharded layers to the current GPU; the vocabulary slices are made after it
-        return sharded.to(_current_device())
+        # DeepSpeed allocates this rank's slices on the current GPU (set in setup)
+        return shard_with_deepspeed(model, world, run.dtype)
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
@@ -211,11 +204,6 @@ def _warm_up_on_side_stream(step: Callable[..., torch.Tensor], example_inputs: t
         for _ in range(WARM_UP_RUNS):
             step(*example_inputs)
     torch.cuda.current_stream().wait_stream(side_stream)
-
-
-def _current_device() -> torch.device:
-    """The GPU ``setup`` selected for this process."""
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _driver_version() -> str | None:

@@ -71,7 +71,7 @@ class HpuAccelerator(Accelerator):
         return bridge.torch_device()
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.tensor_parallel import shard_with_deepspeed
+        from accelgen.deepspeed_adapter import shard_with_deepspeed
 
         # Habana's fork turns enable_cuda_graph=True into wrap_in_hpu_graph over the whole model, prefill
         # included, and capture() below would then nest a graph inside it: graphs stay ours, per bucket.

@@ -1,0 +1,107 @@
+"""A model's weights put in place part by part: the skeleton (``accelgen.empty_model``) is given memory on
+its device (the whole model at one rank; each rank's slices, allocated by DeepSpeed, under tensor
+parallelism), then each parameter is filled from a weight source (``accelgen.weight_sources``) with only
+the part of the tensor this rank holds. Host memory holds one tensor's part at a time, never the model.
+
+Which part a rank holds is read from the shapes DeepSpeed gave the ranks' parameters: a parameter whose
+shape differs from the checkpoint tensor's in one dimension holds, along it, the rows after those of the
+lower ranks. That is exact for splits into contiguous blocks, which the families in
+``accelgen.architectures`` are checked to make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from accelgen.errors import UsageError
+from accelgen.process_groups import gather_from_ranks
+from accelgen.settings import World
+from accelgen.weight_sources import TensorPart
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterLoad:
+    """Parameter ``name`` holds ``part`` of the source's tensor of that name (None: all of it)."""
+
+    name: str
+    part: TensorPart | None
+
+
+def load_weights(
+    skeleton: torch.nn.Module, source, world: World, device: torch.device,
+    shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, whole_tensors: bool = False,
+) -> torch.nn.Module:
+    """The model with its weights from ``source``: the empty ``skeleton`` split by ``shard`` (tensor
+    parallelism) or put whole on ``device``, then filled. ``whole_tensors``: the source holds exactly this
+    rank's tensors (a pre-sharded checkpoint)."""
+    model = allocate(skeleton, device, shard)
+    fill_parameters(model, source, plan_loading(model, source, world, whole_tensors))
+    return model
+
+
+def allocate(skeleton: torch.nn.Module, device: torch.device,
+             shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> torch.nn.Module:
+    """The empty model with memory for its parameters (not filled): split by ``shard``, or whole on ``device``.
+    Buffers keep their values (allocating gives every tensor new, unset memory)."""
+    buffers = {name: buffer.clone() for name, buffer in skeleton.named_buffers()}
+    model = shard(skeleton) if shard is not None else skeleton.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives tied parameters memory of their own
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    return model
+
+
+def plan_loading(model: torch.nn.Module, source, world: World, whole_tensors: bool = False) -> list[ParameterLoad]:
+    """What each of this rank's parameters reads (every rank must call this: the ranks' shapes are gathered)."""
+    own_shapes = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+    shapes_by_rank = gather_from_ranks(own_shapes, world)
+    plan = []
+    for name in own_shapes:
+        full_shape = source.shape(name)
+        rank_shapes = [shapes[name] for shapes in shapes_by_rank]
+        if whole_tensors and full_shape != own_shapes[name]:
+            raise UsageError(
+                f"Tensor {name!r} of {source.where} has shape {list(full_shape)} where this rank's model has "
+                f"{list(own_shapes[name])}: the folder was sharded by another DeepSpeed release or accelgen; "
+                f"shard the model again with this one (accelgen shard)."
+            )
+        plan.append(ParameterLoad(name, rank_part(name, full_shape, rank_shapes, world.rank)))
+    return plan
+
+
+def rank_part(name: str, full_shape: tuple[int, ...], rank_shapes: list[tuple[int, ...]], rank: int) -> TensorPart | None:
+    """The part of a ``full_shape`` tensor that rank ``rank`` holds, the ranks' parameters having
+    ``rank_shapes``: None when it holds all of it."""
+    own = rank_shapes[rank]
+    if own == full_shape:
+        return None
+    split_dims = [dim for dim in range(len(own)) if len(own) == len(full_shape) and own[dim] != full_shape[dim]]
+    if len(split_dims) != 1 or sum(shape[split_dims[0]] for shape in rank_shapes) < full_shape[split_dims[0]]:
+        raise ValueError(f"{name}: ranks hold {rank_shapes} of a {list(full_shape)} tensor, not blocks of one dimension")
+    dim = split_dims[0]
+    start = sum(shape[dim] for shape in rank_shapes[:rank])
+    return TensorPart(dim, start, max(0, min(own[dim], full_shape[dim] - start)))
+
+
+def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -> None:
+    """Read each planned parameter's part from ``source`` into it; rows past the tensor's end (the last
+    rank's padding of a vocabulary) are zero."""
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for load in plan:
+            destination = parameters[load.name].data
+            if load.part is not None and load.part.length < destination.shape[load.part.dim]:
+                destination.zero_()
+                destination = destination.narrow(load.part.dim, 0, load.part.length)
+            source.copy_into(destination, load.name, load.part)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this process holds (a shard, under tensor parallelism); tied ones once."""
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
