@@ -41,19 +41,37 @@ def weight_file_problem(folder: str) -> str | None:
 def safetensors_problem(path: str) -> str | None:
     """What is wrong with the safetensors file at ``path`` (truncated, corrupt header), or None."""
     size = os.path.getsize(path)
+    try:
+        header, data_start = read_safetensors_header(path)
+        data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except HeaderError as error:
+        return str(error)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return "corrupt header (not the JSON a safetensors file begins with)"
+    if data_end > size - data_start:
+        return f"truncated: {size:,} bytes, the header describes {data_start + data_end:,}"
+    return None
+
+
+class HeaderError(ValueError):
+    """A safetensors file whose header cannot be read."""
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """(the header of the safetensors file at ``path``: tensor name -> dtype, shape, data_offsets; the byte at
+    which the tensors' data begins). Raises HeaderError for a file that is not one."""
+    size = os.path.getsize(path)
     with open(path, "rb") as file:
         prefix = file.read(8)
         if len(prefix) < 8:
-            return f"{size} bytes, too short to be a safetensors file"
+            raise HeaderError(f"{size} bytes, too short to be a safetensors file")
         (header_bytes,) = struct.unpack("<Q", prefix)
         if header_bytes > min(MAX_HEADER_BYTES, size - 8):
-            return f"corrupt header (it claims {header_bytes:,} bytes in a file of {size:,})"
+            raise HeaderError(f"corrupt header (it claims {header_bytes:,} bytes in a file of {size:,})")
         try:
             header = json.loads(file.read(header_bytes))
-            data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "corrupt header (not the JSON a safetensors file begins with)"
-    data_bytes = size - 8 - header_bytes
-    if data_end > data_bytes:
-        return f"truncated: {size:,} bytes, the header describes {8 + header_bytes + data_end:,}"
-    return None
+        except ValueError:
+            raise HeaderError("corrupt header (not the JSON a safetensors file begins with)") from None
+    if not isinstance(header, dict):
+        raise HeaderError("corrupt header (not the JSON a safetensors file begins with)")
+    return header, 8 + header_bytes

@@ -1,4 +1,4 @@
-"""The ``accelgen`` commands (run, bench, compare, devices): each parses, calls the core and prints.
+"""The ``accelgen`` commands (run, bench, shard, compare, devices): each parses, calls the core and prints.
 Nothing here knows a device; the arguments are declared in ``accelgen.cli_arguments``."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from accelgen.output import (
 from accelgen.output_files import check_output_file
 from accelgen.plugins import PluginManager, get_plugin_manager
 from accelgen.request import SETTING_NAMES, Request, build_request
+from accelgen.shard_job import check_shard_request, shard_model
 from accelgen.settings import World
 from accelgen.process_groups import gather_from_ranks, leave_process_group
 from accelgen.weight_loading import parameter_bytes
@@ -62,6 +63,8 @@ def _run(arguments: argparse.Namespace, plugin_manager: PluginManager | None, ar
         return devices_command(plugin_manager)
     if arguments.command == "bench":
         return bench_command(arguments, plugin_manager, argv)
+    if arguments.command == "shard":
+        return shard_command(arguments, plugin_manager, argv)
     return run_command(arguments, plugin_manager, argv)
 
 
@@ -113,7 +116,8 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
                       show_progress=bool(arguments.dataset))
     generator = result.generator
     rank_memory = gather_from_ranks(
-        {"parameter_bytes": parameter_bytes(generator.model), **generator.accelerator.memory_stats()}, request.world
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
+         **generator.accelerator.memory_stats()}, request.world
     )
     if is_main:
         print_summary(result)
@@ -148,6 +152,22 @@ def _measure(arguments: argparse.Namespace, request: Request, protocol: BenchPro
             print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
         if arguments.json:
             print_json(document)
+    leave_process_group()
+    return 0
+
+
+def shard_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+    if arguments.world_size is None:
+        raise UsageError("accelgen shard needs --world-size N: the number of ranks the runs will use.")
+    request = _request(arguments, plugin_manager)
+    check_shard_request(request, arguments.output, arguments.overwrite)
+    return _here_or_launched(arguments, request, argv, lambda: _shard(arguments, request))
+
+
+def _shard(arguments: argparse.Namespace, request: Request) -> int:
+    """Write this rank's part of the pre-sharded model (rank 0 completes the folder)."""
+    quiet_libraries()
+    shard_model(request, arguments.output, arguments.max_file_mib << 20)
     leave_process_group()
     return 0
 

@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--markdown", help="also write the table as Markdown to this file")
     compare.add_argument("--plot", help="also draw a PNG chart to this file (needs matplotlib)")
 
+    shard = commands.add_parser("shard", help="split a model once for a world size and dtype; runs then read only their own files")
+    shard.add_argument("--model", required=True, help="Hub id or local folder of the model to split")
+    shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
+    shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
+    shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
+    shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=4096,
+                       help=_with_range("largest file each rank writes, in MiB (default 4096)", "max_file_mib"))
+    shard.add_argument("--device", default=AUTO_DEVICE, help="accelerator the ranks load on (see 'accelgen devices'); the split does not depend on it")
+    shard.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
+    _add_parallel_arguments(shard)
+
     commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
     return parser
 

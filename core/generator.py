@@ -91,11 +91,14 @@ class Generator:
         world: World = World(),
         unsharded_parameter_bytes: int | None = None,
         capture_failure: str | None = None,
+        loading_host_memory: dict[str, int] | None = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
         self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
+        #: ``host_bytes_before_loading`` and ``peak_host_bytes_loading`` of this process, for reports.
+        self.loading_host_memory = loading_host_memory or {}
         #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
         self.capture_failure = capture_failure
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
@@ -116,7 +119,7 @@ class Generator:
         """A generator sharing this one's model for another fixed batch size (its own caches and graphs)."""
         return Generator(
             self.model, self.tokenizer, self.accelerator, self.device, dataclasses.replace(self.run, batch_size=batch_size),
-            self.world, self.unsharded_parameter_bytes, self.capture_failure,
+            self.world, self.unsharded_parameter_bytes, self.capture_failure, self.loading_host_memory,
         )
 
     def generate(self, prompts: Sequence[str]) -> list[Completion]:

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from accelgen.checkpoint_files import weight_file_problem
 from accelgen.errors import UsageError, reason, user_errors
+from accelgen.pre_sharded import missing_rank_file, read_manifest
 
 #: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -71,9 +72,11 @@ def check_weight_files(model_name_or_path: str | os.PathLike | None) -> None:
     """Raise UsageError naming a damaged or missing weight file of a local model (headers only are read)."""
     source = model_source(model_name_or_path)
     if os.path.isdir(source):
-        problem = weight_file_problem(source)
+        manifest = read_manifest(source)
+        problem = (manifest and missing_rank_file(source, manifest)) or weight_file_problem(source)
+        fix = "shard the model again (accelgen shard)" if manifest else "download or save the model again"
         if problem:
-            raise UsageError(f"Model {source!r} has a damaged weight file: {problem}: download or save the model again.")
+            raise UsageError(f"Model {source!r} has a damaged weight file: {problem}: {fix}.")
 
 
 def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):

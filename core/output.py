@@ -59,6 +59,9 @@ def print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) -
         for name in rank_memory[0]
         if name.startswith("peak_")  # what the run held at most (free and total memory are the machine's, not the run's)
     )
+    if "host_bytes_before_loading" in rank_memory[0]:
+        added = " / ".join(f"{memory['peak_host_bytes_loading'] - memory['host_bytes_before_loading']:,}" for memory in rank_memory)
+        statistics += f"; host bytes added while loading per rank {added}"
     print(
         f"accelgen: parameter bytes per rank {shares} of {unsharded_parameter_bytes:,} unsharded ({ratios})"
         + (f"; {statistics}" if statistics else ""),

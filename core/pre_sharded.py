@@ -63,7 +63,7 @@ def check_sharded_for(folder: str, manifest: dict, world_size: int, dtype: str) 
     sharded_for = f"--world-size {manifest['world_size']} --dtype {manifest['dtype']}"
     if manifest["world_size"] != world_size:
         raise UsageError(f"{folder!r} is sharded for {sharded_for}, not --world-size {world_size}: run it with "
-                         f"--world-size {manifest['world_size']}, or shard the original model for {world_size} ranks.")
+                         f"--world-size {manifest['world_size']}, or shard the original model for {world_size} rank(s).")
     if manifest["dtype"] != dtype:
         raise UsageError(f"{folder!r} is sharded for {sharded_for}, not --dtype {dtype}: run it with "
                          f"--dtype {manifest['dtype']}, or shard the original model in {dtype}.")

@@ -75,6 +75,7 @@ RANGES: dict[str, Range] = {
     "limit": COUNT,
     "world_size": Range(int, 1, 65536),
     "nnodes": Range(int, 1, 65536),
+    "max_file_mib": Range(int, 1, 1 << 20),
     "node_rank": Range(int, 0, 65535),
     "master_port": Range(int, 1, 65535),
     "batch_sizes": COUNT,

@@ -1,5 +1,5 @@
-"""Where a model's weights are read from, tensor by tensor and slice by slice: safetensors files (memory
-mapped: a slice reads only its own bytes), pickle checkpoints (whole files), or seeded random values.
+"""Where a model's weights are read from, tensor by tensor and slice by slice: safetensors files (a slice
+reads only its own bytes), pickle checkpoints (whole files), or seeded random values.
 
 Each source answers two questions about a tensor named by the model's parameter names: its full shape
 (``shape``), and the values of one part of it written into a destination (``copy_into``), converted to
@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import zlib
 from typing import Iterable
 
 import torch
 
+from accelgen.checkpoint_files import read_safetensors_header
 from accelgen.errors import UsageError
 
+#: The safetensors format's dtype names.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 PICKLE_PATTERNS = ("pytorch_model*.bin", "model*.bin", "*.pt")
 
 
@@ -57,23 +64,51 @@ class CheckpointWeights:
 
 
 class SafetensorsWeights(CheckpointWeights):
-    """Safetensors files, memory-mapped: reading a part reads only its bytes."""
+    """Safetensors files, read with positioned reads of exactly the bytes of the part asked for, straight
+    into the destination when it is host memory of the file's dtype. (Not through a memory map: the pages a
+    map touches count in the process's resident memory, so every rank would seem to hold what it read past.)"""
 
     def __init__(self, paths: list[str], base_model_prefix: str = "", where: str | None = None):
-        from safetensors import safe_open
-
-        self._files = [safe_open(path, framework="pt") for path in paths]
-        tensors = {name: opened for opened in self._files for name in opened.keys()}
+        tensors = {}
+        for path in paths:
+            header, data_start = read_safetensors_header(path)
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    tensors[name] = (path, data_start + entry["data_offsets"][0], SAFETENSORS_DTYPES[entry["dtype"]],
+                                     tuple(entry["shape"]))
         super().__init__(where or os.path.dirname(paths[0]), tensors, base_model_prefix)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[self.key(name)].get_slice(self.key(name)).get_shape())
+        return self._tensors[self.key(name)][3]
 
     def copy_into(self, destination: torch.Tensor, name: str, part: TensorPart | None) -> None:
-        key = self.key(name)
-        opened = self._tensors[key]
-        values = opened.get_tensor(key) if part is None else opened.get_slice(key)[part.index()]
-        destination.copy_(values)
+        path, offset, dtype, shape = self._tensors[self.key(name)]
+        part = part or TensorPart(0, 0, shape[0] if shape else 1)
+        direct = destination.is_cpu and destination.dtype == dtype and destination.is_contiguous()
+        buffer = destination if direct else torch.empty(destination.shape, dtype=dtype)
+        _read_part(path, offset, shape, part, buffer)
+        if not direct:
+            destination.copy_(buffer)
+
+
+def _read_part(path: str, offset: int, shape: tuple[int, ...], part: TensorPart, buffer: torch.Tensor) -> None:
+    """Read ``part`` of the tensor stored C-contiguously at ``offset`` of ``path`` into the contiguous host
+    tensor ``buffer``: the tensor seen as [outer, shape[dim], inner], one read per outer index."""
+    outer = math.prod(shape[: part.dim])
+    inner = math.prod(shape[part.dim + 1 :])
+    row_bytes = part.length * inner * buffer.element_size()
+    stride_bytes = shape[part.dim] * inner * buffer.element_size() if shape else 0
+    start_bytes = part.start * inner * buffer.element_size()
+    target = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as file:
+        for index in range(outer):
+            file.seek(offset + index * stride_bytes + start_bytes)
+            chunk = target[index * row_bytes : (index + 1) * row_bytes]
+            while chunk:
+                read = file.readinto(chunk)
+                if not read:
+                    raise UsageError(f"{path} ends early: the file is truncated; download or save the model again.")
+                chunk = chunk[read:]
 
 
 class PickleWeights(CheckpointWeights):

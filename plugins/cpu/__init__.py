@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 from typing import Any, Callable
 
 import torch
 
 from accelgen.hookspecs import Accelerator, hookimpl
+from accelgen.host_memory import peak_resident_bytes
 from accelgen.settings import RunSettings, World
 from accelgen_cpu.extension_lock import check_extension_build_lock
 
@@ -51,8 +51,8 @@ class CpuAccelerator(Accelerator):
         return compiled_step
 
     def memory_stats(self) -> dict[str, int]:
-        # ru_maxrss is in KiB on Linux: the process's peak resident memory, weights and caches included.
-        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **_system_memory()}
+        # the process's peak resident memory, weights and caches included
+        return {"peak_rss_bytes": peak_resident_bytes(), **_system_memory()}
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         # The CPU allocator raises RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or
