@@ -11,7 +11,7 @@ from typing import Sequence
 
 from accelgen.errors import UsageError
 from accelgen.generator import Completion, Generator
-from accelgen.host_memory import peak_resident_bytes, resident_bytes
+from accelgen.host_memory import peak_resident_bytes, resident_bytes, restart_peak
 from accelgen.launcher import inject_fault_if_asked
 from accelgen.request import Request, build_request
 from accelgen.process_groups import init_process_group
@@ -39,6 +39,7 @@ def load_request(request: Request) -> Generator:
     init_process_group(world, accelerator.dist_backend)
     shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None
     host_bytes_before_loading = resident_bytes()
+    restart_peak()
     model, tokenizer, unsharded_parameter_bytes = request.model.load(run.dtype, device, world, shard)
     model = accelerator.prepare_model(model, device, run, world)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,

@@ -87,6 +87,21 @@ def _injection_policy(model: torch.nn.Module) -> dict:
     return {"injection_policy": {layer_class: architecture.row_parallel}}
 
 
+def prepare_shared_memory_all_reduce(world: World) -> bool:
+    """Get DeepSpeed's shared-memory all-reduce kernel (its CPU accelerator's) right; True when it will be
+    used. It runs when all ranks share a machine, which DeepSpeed learns from LOCAL_SIZE, set by DeepSpeed's
+    launcher but not torch's: without it the kernel runs uninitialised and the rank dies with SIGSEGV
+    (DeepSpeed 0.19.8). So: name the local ranks on one node, and turn the kernel off across nodes, where
+    gloo's all-reduce is used instead. Its buffers are unlinked once mapped (:func:`_unlink_shared_memory_buffer`)."""
+    import deepspeed.ops
+
+    if world.local_size == world.size:
+        os.environ["LOCAL_SIZE"] = str(world.local_size)
+        return True
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return False
+
+
 def _unlink_shared_memory_buffer(world: World) -> None:
     """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
 

@@ -11,7 +11,9 @@ lower ranks. That is exact for splits into contiguous blocks, which the families
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Callable
 
 import torch
@@ -20,6 +22,11 @@ from accelgen.errors import UsageError
 from accelgen.process_groups import gather_from_ranks
 from accelgen.settings import World
 from accelgen.weight_sources import TensorPart
+
+
+#: Parameters filled at once: reading into fresh memory costs a page fault per page, which threads overlap
+#: (the reads release the interpreter lock). Measured: 2.34 s for 2.96 GB with one, see the README.
+READ_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +97,22 @@ def rank_part(name: str, full_shape: tuple[int, ...], rank_shapes: list[tuple[in
 
 
 def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -> None:
-    """Read each planned parameter's part from ``source`` into it; rows past the tensor's end (the last
+    """Read each planned parameter's part from ``source`` into it, a few at a time (reads and page faults
+    overlap; at most ``READ_THREADS`` tensors' parts are in flight); rows past the tensor's end (the last
     rank's padding of a vocabulary) are zero."""
     parameters = dict(model.named_parameters())
-    with torch.no_grad():
-        for load in plan:
+
+    def fill(load: ParameterLoad) -> None:
+        with torch.no_grad():
             destination = parameters[load.name].data
             if load.part is not None and load.part.length < destination.shape[load.part.dim]:
                 destination.zero_()
                 destination = destination.narrow(load.part.dim, 0, load.part.length)
             source.copy_into(destination, load.name, load.part)
+
+    with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
+        for _ in pool.map(fill, plan):  # in order, so the first error is raised
+            pass
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

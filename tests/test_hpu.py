@@ -178,19 +178,27 @@ def test_several_nodes_are_one_line_pointing_to_deepspeeds_hostfile():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pre_sharded", [False, True])
 def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generates(
-    tiny_model_folder, habana_double, tmp_path
+    tiny_model_folder, habana_double, tmp_path, pre_sharded
 ):
+    """Each rank reads its slices of the checkpoint, or (pre_sharded) its own files of a folder that
+    `accelgen shard` wrote on the CPU: the split does not depend on the device."""
     folder = str(tiny_model_folder("bloom"))
     output, records = tmp_path / "out.jsonl", tmp_path / "records"
     records.mkdir()
     environment = dict(os.environ, HABANA_DOUBLE_RECORD_DIR=str(records), HF_HUB_OFFLINE="1",
                        TRANSFORMERS_VERBOSITY="error")
     environment.pop("PT_HPU_LAZY_MODE")  # the plugin must set it in each rank
+    model = folder
+    if pre_sharded:
+        model = str(tmp_path / "bloom-tp2")
+        subprocess.run([sys.executable, "-m", "accelgen.cli", "shard", "--device", "cpu", "--model", folder, "--world-size",
+                        "2", "--dtype", "float32", "--output", model], env=environment, check=True, capture_output=True)
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--dtype", "float32",
-         "--model", folder, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output)],
+         "--model", model, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output)],
         env=environment, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

@@ -37,9 +37,10 @@ class CpuAccelerator(Accelerator):
         return torch.device("cpu")
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.deepspeed_adapter import shard_with_deepspeed
+        from accelgen.deepspeed_adapter import prepare_shared_memory_all_reduce, shard_with_deepspeed
 
-        _prepare_deepspeed_shared_memory_all_reduce(world)
+        if prepare_shared_memory_all_reduce(world):
+            check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use
         return shard_with_deepspeed(model, world, run.dtype)
 
     def capture(
@@ -71,20 +72,6 @@ class CpuAccelerator(Accelerator):
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
         }
-
-
-def _prepare_deepspeed_shared_memory_all_reduce(world: World) -> None:
-    """DeepSpeed's CPU all-reduce uses a shared-memory kernel when all ranks share a machine, which it
-    learns from LOCAL_SIZE, set by DeepSpeed's launcher but not torch's. Without it the kernel runs
-    uninitialised and the rank dies with SIGSEGV (DeepSpeed 0.19.8). So: name the local ranks on one
-    node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
-    import deepspeed.ops
-
-    if world.local_size == world.size:
-        os.environ["LOCAL_SIZE"] = str(world.local_size)
-        check_extension_build_lock(world.local_rank)
-    else:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _cpu_model_name() -> str:
