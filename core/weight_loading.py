@@ -24,6 +24,9 @@ from accelgen.settings import World
 from accelgen.weight_sources import TensorPart
 
 
+#: Host memory.
+HOST = torch.device("cpu")
+
 #: Parameters filled at once: reading into fresh memory costs a page fault per page, which threads overlap
 #: (the reads release the interpreter lock). Measured: 2.34 s for 2.96 GB with one, see the README.
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -50,11 +53,20 @@ def load_weights(
 
 
 def allocate(skeleton: torch.nn.Module, device: torch.device,
-             shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> torch.nn.Module:
-    """The empty model with memory for its parameters (not filled): split by ``shard``, or whole on ``device``.
-    Buffers keep their values (allocating gives every tensor new, unset memory)."""
+             shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+             modules_on: dict[str, torch.device] | None = None) -> torch.nn.Module:
+    """The empty model with memory for its parameters (not filled): split by ``shard``, or whole on ``device``,
+    or (``modules_on``: module or parameter name -> device) only those, each on its device, the rest left
+    empty (offloaded). Buffers keep their values (allocating gives every tensor new, unset memory)."""
     buffers = {name: buffer.clone() for name, buffer in skeleton.named_buffers()}
-    model = shard(skeleton) if shard is not None else skeleton.to_empty(device=device)
+    if shard is not None:
+        model = shard(skeleton)
+    elif modules_on is None:
+        model = skeleton.to_empty(device=device)
+    else:
+        model = skeleton
+        for name, module_device in modules_on.items():
+            _allocate_part(model, name, module_device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives tied parameters memory of their own
     with torch.no_grad():
@@ -62,6 +74,17 @@ def allocate(skeleton: torch.nn.Module, device: torch.device,
             if name in buffers:
                 buffer.copy_(buffers[name])
     return model
+
+
+def _allocate_part(model: torch.nn.Module, name: str, device: torch.device) -> None:
+    """Memory on ``device`` for the module called ``name`` (every parameter in it), or the parameter so called."""
+    try:
+        model.get_submodule(name).to_empty(device=device)
+    except AttributeError:
+        owner_name, _, attribute = name.rpartition(".")
+        owner, parameter = model.get_submodule(owner_name), model.get_parameter(name)
+        owner.register_parameter(attribute, torch.nn.Parameter(torch.empty_like(parameter, device=device),
+                                                               requires_grad=parameter.requires_grad))
 
 
 def plan_loading(model: torch.nn.Module, source, world: World, whole_tensors: bool = False) -> list[ParameterLoad]:
@@ -97,18 +120,28 @@ def rank_part(name: str, full_shape: tuple[int, ...], rank_shapes: list[tuple[in
 
 
 def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -> None:
-    """Read each planned parameter's part from ``source`` into it, a few at a time (reads and page faults
-    overlap; at most ``READ_THREADS`` tensors' parts are in flight); rows past the tensor's end (the last
-    rank's padding of a vocabulary) are zero."""
+    """Give each planned parameter its part of ``source``, a few at a time (reads and page faults overlap;
+    at most ``READ_THREADS`` tensors' parts are in flight). A part the source holds in one piece in host
+    memory of the parameter's dtype (a memory-mapped file) becomes the parameter's memory, uncopied; any
+    other is copied in, converted and moved. Rows past the tensor's end (the last rank's padding of a
+    vocabulary) are zero."""
     parameters = dict(model.named_parameters())
 
+    @torch.no_grad()  # in each thread: grad mode is per thread
     def fill(load: ParameterLoad) -> None:
-        with torch.no_grad():
-            destination = parameters[load.name].data
-            if load.part is not None and load.part.length < destination.shape[load.part.dim]:
-                destination.zero_()
-                destination = destination.narrow(load.part.dim, 0, load.part.length)
+        parameter = parameters[load.name]
+        destination = parameter.data
+        if load.part is not None and load.part.length < destination.shape[load.part.dim]:
+            destination.zero_()
+            source.copy_into(destination.narrow(load.part.dim, 0, load.part.length), load.name, load.part)
+            return
+        view = source.view(load.name, load.part)
+        if view is None:
             source.copy_into(destination, load.name, load.part)
+        elif view.device == destination.device and view.dtype == destination.dtype:
+            parameter.data = view
+        else:
+            destination.copy_(view)
 
     with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
         for _ in pool.map(fill, plan):  # in order, so the first error is raised

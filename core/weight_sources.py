@@ -1,9 +1,11 @@
 """Where a model's weights are read from, tensor by tensor and slice by slice: safetensors files (a slice
 reads only its own bytes), pickle checkpoints (whole files), or seeded random values.
 
-Each source answers two questions about a tensor named by the model's parameter names: its full shape
-(``shape``), and the values of one part of it written into a destination (``copy_into``), converted to
-the destination's dtype and put on its device. ``accelgen.weight_loading`` decides which part.
+Each source answers three questions about a tensor named by the model's parameter names: its full shape
+(``shape``); the values of one part of it written into a destination (``copy_into``), converted to the
+destination's dtype and put on its device; and, where the part lies in one piece in the source's own
+memory (a memory-mapped file), a host tensor over that memory (``view``: no copy at all).
+``accelgen.weight_loading`` decides which part, and which way it is read.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import math
+import mmap
 import os
 import zlib
 from typing import Iterable
@@ -19,6 +22,10 @@ import torch
 
 from accelgen.checkpoint_files import read_safetensors_header
 from accelgen.errors import UsageError
+
+#: madvise(MADV_POPULATE_READ) (Linux >= 5.14): map every page of a range now, reading none into new memory.
+#: Python 3.11's mmap module does not name it.
+MADV_POPULATE_READ = 22
 
 #: The safetensors format's dtype names.
 SAFETENSORS_DTYPES = {
@@ -38,6 +45,9 @@ class TensorPart:
 
     def index(self) -> tuple[slice, ...]:
         return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
+
+    def shape_of(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return full_shape[: self.dim] + (self.length,) + full_shape[self.dim + 1 :]
 
 
 class CheckpointWeights:
@@ -64,9 +74,11 @@ class CheckpointWeights:
 
 
 class SafetensorsWeights(CheckpointWeights):
-    """Safetensors files, read with positioned reads of exactly the bytes of the part asked for, straight
-    into the destination when it is host memory of the file's dtype. (Not through a memory map: the pages a
-    map touches count in the process's resident memory, so every rank would seem to hold what it read past.)"""
+    """Safetensors files. A part whose bytes lie in one piece in the file (a whole tensor, a block of rows)
+    is memory-mapped (``view``): its pages are the page cache's, shared and never copied. A strided part
+    (a block of columns) is read with positioned reads of exactly its bytes, straight into the destination
+    when it is host memory of the file's dtype: a map of it would touch, and count in the process's resident
+    memory, nearly every page of the whole tensor, so every rank would seem to hold what it read past."""
 
     def __init__(self, paths: list[str], base_model_prefix: str = "", where: str | None = None):
         tensors = {}
@@ -89,6 +101,36 @@ class SafetensorsWeights(CheckpointWeights):
         _read_part(path, offset, shape, part, buffer)
         if not direct:
             destination.copy_(buffer)
+
+    def location(self, name: str) -> tuple[str, str]:
+        """(the file holding the tensor, its name there)."""
+        key = self.key(name)
+        return self._tensors[key][0], key
+
+    def view(self, name: str, part: TensorPart | None) -> torch.Tensor | None:
+        """``part`` of the tensor as a host tensor over the file's own pages (a private map: a write would
+        copy the page, never change the file), or None where its bytes are not in one piece, not aligned to
+        its dtype, or not all in the file (a truncated file is then reported by ``copy_into``)."""
+        path, offset, dtype, shape = self._tensors[self.key(name)]
+        part = part or TensorPart(0, 0, shape[0] if shape else 1)
+        if math.prod(shape[: part.dim]) > 1:
+            return None  # one piece per outer index
+        inner_bytes = math.prod(shape[part.dim + 1 :]) * dtype.itemsize
+        start, size = offset + part.start * inner_bytes, part.length * inner_bytes
+        if size == 0 or start % dtype.itemsize:
+            return None
+        with open(path, "rb") as file:
+            if start + size > os.fstat(file.fileno()).st_size:
+                return None
+            page_start = start - start % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(file.fileno(), start + size - page_start, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=page_start)
+        try:
+            mapping.madvise(MADV_POPULATE_READ)  # mapped now, so the first forward pass finds every page
+        except (OSError, ValueError):
+            pass  # an older kernel: pages are mapped on first touch instead
+        values = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=start - page_start)
+        return values.view(dtype).view(part.shape_of(shape) if shape else ())
 
 
 def _read_part(path: str, offset: int, shape: tuple[int, ...], part: TensorPart, buffer: torch.Tensor) -> None:
@@ -131,6 +173,11 @@ class PickleWeights(CheckpointWeights):
         values = self._tensors[self.key(name)]
         destination.copy_(values if part is None else values[part.index()])
 
+    def view(self, name: str, part: TensorPart | None) -> torch.Tensor | None:
+        values = self._tensors[self.key(name)]
+        values = values if part is None else values[part.index()]
+        return values if values.is_contiguous() else None
+
 
 class RandomWeights:
     """Seeded random values for a model built from its config (benchmarks: speed does not depend on the
@@ -142,6 +189,9 @@ class RandomWeights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def view(self, name: str, part: TensorPart | None) -> None:
+        return None  # drawn straight into the destination
 
     def copy_into(self, destination: torch.Tensor, name: str, part: TensorPart | None) -> None:
         if destination.dim() == 1:
