@@ -6,6 +6,7 @@ which every rank of a launched job runs too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -32,21 +33,24 @@ def load(model: str | os.PathLike | None = None, **options) -> Generator:
 
 
 def load_request(request: Request) -> Generator:
-    """Set the device up, load the model (this rank's part of it under tensor parallelism), prepare it for
-    the device: a Generator."""
+    """Set the device up, load the model (this rank's part of it under tensor parallelism; what fits the
+    memory cap with --offload), prepare it for the device: a Generator."""
     accelerator, run, world = request.accelerator, request.run, request.world
     device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
     shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None
+    free_bytes = accelerator.memory_stats().get("free_bytes") if run.offload else None
     host_bytes_before_loading = resident_bytes()
     restart_peak()
-    model, tokenizer, unsharded_parameter_bytes = request.model.load(run.dtype, device, world, shard)
-    model = accelerator.prepare_model(model, device, run, world)
+    loaded = request.model.load(run, device, world, shard, free_bytes)
+    model = accelerator.prepare_model(loaded.model, device, run, world)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     inject_fault_if_asked(world)
-    return Generator(model, tokenizer, accelerator, device, run, world, unsharded_parameter_bytes,
-                     loading_host_memory=loading_host_memory)
+    if loaded.placement is not None and loaded.placement.offloaded_bytes:
+        run = dataclasses.replace(run, use_graphs=False)  # Accelerate's hooks move weights in every step
+    return Generator(model, loaded.tokenizer, accelerator, device, run, world, loaded.unsharded_parameter_bytes,
+                     loading_host_memory=loading_host_memory, placement=loaded.placement)
 
 
 def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:

@@ -93,6 +93,8 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     sized = generator.with_batch_size(batch_size)
     prompts = [protocol.prompt] * batch_size
     end_to_end_seconds = []
+    placement = generator.placement
+    traffic_before = (placement.moved_bytes, placement.forward_passes) if placement else (0, 0)
     try:
         for _ in range(protocol.warmup_runs):
             sized.generate(prompts)
@@ -127,6 +129,9 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "graph_captures": sized.stats.graph_captures,
         "capture_seconds": sized.stats.capture_seconds,
         "memory": accelerator.memory_stats(),
+        # offloaded weights brought to the device per forward pass (prefill or decode step), warm-up runs included
+        "offload_moved_bytes_per_pass": (placement.moved_bytes - traffic_before[0])
+        // max(placement.forward_passes - traffic_before[1], 1) if placement else None,
     }
 
 
@@ -267,6 +272,7 @@ def measurement_record(
         "dtype": generator.run.dtype,
         "graphs": generator.run.use_graphs and generator.capture_failure is None,
         "capture_failure": generator.capture_failure,
+        "offload": None if generator.placement is None else generator.placement.record(),
         "model": {
             "name": source.report_name,
             "architecture": generator.model.config.model_type,

@@ -137,7 +137,8 @@ def bench_command(arguments: argparse.Namespace, plugin_manager: PluginManager, 
                          "(or pass --model to load real weights).")
     if arguments.output:
         check_output_path(arguments.output, arguments.overwrite)
-    request = _request(arguments, plugin_manager, ignore_eos=True)
+    # sized for the largest batch of the sweep: what --offload keeps room for on the device
+    request = _request(arguments, plugin_manager, ignore_eos=True, batch_size=max(protocol.batch_sizes))
     return _here_or_launched(arguments, request, argv, lambda: _measure(arguments, request, protocol))
 
 

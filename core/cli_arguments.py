@@ -8,7 +8,7 @@ from accelgen.accelerators import AUTO_DEVICE
 from accelgen.bench import PUBLISHED_PROMPT
 from accelgen.compare import METRICS
 from accelgen.errors import UsageError
-from accelgen.settings import DEFAULT_BUCKETS, DTYPES
+from accelgen.settings import DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
 from accelgen.value_ranges import RANGES
 
 
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_number("seed"), default=0, help=_with_range("decides the sampled draws of every row (default 0)", "seed"))
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
+    _add_offload_arguments(run)
     _add_parallel_arguments(run)
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", help="write the result file (JSON) here")
     bench.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     bench.add_argument("--json", action="store_true", help="print the result document to stdout")
+    _add_offload_arguments(bench)
     _add_parallel_arguments(bench)
 
     compare = commands.add_parser("compare", help="tables and a chart from result files of any machines")
@@ -93,6 +95,17 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="capture the decode step as a graph (default: the device decides)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
+
+
+def _add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    offload = parser.add_argument_group("models larger than the device (Hugging Face Accelerate's big-model inference)")
+    offload.add_argument("--offload", choices=OFFLOAD_MODES,
+                         help="keep the weights that do not fit --max-device-memory in host memory (cpu) or in files (disk); "
+                              "they are brought to the device layer by layer in every step")
+    offload.add_argument("--max-device-memory", help="device memory the run may use, KV cache included, e.g. 8GiB "
+                                                     "(default: what the device has free)")
+    offload.add_argument("--offload-folder", help="with --offload disk: write the offloaded weights here in the run's dtype "
+                                                  "(default: read them in place from the checkpoint's safetensors files)")
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

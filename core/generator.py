@@ -27,6 +27,7 @@ from accelgen.hookspecs import Accelerator
 from accelgen.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.model_forward import ModelForward
 from accelgen.models import context_limit
+from accelgen.offload import Placement
 from accelgen.settings import RunSettings, World
 
 #: Decode steps between checks that every row has finished (each check waits for the device).
@@ -92,6 +93,7 @@ class Generator:
         unsharded_parameter_bytes: int | None = None,
         capture_failure: str | None = None,
         loading_host_memory: dict[str, int] | None = None,
+        placement: Placement | None = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
@@ -99,6 +101,8 @@ class Generator:
         self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
         #: ``host_bytes_before_loading`` and ``peak_host_bytes_loading`` of this process, for reports.
         self.loading_host_memory = loading_host_memory or {}
+        #: Where an offloaded model's weights sit and what has been moved to the device (None: not offloaded).
+        self.placement = placement
         #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
         self.capture_failure = capture_failure
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
@@ -119,7 +123,7 @@ class Generator:
         """A generator sharing this one's model for another fixed batch size (its own caches and graphs)."""
         return Generator(
             self.model, self.tokenizer, self.accelerator, self.device, dataclasses.replace(self.run, batch_size=batch_size),
-            self.world, self.unsharded_parameter_bytes, self.capture_failure, self.loading_host_memory,
+            self.world, self.unsharded_parameter_bytes, self.capture_failure, self.loading_host_memory, self.placement,
         )
 
     def generate(self, prompts: Sequence[str]) -> list[Completion]:

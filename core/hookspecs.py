@@ -96,8 +96,10 @@ class Accelerator:
         """Return the model ready for this device, with any device-specific patches. The model arrives with
         its weights in ``run.dtype`` on ``device`` (what ``setup`` returned), already split by ``shard`` under
         tensor parallelism (``world.size > 1``); the buffers that must stay float32 (rotary frequencies) are
-        float32: do not cast the whole model again. Default: moved to ``device`` (where it already is)."""
-        return model.to(device)
+        float32: do not cast the whole model again. With ``run.offload`` only part of the weights is on the
+        device and Accelerate's hooks bring the rest in every forward pass: do not move the model.
+        Default: the model as it is."""
+        return model
 
     def shard(self, model: torch.nn.Module, world: "World", run: "RunSettings") -> torch.nn.Module:
         """Return the model split over ``world.size`` ranks with tensor parallelism: this rank's part, its

@@ -9,7 +9,6 @@ On Linux the peak is the kernel's high-water mark of this process's memory (VmHW
 
 from __future__ import annotations
 
-import os
 import resource
 
 
@@ -21,6 +20,18 @@ def resident_bytes() -> int:
 def peak_resident_bytes() -> int:
     """The most host memory this process has held since it started, or since :func:`restart_peak`."""
     return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def system_memory() -> dict[str, int]:
+    """``free_bytes`` (memory the kernel can give without swapping: MemAvailable) and ``total_bytes`` of this
+    machine, where Linux tells them (else nothing)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return {"free_bytes": int(fields["MemAvailable"].split()[0]) * 1024,
+                "total_bytes": int(fields["MemTotal"].split()[0]) * 1024}
+    except (OSError, KeyError, ValueError):
+        return {}
 
 
 def restart_peak() -> None:

@@ -77,7 +77,10 @@ def launch_job(request: "Request", plan: LaunchPlan, worker_argv: Sequence[str])
             f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
             f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
+    from accelgen.offload import check_offload_world
+
     request.model.check_runs_on(plan.world_size, request.run.dtype)
+    check_offload_world(request.run, plan.world_size)
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
     return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))

@@ -9,6 +9,7 @@ device to the runtime and allocator, so it errs on the side of fitting.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from accelgen.errors import UsageError
 from accelgen.settings import DTYPE_BYTES
 from accelgen.architectures import attention_head_counts
-from accelgen.weight_loading import parameter_bytes
+from accelgen.weight_loading import HOST, parameter_bytes
 
 if TYPE_CHECKING:
     from accelgen.generator import Generator
@@ -61,9 +62,12 @@ def check_cache_fits(
 
 
 def out_of_memory_line(request: "Request", generator: "Generator | None", kept_output: str | None = None) -> str:
-    """Running out of memory as one line, with a batch size or world size that would fit; ``generator`` is
-    None when the weights themselves did not fit, ``kept_output`` the file holding the rows finished so far."""
+    """Running out of memory as one line, with a batch size or world size that would fit, or the offloading
+    that would; ``generator`` is None when the weights themselves did not fit, ``kept_output`` the file
+    holding the rows finished so far."""
     run, world = request.run, request.world
+    # offload to host memory, unless the device is the host itself (known once a generator exists)
+    offload_mode = "disk" if generator is not None and generator.device.type == HOST.type else "cpu"
     config = request.model.config()
     cache_length = min(run.buckets) + run.max_new_tokens
     if generator is not None:
@@ -75,6 +79,7 @@ def out_of_memory_line(request: "Request", generator: "Generator | None", kept_o
         config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,
         world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
         total_bytes=request.accelerator.memory_stats().get("total_bytes"),
+        offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
     )
     kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
     return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
@@ -83,25 +88,41 @@ def out_of_memory_line(request: "Request", generator: "Generator | None", kept_o
 
 def out_of_memory_advice(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
-    weight_bytes_per_rank: int, total_bytes: int | None,
+    weight_bytes_per_rank: int, total_bytes: int | None, offload_mode: str | None = None,
 ) -> str:
-    """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes."""
+    """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes; and
+    with ``offload_mode`` ("cpu" or "disk"), the --offload that keeps what does not fit off the device."""
     if not total_bytes:
         return "lower --batch-size or --max-new-tokens, or spread the model over more devices with --world-size."
     usable = USABLE_SHARE * total_bytes
     per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size)
     sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
              f"each sequence about {per_sequence / GIB:.2f} GiB")
+    weights_that_fit = usable - per_sequence * batch_size
+    offload = ""
+    if offload_mode is not None and 0 < weights_that_fit < weight_bytes_per_rank:
+        where = "host memory" if offload_mode == "cpu" else "files"
+        offload = (f"; or --offload {offload_mode} --max-device-memory {format_size(int(usable), math.floor)}, which keeps about "
+                   f"{format_size(int(weights_that_fit))} of the weights on the device and the rest in {where} "
+                   f"(slower: brought in layer by layer every step)")
     fitting_batch = int((usable - weight_bytes_per_rank) // per_sequence)
     if 1 <= fitting_batch < batch_size:
-        return f"{sizes}, so --batch-size {fitting_batch} should fit."
+        return f"{sizes}, so --batch-size {fitting_batch} should fit{offload}."
     heads, key_value_heads = attention_head_counts(config)
     unsharded = weight_bytes_per_rank * world_size
     for larger in range(world_size + 1, key_value_heads + 1):
         per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
         if heads % larger == 0 and key_value_heads % larger == 0 and unsharded / larger + per_rank_sequence * batch_size < usable:
-            return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size)."
-    return f"{sizes}: this model does not fit these devices; use devices with more memory."
+            return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size){offload}."
+    return f"{sizes}: this model does not fit these devices{offload or '; use devices with more memory'}."
+
+
+def format_size(size: int, whole=None) -> str:
+    """``size`` in GiB, MiB or KiB (the largest unit it has one of): ``12.50 GiB``, or with ``whole``
+    (``math.ceil`` or ``math.floor``) a whole number of them written as an option takes it, ``13GiB``."""
+    unit, name = next((unit, name) for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                      if size >= unit or name == "KiB")
+    return f"{whole(size / unit)}{name}" if whole else f"{size / unit:.2f} {name}"
 
 
 def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str) -> int:

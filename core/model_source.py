@@ -24,15 +24,12 @@ from accelgen.models import (
     BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_tokenizer,
     loading_errors_as_usage_errors, model_source,
 )
+from accelgen.offload import Placement, check_offload_world, load_offloaded
 from accelgen.pre_sharded import check_sharded_for, rank_files, read_manifest
 from accelgen.random_weights import resolve_model_config, tokenizer_for
-from accelgen.settings import World
-from accelgen.weight_loading import load_weights, parameter_bytes
+from accelgen.settings import RunSettings, World
+from accelgen.weight_loading import HOST, load_weights, parameter_bytes
 from accelgen.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights, checkpoint_files
-
-#: Host memory, where a model that DeepSpeed splits whole is put first.
-HOST = torch.device("cpu")
-
 
 @dataclasses.dataclass
 class OpenedModel:
@@ -43,6 +40,17 @@ class OpenedModel:
     weights: object
     tokenizer: PreTrainedTokenizerBase
     whole_tensors: bool = False
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded model with its tokenizer, its parameter bytes before any split, and, when offloaded, where
+    its weights sit."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    unsharded_parameter_bytes: int
+    placement: Placement | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,23 +100,28 @@ class ModelSource:
             check_shardable(self.config(), world_size)
 
     def load(
-        self, dtype: str, device: torch.device, world: World,
-        shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-    ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, int]:
-        """(the model in ``dtype`` with its weights on ``device``, its tokenizer, its parameter bytes unsharded).
-        With ``shard`` (tensor parallelism, ``world.size`` > 1) this rank's part only: each rank reads its own
-        slices of the checkpoint, or its own files of a pre-sharded one."""
-        self.check_runs_on(world.size, dtype)
-        opened = self.open(dtype, world)
+        self, run: RunSettings, device: torch.device, world: World,
+        shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
+    ) -> LoadedModel:
+        """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
+        ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
+        own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
+        (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk."""
+        self.check_runs_on(world.size, run.dtype)
+        check_offload_world(run, world.size)
+        opened = self.open(run.dtype, world)
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
-        if world.size > 1 and not slices_checkpoints(self.config()):
+        placement = None
+        if run.offload is not None:
+            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes)
+        elif world.size > 1 and not slices_checkpoints(self.config()):
             if world.is_main:
                 print(f"accelgen: {self.config().model_type} models are not sliced while loading: each rank puts the "
                       f"whole model in host memory before DeepSpeed splits it.", file=sys.stderr)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
             model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors)
-        return model.eval(), opened.tokenizer, unsharded_parameter_bytes
+        return LoadedModel(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
     def open(self, dtype: str, world: World) -> OpenedModel:
         """The empty model, its weight source and its tokenizer (every rank must call this)."""

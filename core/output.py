@@ -48,6 +48,8 @@ def print_summary(result: "CompletedRun") -> None:
         + (", decoded eagerly: the decode step could not be captured" if generator.capture_failure else ""),
         file=sys.stderr,
     )
+    if generator.placement is not None:
+        print(f"accelgen: {generator.placement.describe()}", file=sys.stderr)
 
 
 def print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) -> None:

@@ -19,8 +19,8 @@ from accelgen.errors import UsageError
 from accelgen.hookspecs import Accelerator
 from accelgen.model_source import ModelSource
 from accelgen.plugins import PluginManager, get_plugin_manager
-from accelgen.settings import DEFAULT_BUCKETS, RunSettings, SamplingSettings, World
-from accelgen.value_ranges import check_settings
+from accelgen.settings import DEFAULT_BUCKETS, OFFLOAD_MODES, OffloadSettings, RunSettings, SamplingSettings, World
+from accelgen.value_ranges import check_settings, parse_memory_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +69,14 @@ def run_settings(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    offload: str | None = None,
+    max_device_memory: str | int | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
-    ``graphs=None`` lets the device decide whether to capture the decode step."""
+    ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
+    keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
+    has free) off the device, in host memory or in files (in ``offload_folder`` when given)."""
     run = RunSettings(
         dtype=check_dtype(accelerator, dtype),
         batch_size=batch_size,
@@ -81,9 +86,28 @@ def run_settings(
         use_graphs=accelerator.captures_by_default if graphs is None else graphs,
         buckets=tuple(buckets),
         sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
+        offload=offload_settings(offload, max_device_memory, offload_folder),
     )
     _check(run)
     return run
+
+
+def offload_settings(
+    mode: str | None, max_device_memory: str | int | None, folder: str | os.PathLike | None
+) -> OffloadSettings | None:
+    """The checked ``--offload``, ``--max-device-memory`` and ``--offload-folder`` (None: no offloading)."""
+    if mode is None:
+        if max_device_memory is not None or folder is not None:
+            given = "--max-device-memory" if max_device_memory is not None else "--offload-folder"
+            raise UsageError(f"{given} goes with --offload: add --offload disk (or cpu), or drop {given}.")
+        return None
+    if mode not in OFFLOAD_MODES:
+        raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {mode!r}).")
+    if mode == "cpu" and folder is not None:
+        raise UsageError("--offload-folder is where --offload disk writes weights; --offload cpu keeps them in host "
+                         "memory: drop --offload-folder, or use --offload disk.")
+    max_device_bytes = None if max_device_memory is None else parse_memory_size(max_device_memory, "--max-device-memory")
+    return OffloadSettings(mode, max_device_bytes, None if folder is None else os.fspath(folder))
 
 
 #: The settings a run takes, by name: :func:`run_settings`'s keywords.

@@ -12,6 +12,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
+#: Where ``--offload`` keeps the weights that do not fit the device: host memory, or files.
+OFFLOAD_MODES = ("cpu", "disk")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
@@ -22,6 +25,18 @@ class SamplingSettings:
     top_k: int = 0  # 0: no top-k filtering
     top_p: float = 1.0  # 1.0: no nucleus filtering
     seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSettings:
+    """Weights beyond ``max_device_bytes`` of device memory kept in host memory (``mode`` "cpu") or in files
+    ("disk") and brought to the device layer by layer in every forward pass (``accelgen.offload``).
+    ``max_device_bytes`` None: what the device says is free. ``folder``: where "disk" writes the offloaded
+    weights, in the run's dtype; None: they are read in place from the checkpoint's safetensors files."""
+
+    mode: str
+    max_device_bytes: int | None = None
+    folder: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +51,13 @@ class RunSettings:
     use_graphs: bool = False
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
+    offload: OffloadSettings | None = None
 
     def output_deciding(self) -> dict:
-        """The settings that decide what a run writes (graph capture does not), flat, as JSON values."""
+        """The settings that decide what a run writes (graph capture and offloading do not), flat, as JSON values."""
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
-        del settings["use_graphs"]
+        del settings["use_graphs"], settings["offload"]
         return {**settings, "buckets": list(self.buckets), **sampling}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 
 from accelgen.errors import UsageError
 
@@ -94,3 +95,23 @@ def check_settings(**settings: float | None) -> None:
     for name, value in settings.items():
         for item in value if isinstance(value, (tuple, list)) else () if value is None else (value,):
             RANGES[name].check(option_name(name), item)
+
+
+#: Units of memory sizes (``--max-device-memory 8GiB``): powers of 1024 with an "i", of 1000 without.
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(value: str | int, option: str) -> int:
+    """``value`` (``"8GiB"``, ``"1500MB"``, ``"0.5 TiB"``, or a number of bytes) in bytes; UsageError naming
+    ``option`` when it is not a size, or not more than zero."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None or match[2].lower() not in SIZE_UNITS:
+            raise UsageError(f"{option} {value!r} is not a memory size: write it like 8GiB, 1500MiB or 20GB.")
+        size = int(float(match[1]) * SIZE_UNITS[match[2].lower()])
+    if not 0 < size < 2**63:
+        raise UsageError(f"{option} must be more than 0 bytes and less than 8 EiB (got {value!r}).")
+    return size

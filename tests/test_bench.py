@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -379,10 +380,14 @@ def test_run_out_of_memory_says_which_batch_size_would_fit(tiny_model_folder, ca
         def memory_stats(self):
             return {**super().memory_stats(), "total_bytes": int((weight_bytes + 3.5 * per_sequence) / USABLE_SHARE)}
 
+    capsys.readouterr()  # what building the model printed
     status = main(["run", "--device", "cpu", "--model", str(folder), "--batch-size", "4", "--max-new-tokens", "5",
                    "--prompt", "Hello", "--prompt", "DeepSpeed is"], plugin_manager=plugin_manager_with(ThreeRowsCpu()))
     assert status == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1
     assert "Out of memory on cpu with --batch-size 4 and --world-size 1:" in error
-    assert "so --batch-size 3 should fit." in error
+    assert "so --batch-size 3 should fit; or --offload disk --max-device-memory " in error
+    # the cap offered leaves room for the four rows' caches: the weights that stay are those less half a row
+    kept = float(re.search(r"keeps about ([\d.]+) KiB of the weights on the device and the rest in files", error).group(1))
+    assert kept * 1024 == pytest.approx(weight_bytes - 0.5 * per_sequence, abs=10)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from accelgen.hookspecs import Accelerator, hookimpl
-from accelgen.host_memory import peak_resident_bytes
+from accelgen.host_memory import peak_resident_bytes, system_memory
 from accelgen.settings import RunSettings, World
 from accelgen_cpu.extension_lock import check_extension_build_lock
 
@@ -53,7 +53,7 @@ class CpuAccelerator(Accelerator):
 
     def memory_stats(self) -> dict[str, int]:
         # the process's peak resident memory, weights and caches included
-        return {"peak_rss_bytes": peak_resident_bytes(), **_system_memory()}
+        return {"peak_rss_bytes": peak_resident_bytes(), **system_memory()}
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         # The CPU allocator raises RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or
@@ -83,15 +83,3 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _system_memory() -> dict[str, int]:
-    """``free_bytes`` (memory the kernel can give without swapping: MemAvailable) and ``total_bytes`` of
-    this machine, where Linux tells them."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return {"free_bytes": int(fields["MemAvailable"].split()[0]) * 1024,
-                "total_bytes": int(fields["MemTotal"].split()[0]) * 1024}
-    except (OSError, KeyError, ValueError):
-        return {}
