@@ -143,8 +143,9 @@ class Accelerator:
     def memory_stats(self) -> dict[str, int]:
         """Memory figures for reports, in bytes: ``peak_allocated_bytes`` when known (peak device memory
         held by tensors since the process started), and where the device can tell, ``free_bytes`` and
-        ``total_bytes`` of its memory now (used to say what would fit after running out of memory).
-        Default: none known."""
+        ``total_bytes`` of its memory now: ``free_bytes`` is what ``--offload`` fills when the user gives no
+        ``--max-device-memory`` (the user is asked for one where it is missing), ``total_bytes`` what the
+        advice after running out of memory is sized by. Default: none known."""
         return {}
 
     def is_out_of_memory(self, error: BaseException) -> bool:
