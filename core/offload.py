@@ -97,9 +97,10 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
     minimum = largest_layer + reserve
     if cap < minimum:
         raise UsageError(
-            f"--max-device-memory {format_size(cap)} is below the {format_size(minimum)} this run needs on the device: its largest "
-            f"layer ({layer_name}, {format_size(largest_layer)}) while it runs, and the KV cache and activations of "
-            f"--batch-size {run.batch_size} ({format_size(reserve)}): pass --max-device-memory {format_size(minimum, math.ceil)} or more."
+            f"--max-device-memory {format_size(cap)} is below the {format_size(minimum)} this run needs on the device: "
+            f"its largest layer ({layer_name}, {format_size(largest_layer)}) while it runs, and the KV cache and "
+            f"activations of --batch-size {run.batch_size} ({format_size(reserve)}): pass --max-device-memory "
+            f"{format_size(minimum, math.ceil)} or more."
         )
     host_budget = int(USABLE_SHARE * system_memory().get("free_bytes", 0)) if offload.mode == "cpu" else 0
     max_memory = {"cpu": cap - reserve} if device_is_host else {0: cap - reserve, "cpu": host_budget}
@@ -107,8 +108,8 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
                                                   no_split_module_classes=list(skeleton._no_split_modules or []))
     device_map = {name: str(device) if isinstance(where, int) else where for name, where in device_map.items()}
     if offload.mode == "cpu" and "disk" in device_map.values():
-        raise UsageError(f"The weights left off the device do not fit in host memory ({format_size(host_budget)} usable): "
-                         f"use --offload disk.")
+        raise UsageError(f"The weights left off the device do not fit in host memory ({format_size(host_budget)} "
+                         f"usable): use --offload disk.")
 
     model = allocate(skeleton, device, modules_on={name: HOST if where == "cpu" else device
                                                    for name, where in device_map.items() if where != "disk"})

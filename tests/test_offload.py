@@ -76,7 +76,8 @@ def test_an_offloaded_model_generates_what_hugging_face_generates(four_layer_mod
     assert placement.device_bytes + placement.disk_bytes == model.bytes
     assert token_ids(generator.generate(PROMPTS)) == reference_completions(str(model.folder), PROMPTS)
     # every forward pass brought every offloaded byte to the device once (a tied weight once per use)
-    assert len(PROMPTS) < placement.forward_passes <= len(PROMPTS) * NEW_TOKENS
+    # (a pass per token at most; transformers 4.55 sizes its static cache with one more, a probe)
+    assert len(PROMPTS) < placement.forward_passes <= len(PROMPTS) * NEW_TOKENS + 1
     assert placement.disk_bytes <= placement.moved_bytes_per_pass <= 2 * placement.disk_bytes
     assert generator.stats.graph_captures == 0
 
