@@ -93,7 +93,7 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
                          "use --offload disk (with --max-device-memory for the memory the run may use).")
     cap = _memory_cap(offload, free_bytes)
     reserve = run.batch_size * bytes_per_sequence(skeleton.config, min(run.buckets) + run.max_new_tokens, run.dtype, 1)
-    largest_layer, layer_name = _largest_layer(accelerate, skeleton, dtype)
+    largest_layer, layer_name = _largest_layer(skeleton, dtype)
     minimum = largest_layer + reserve
     if cap < minimum:
         raise UsageError(
@@ -153,7 +153,7 @@ def _memory_cap(offload: OffloadSettings, free_bytes: int | None) -> int:
     return int(USABLE_SHARE * free_bytes)
 
 
-def _largest_layer(accelerate, model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, str]:
+def _largest_layer(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, str]:
     """Bytes and name of the largest piece Accelerate brings to the device at once (a block it does not split)."""
     from accelerate.utils import compute_module_sizes, get_max_layer_size
 
