@@ -36,7 +36,6 @@ from accelgen.weight_loading import HOST, ParameterLoad, allocate, fill_paramete
 from accelgen.weight_sources import SafetensorsWeights
 
 
-
 @dataclasses.dataclass
 class Placement:
     """Where an offloaded model's weights sit (bytes), and what Accelerate's hooks have brought to the device."""

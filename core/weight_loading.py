@@ -27,8 +27,8 @@ from accelgen.weight_sources import TensorPart
 #: Host memory.
 HOST = torch.device("cpu")
 
-#: Parameters filled at once: reading into fresh memory costs a page fault per page, which threads overlap
-#: (the reads release the interpreter lock). Measured: 2.34 s for 2.96 GB with one, see the README.
+#: Parameters filled at once: reading a part into fresh memory costs a page fault per page, which threads
+#: overlap (the reads release the interpreter lock). Mapped parts cost next to nothing either way.
 READ_THREADS = min(4, os.cpu_count() or 1)
 
 
