@@ -29,7 +29,7 @@ goes to stderr); the others go on.
 
 The tokenizer is accelgen's built-in one (the prompt is 18 tokens; BLOOM's own gives 7): decode speed
 depends on the cache length only through attention, which is small next to reading the weights.
-accelgen's BLOOM ALiBi bias is built from slopes kept on the device (accelgen.alibi): once the first
+accelgen's BLOOM ALiBi bias is built from slopes kept on the device (accelgen.model.alibi): once the first
 accelgen contender has run, Hugging Face's contenders use that too (same values).
 """
 
@@ -45,13 +45,13 @@ from typing import Callable
 
 import torch
 
-from accelgen.accelerators import select_accelerator
-from accelgen.errors import UsageError
-from accelgen.generator import Generator
-from accelgen.memory_advice import kv_cache_bytes_per_position
-from accelgen.models import DEFAULT_MODEL, load_tokenizer
-from accelgen.plugins import get_plugin_manager
-from accelgen.settings import RunSettings, World
+from accelgen.plugin.registry import select_accelerator
+from accelgen.common.errors import UsageError
+from accelgen.generation.generator import Generator
+from accelgen.model.memory import kv_cache_bytes_per_position
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.common.settings import RunSettings, World
 from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"

@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from accelgen.generator import Generator
-from accelgen.models import DEFAULT_MODEL, load_tokenizer
-from accelgen.plugins import get_plugin_manager
-from accelgen.accelerators import select_accelerator
-from accelgen.settings import RunSettings, World
+from accelgen.generation.generator import Generator
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.plugin.registry import select_accelerator
+from accelgen.common.settings import RunSettings, World
 from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"

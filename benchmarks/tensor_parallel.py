@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from accelgen.models import DEFAULT_MODEL, load_tokenizer
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"

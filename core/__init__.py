@@ -1,10 +1,10 @@
 """accelgen: static-shape LLM text generation on any accelerator a plugin provides."""
 
-from accelgen.api import generate, load
-from accelgen.errors import UsageError
-from accelgen.generator import Completion, Generator
-from accelgen.hookspecs import Accelerator, hookimpl
-from accelgen.plugins import get_plugin_manager
+from accelgen.session.api import generate, load
+from accelgen.common.errors import UsageError
+from accelgen.generation.generator import Completion, Generator
+from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.plugin.manager import get_plugin_manager
 
 __all__ = [
     "Accelerator",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.plugins import get_plugin_manager
+from accelgen.plugin.manager import get_plugin_manager
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -20,7 +20,7 @@ import pytest
 
 import accelgen
 from accelgen.cli import main
-from accelgen.models import DEFAULT_MODEL
+from accelgen.loading.model_files import DEFAULT_MODEL
 
 ROWS = [{"text": text} for text in ("In the beginning", "And God said", "Let there be light", "And it was so")]
 QUICK = ["--device", "cpu", "--max-new-tokens", "3", "--quiet"]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelgen.bench import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
+from accelgen.bench.measure import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
 from accelgen.cli import main
-from accelgen.empty_model import empty_model
-from accelgen.random_weights import resolve_model_config
+from accelgen.model.empty_model import empty_model
+from accelgen.loading.random_weights import resolve_model_config
 from accelgen_cpu import CpuAccelerator
 from conftest import plugin_manager_with
 
@@ -278,7 +278,7 @@ def test_compare_three_machines_gives_the_table_and_a_chart(bench_file, tmp_path
 
 @pytest.mark.parametrize("span, scale", [(100.0, "log"), (2.0, "linear")])
 def test_a_chart_of_machines_100x_apart_uses_a_log_axis_and_shows_every_bar(bench_file, tmp_path, span, scale):
-    from accelgen.compare import METRICS, chart_figure, comparison_table, load_measurements
+    from accelgen.bench.compare import METRICS, chart_figure, comparison_table, load_measurements
 
     # the measured rows' own spread (batch sizes on a busy machine) must not decide the axis: fix it at 1.5x
     document = json.loads(bench_file.read_text())
@@ -367,8 +367,8 @@ def test_bench_over_two_ranks_records_the_world_size(tiny_model_folder, tmp_path
 
 def test_run_out_of_memory_says_which_batch_size_would_fit(tiny_model_folder, capsys):
     """`accelgen run` on a device that runs out of memory: one line, with a batch size estimated to fit."""
-    from accelgen.memory_advice import USABLE_SHARE, bytes_per_sequence
-    from accelgen.models import load_config
+    from accelgen.model.memory import USABLE_SHARE, bytes_per_sequence
+    from accelgen.loading.model_files import load_config
 
     folder = tiny_model_folder("bloom")
     config = load_config(str(folder))

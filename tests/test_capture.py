@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import accelgen
 from accelgen.cli import main
-from accelgen.errors import GraphCaptureWarning
+from accelgen.common.errors import GraphCaptureWarning
 from accelgen_cpu import CpuAccelerator
 from accelgen_cuda.graph_pool import SharedGraphPool
 from conftest import PROMPTS, plugin_manager_with

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 import accelgen
 from accelgen.cli import main
-from accelgen.models import DEFAULT_MODEL
+from accelgen.loading.model_files import DEFAULT_MODEL
 
 
 def run_cli(*arguments):
@@ -133,7 +133,7 @@ def test_unloadable_model_is_one_line(tmp_path, capsys):
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_model_folder, tmp_path, capsys):
     import shutil
 
-    from accelgen.models import DEFAULT_MODEL
+    from accelgen.loading.model_files import DEFAULT_MODEL
 
     folder = tmp_path / "mismatch"
     shutil.copytree(tiny_model_folder("gpt2"), folder)

@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
-from accelgen.accelerators import registered_accelerators, select_accelerator
+from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.cli import main
-from accelgen.errors import UsageError
-from accelgen.models import DTYPE_KEYWORD
-from accelgen.plugins import get_plugin_manager
-from accelgen.settings import RunSettings, World
+from accelgen.common.errors import UsageError
+from accelgen.loading.model_files import DTYPE_KEYWORD
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.common.settings import RunSettings, World
 from accelgen_cuda import CudaAccelerator
 from accelgen_cuda.gpus import known_gpu_peaks
 from conftest import PROMPTS, plugin_manager_with

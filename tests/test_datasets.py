@@ -210,7 +210,7 @@ def test_configurations_of_a_dataset_folder(tmp_path, tiny_model_folder, capsys)
 def test_progress_draws_a_bar_on_a_terminal():
     import io
 
-    from accelgen.progress import Progress
+    from accelgen.jobs.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):

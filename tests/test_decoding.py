@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelgen import decoding, sampling
-from accelgen.errors import UsageError
-from accelgen.settings import SamplingSettings
+from accelgen.generation import decoding
+from accelgen.generation import sampling
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import SamplingSettings
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 

@@ -16,8 +16,8 @@ import torch
 
 import accelgen
 
-from accelgen.errors import UsageError
-from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen_hpu import HpuAccelerator, bridge
 from conftest import PROMPTS
 from test_parity import MAX_NEW_TOKENS, reference_completions

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 import accelgen
 from accelgen.cli import main
-from accelgen.pre_sharded import MANIFEST
+from accelgen.loading.pre_sharded import MANIFEST
 from test_parity import MAX_NEW_TOKENS, reference_completions
 from tiny_models import build_model
 

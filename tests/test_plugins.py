@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.accelerators import registered_accelerators, select_accelerator
+from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.cli import main
-from accelgen.plugins import DEFAULT_PLUGINS, get_plugin_manager
+from accelgen.plugin.manager import DEFAULT_PLUGINS, get_plugin_manager
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_mo
     generator.generate(["one", "two", "three"])
     generator.generate(["four", "five"])
     generator.generate(["a prompt longer than eight tokens needs the next bucket"])
-    # the decode buffers (accelgen.decoding.DecodeState) for batch 2, bucket + 4 cache positions and 4 new tokens:
+    # the decode buffers (accelgen.generation.decoding.DecodeState) for batch 2, bucket + 4 cache positions and 4 new tokens:
     # [2, 1] tokens, [2, 1] positions, [1] cache index, [2, bucket + 4] mask, [1] step, [2, 4] new tokens,
     # [2] finished rows, [2] prompt numbers; one capture per bucket, reused by later batches
     def shapes(cache_length):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from accelgen.cli import main
-from accelgen.models import DEFAULT_MODEL
+from accelgen.loading.model_files import DEFAULT_MODEL
 
 TEXTS = ["In the beginning", "And God said", "Let there be light", "And it was so", "And the evening", "Behold"]
 SAMPLED = ["--device", "cpu", "--max-new-tokens", "6", "--quiet", "--do-sample", "--seed", "7", "--temperature", "1.3",

@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.hookspecs import Accelerator, hookimpl
-from accelgen.host_memory import peak_resident_bytes, system_memory
-from accelgen.settings import RunSettings, World
+from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.common.host_memory import peak_resident_bytes, system_memory
+from accelgen.common.settings import RunSettings, World
 from accelgen_cpu.extension_lock import check_extension_build_lock
 
 
@@ -37,7 +37,7 @@ class CpuAccelerator(Accelerator):
         return torch.device("cpu")
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.deepspeed_adapter import prepare_shared_memory_all_reduce, shard_with_deepspeed
+        from accelgen.parallel.deepspeed_adapter import prepare_shared_memory_all_reduce, shard_with_deepspeed
 
         if prepare_shared_memory_all_reduce(world):
             check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 
-from accelgen.errors import AccelgenWarning
+from accelgen.common.errors import AccelgenWarning
 
 EXTENSION = "deepspeed_shm_comm"
 #: A lock younger than this may belong to a build that has not started its compiler yet.

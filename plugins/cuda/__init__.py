@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.errors import UsageError
-from accelgen.hookspecs import Accelerator, hookimpl
-from accelgen.settings import RunSettings, World
+from accelgen.common.errors import UsageError
+from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.common.settings import RunSettings, World
 from accelgen_cuda.gpus import known_gpu_peaks
 from accelgen_cuda.graph_pool import SharedGraphPool
 
@@ -92,7 +92,7 @@ class CudaAccelerator(Accelerator):
         return torch.device("cuda", world.local_rank)
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.deepspeed_adapter import shard_with_deepspeed
+        from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
 
         # DeepSpeed allocates this rank's slices on the current GPU (set in setup)
         return shard_with_deepspeed(model, world, run.dtype)

@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.errors import UsageError
-from accelgen.hookspecs import Accelerator, hookimpl
-from accelgen.settings import LaunchPlan, RunSettings, World
+from accelgen.common.errors import UsageError
+from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen_hpu import bridge
 
 #: Text of the bridge's error when device memory runs out (e.g. "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed
@@ -71,7 +71,7 @@ class HpuAccelerator(Accelerator):
         return bridge.torch_device()
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.deepspeed_adapter import shard_with_deepspeed
+        from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
 
         # Habana's fork turns enable_cuda_graph=True into wrap_in_hpu_graph over the whole model, prefill
         # included, and capture() below would then nest a graph inside it: graphs stay ours, per bucket.

@@ -1,0 +1,1 @@
+"""Layer 6: measuring: the bench protocol, result files, accelgen compare's tables and charts."""

@@ -1,0 +1,289 @@
+"""``accelgen bench``: latency and throughput measured the same way on every device.
+
+The protocol (DESIGN.md section 5) is the one of the published BLOOM / BLOOMZ benchmarks, so figures
+compare with theirs: greedy decoding, ``max_new_tokens`` forced (no early EOS), the prompt "DeepSpeed is
+a machine learning framework" repeated over the batch, warm-up runs not counted (graph capture happens
+there), then timed runs, for each batch size of a sweep from small to large. Every time is taken
+between two calls of the accelerator's ``synchronize``.
+
+Figures per batch size (see :func:`measure_batch_size`): time to first token, per-token decode latency
+and end-to-end latency (median and 90th percentile over the timed runs), tokens/s, ms per token per
+sequence, the device's memory statistics, graph captures, and % of the memory-bandwidth roofline: the
+bytes a decode step must read (this rank's weights, and the KV cache of the positions each row attends
+to) over the device's peak bandwidth, against the measured time per step.
+A batch size that runs out of device memory is recorded as ``"oom"`` and the sweep goes on.
+
+The result file is JSON; its layout (schema ``accelgen-bench``, version :data:`SCHEMA_VERSION`) is
+documented in README.md ("Result files"). ``accelgen compare`` reads any number of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from accelgen.session.api import load_request
+from accelgen.common.errors import UsageError, first_line
+from accelgen.generation.generator import Generator
+from accelgen.model.memory import kv_cache_bytes_per_position
+from accelgen.loading.model_source import ModelSource
+from accelgen.loading.model_files import tokenizer_source
+from accelgen.common.output_files import check_output_file, write_whole_file
+from accelgen.common.prompts import prompt_problem
+from accelgen.session.request import Request
+from accelgen.common.settings import DTYPE_BYTES
+from accelgen.loading.weight_loading import parameter_bytes
+from accelgen.common.value_ranges import check_settings
+
+SCHEMA = "accelgen-bench"
+SCHEMA_VERSION = 1
+PUBLISHED_PROMPT = "DeepSpeed is a machine learning framework"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchProtocol:
+    """What is measured: the same on every machine for figures to compare."""
+
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 100
+    prompt: str = PUBLISHED_PROMPT
+    warmup_runs: int = 1
+    runs: int = 5
+
+    def check(self) -> None:
+        if not self.batch_sizes:
+            raise UsageError("--batch-sizes must list batch sizes, e.g. 1,8,32.")
+        check_settings(batch_sizes=self.batch_sizes, max_new_tokens=self.max_new_tokens, runs=self.runs,
+                       warmup_runs=self.warmup_runs)
+        problem = prompt_problem(self.prompt)
+        if problem:
+            raise UsageError(f"--prompt {problem} (the default is the published prompt).")
+
+    def as_record(self, prompt_tokens: int) -> dict[str, Any]:
+        return dict(prompt=self.prompt, prompt_tokens=prompt_tokens, max_new_tokens=self.max_new_tokens,
+                    decoding="greedy", ignore_eos=True, warmup_runs=self.warmup_runs, runs=self.runs)
+
+
+def measure(generator: Generator, protocol: BenchProtocol, report=None) -> list[dict[str, Any]]:
+    """One result row per batch size, smallest first; ``report(row)`` is called as each one is done."""
+    rows = []
+    for batch_size in sorted(set(protocol.batch_sizes)):
+        row = measure_batch_size(generator, batch_size, protocol)
+        gc.collect()  # free this size's caches (and, after running out of memory, what was half-built) first
+        rows.append(row)
+        if report:
+            report(row)
+    return rows
+
+
+def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchProtocol) -> dict[str, Any]:
+    """The figures for one batch size, or ``{"batch_size": n, "status": "oom", ...}`` when it does not fit."""
+    accelerator = generator.accelerator
+    sized = generator.with_batch_size(batch_size)
+    prompts = [protocol.prompt] * batch_size
+    end_to_end_seconds = []
+    placement = generator.placement
+    traffic_before = (placement.moved_bytes, placement.forward_passes) if placement else (0, 0)
+    try:
+        for _ in range(protocol.warmup_runs):
+            sized.generate(prompts)
+        for _ in range(protocol.runs):
+            accelerator.synchronize()
+            started = time.perf_counter()
+            sized.generate(prompts)  # tokenize, prefill, decode, detokenize: what a user waits for
+            accelerator.synchronize()
+            end_to_end_seconds.append(time.perf_counter() - started)
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, anything else goes on up
+        if not accelerator.is_out_of_memory(error):
+            raise
+        return {"batch_size": batch_size, "status": "oom", "error": first_line(error)}
+
+    timings = sized.stats.timings[-protocol.runs :]
+    decode_seconds_per_token = [timing.seconds_per_decode_step for timing in timings]
+    median_end_to_end = statistics.median(end_to_end_seconds)
+    sequence_tokens = batch_size * protocol.max_new_tokens
+    step_bytes = decode_step_bytes(sized, batch_size, prompt_token_count(sized, protocol.prompt), protocol.max_new_tokens)
+    return {
+        "batch_size": batch_size,
+        "status": "ok",
+        "first_token_ms": 1000 * statistics.median(timing.prefill_seconds for timing in timings),
+        "decode_ms_per_token": _median_and_p90([1000 * seconds for seconds in decode_seconds_per_token]),
+        "end_to_end_s": _median_and_p90(end_to_end_seconds),
+        "tokens_per_second": sequence_tokens / median_end_to_end,
+        "ms_per_token_per_sequence": 1000 * median_end_to_end / sequence_tokens,
+        "decode_step_bytes": step_bytes,
+        "roofline_percent": roofline_percent(
+            step_bytes, accelerator.describe().get("peak_memory_bandwidth_gbps"), statistics.median(decode_seconds_per_token)
+        ),
+        "graph_captures": sized.stats.graph_captures,
+        "capture_seconds": sized.stats.capture_seconds,
+        "memory": accelerator.memory_stats(),
+        # offloaded weights brought to the device per forward pass (prefill or decode step), warm-up runs included
+        "offload_moved_bytes_per_pass": (placement.moved_bytes - traffic_before[0])
+        // max(placement.forward_passes - traffic_before[1], 1) if placement else None,
+    }
+
+
+def decode_step_bytes(generator: Generator, batch_size: int, prompt_tokens: int, new_tokens: int) -> int:
+    """Bytes an average decode step must read on this rank: every weight once, and for each row the keys and
+    values of the positions it attends to. Step s (1 to new_tokens - 1) attends to the prompt and s tokens,
+    so prompt_tokens + new_tokens / 2 positions on average. Padding a static cache also reads is not
+    counted: that is overhead the roofline should show, not hide."""
+    config, run = generator.model.config, generator.run
+    attended_positions = prompt_tokens + new_tokens / 2
+    kv_bytes = kv_cache_bytes_per_position(config, run.dtype, generator.world.size) * batch_size * attended_positions
+    return parameter_bytes(generator.model) + round(kv_bytes)
+
+
+def prompt_token_count(generator: Generator, prompt: str) -> int:
+    """How many tokens ``prompt`` is for this generator's tokenizer (after any truncation)."""
+    return len(generator.tokenize([prompt])[0][0])
+
+
+def roofline_percent(step_bytes: int, peak_bandwidth_gbps: float | None, seconds_per_step: float) -> float | None:
+    """How close one decode step comes to the memory-bandwidth limit: the time to read ``step_bytes`` at the
+    device's peak bandwidth, as a percentage of the measured time per step (None when the peak is unknown)."""
+    if not peak_bandwidth_gbps or seconds_per_step <= 0:
+        return None
+    return 100 * (step_bytes / (peak_bandwidth_gbps * 1e9)) / seconds_per_step
+
+
+def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
+    """Median and 90th percentile (linear interpolation between the timed runs)."""
+    if len(values) == 1:
+        return {"median": values[0], "p90": values[0]}
+    return {"median": statistics.median(values), "p90": statistics.quantiles(values, n=10, method="inclusive")[8]}
+
+
+def result_document(measurement: dict[str, Any]) -> dict[str, Any]:
+    """The file ``accelgen bench`` writes: one measurement (a published-results file may hold several)."""
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "source": "measured",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "measurements": [measurement],
+    }
+
+
+def environment_facts() -> dict[str, Any]:
+    """Library versions, machine and the accelgen source revision, for the result file."""
+    versions = {}
+    for package in ("accelgen", "torch", "transformers", "deepspeed"):  # device libraries: in describe()
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        **versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "git_revision": _git_revision(),
+    }
+
+
+def _git_revision() -> str | None:
+    """The commit accelgen runs from, when it runs from a git checkout ("+dirty" with local changes)."""
+    source = Path(__file__).resolve().parent
+    try:
+        revision = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return revision + ("+dirty" if dirty else "")
+
+
+def check_output_path(path: str, overwrite: bool) -> None:
+    """Refuse, before anything is measured, an --output that cannot be written as a regular file, or that
+    exists (unless ``overwrite``)."""
+    check_output_file(path, "--output", "results/cpu.json", exists_ok=overwrite)
+
+
+def write_result(path: str, document: dict[str, Any]) -> None:
+    """Write the result file whole or not at all: a full disk leaves the file that was there as it was."""
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(document, file, indent=2)
+            file.write("\n")
+
+    write_whole_file(path, "--output", write)
+
+
+def progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
+    """One line per measured configuration, for the terminal."""
+    if row["status"] == "oom":
+        return f"accelgen: bench batch size {row['batch_size']}: out of memory (recorded as oom); going on"
+    roofline = row["roofline_percent"]
+    return (
+        f"accelgen: bench batch size {row['batch_size']}: {row['end_to_end_s']['median']:.3f} s for "
+        f"{max_new_tokens} tokens, first token {row['first_token_ms']:.1f} ms, decode "
+        f"{row['decode_ms_per_token']['median']:.2f} ms/token (p90 {row['decode_ms_per_token']['p90']:.2f}), "
+        f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
+        f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
+        + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
+    )
+
+
+def print_json(document: dict[str, Any]) -> None:
+    json.dump(document, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None) -> dict[str, Any] | None:
+    """Load the request's model once, then measure every batch size of ``protocol``; ``report(row)`` is called
+    as each is done. Returns the result document on rank 0 (None on the other ranks of a job)."""
+    started = time.perf_counter()
+    generator = load_request(request)
+    load_seconds = time.perf_counter() - started
+    rows = measure(generator, protocol, report if generator.world.is_main else None)
+    if not generator.world.is_main:
+        return None
+    return result_document(measurement_record(generator, request.model, protocol, rows, label, load_seconds))
+
+
+def measurement_record(
+    generator: Generator, source: ModelSource, protocol: BenchProtocol, rows: list[dict[str, Any]], label: str | None,
+    load_seconds: float,
+) -> dict[str, Any]:
+    """Everything a result file says about one measured configuration, rows included."""
+    hardware = generator.accelerator.describe()
+    dtype_bytes = DTYPE_BYTES[generator.run.dtype]
+    unsharded_bytes = generator.unsharded_parameter_bytes or parameter_bytes(generator.model)
+    return {
+        "label": label or hardware.get("device_name") or generator.accelerator.name,
+        "accelerator": generator.accelerator.name,
+        "hardware": hardware,
+        "world_size": generator.world.size,
+        "dtype": generator.run.dtype,
+        "graphs": generator.run.use_graphs and generator.capture_failure is None,
+        "capture_failure": generator.capture_failure,
+        "offload": None if generator.placement is None else generator.placement.record(),
+        "model": {
+            "name": source.report_name,
+            "architecture": generator.model.config.model_type,
+            "parameters": unsharded_bytes // dtype_bytes,
+            "parameter_bytes": unsharded_bytes,
+            "parameter_bytes_per_rank": parameter_bytes(generator.model),
+            "random_weights": source.random_weights,
+            "tokenizer": tokenizer_source(generator.tokenizer),
+        },
+        "protocol": protocol.as_record(prompt_token_count(generator, protocol.prompt)),
+        "environment": environment_facts(),
+        "load_seconds": load_seconds,
+        "results": rows,
+    }

@@ -1,0 +1,212 @@
+"""The ``accelgen`` commands (run, bench, shard, compare, devices): each parses, calls the core and prints.
+Nothing here knows a device; the arguments are declared in ``accelgen.cli.parser``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Callable, Sequence
+
+from accelgen.plugin.registry import accelerator_registry
+from accelgen.bench.measure import BenchProtocol, check_output_path, print_json, progress_line, run_benchmark, write_result
+from accelgen.cli.parser import build_parser
+from accelgen.bench.compare import METRICS, check_chart_possible, comparison_table, draw_chart, load_measurements, \
+    render_markdown, render_text, write_text_file
+from accelgen.jobs.completion_job import complete, open_job
+from accelgen.jobs.dataset_rows import DatasetRequest
+from accelgen.common.errors import UsageError
+from accelgen.parallel.launcher import (
+    end_worker_process, launch_job, plan_launch, record_worker_failure, running_as_worker, stop_at_once_when_interrupted,
+)
+from accelgen.cli.terminal import (
+    describe_plugin, print_batch, print_rank_memory, print_summary, quiet_libraries, show_our_warnings_as_lines,
+)
+from accelgen.common.output_files import check_output_file
+from accelgen.plugin.manager import PluginManager, get_plugin_manager
+from accelgen.session.request import SETTING_NAMES, Request, build_request
+from accelgen.jobs.shard_job import check_shard_request, shard_model
+from accelgen.common.settings import World
+from accelgen.parallel.process_groups import gather_from_ranks, leave_process_group
+from accelgen.loading.weight_loading import parameter_bytes
+
+
+def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
+    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker = running_as_worker()
+    with warnings.catch_warnings():
+        show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
+        try:
+            return _run(build_parser().parse_args(argv), plugin_manager, argv)
+        except UsageError as error:
+            if not worker:
+                print(f"accelgen: error: {error}", file=sys.stderr)
+            elif not record_worker_failure(error):  # torch's launcher would print it once for the whole job
+                print(f"accelgen: error: [rank {World.from_environment().rank}] {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            if not worker:
+                print("accelgen: interrupted", file=sys.stderr)
+            return 130
+        except Exception as error:
+            if worker:
+                record_worker_failure(error)
+            raise
+
+
+def _run(arguments: argparse.Namespace, plugin_manager: PluginManager | None, argv: list[str]) -> int:
+    if arguments.command == "compare":
+        return compare_command(arguments)
+    plugin_manager = plugin_manager or get_plugin_manager()
+    if arguments.command == "devices":
+        return devices_command(plugin_manager)
+    if arguments.command == "bench":
+        return bench_command(arguments, plugin_manager, argv)
+    if arguments.command == "shard":
+        return shard_command(arguments, plugin_manager, argv)
+    return run_command(arguments, plugin_manager, argv)
+
+
+def devices_command(plugin_manager: PluginManager) -> int:
+    registry = accelerator_registry(plugin_manager)
+    for accelerator in registry.accelerators.values():
+        if accelerator.is_available():
+            status = f"available, {accelerator.device_count()} device(s)"
+        else:
+            status = f"unavailable: {accelerator.unavailable_reason()}"
+        print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
+    for plugin in registry.broken:
+        print(f"{'broken':<8} plugin {plugin.line()}")
+    return 0
+
+
+def run_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+    if arguments.prompt and arguments.dataset:
+        raise UsageError("Pass --prompt or --dataset, not both.")
+    if not arguments.prompt and not arguments.dataset:
+        raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
+    request = _request(arguments, plugin_manager)
+    dataset = DatasetRequest(
+        source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
+        limit=arguments.limit, streaming=arguments.streaming,
+    ) if arguments.dataset else None
+    # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
+    # and no launcher of ours holds the lock (torchrun started by hand)
+    job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
+                   overwrite=arguments.overwrite,
+                   lock_output=request.world.is_main if running_as_worker() else arguments.node_rank == 0)
+    try:
+        return _here_or_launched(arguments, request, argv, lambda: _generate(arguments, request, job))
+    finally:
+        job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
+
+
+def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
+    """Generate in this process (one rank of a job, or the whole job) and report; rank 0 prints and writes."""
+    quiet_libraries()
+    is_main = request.world.is_main
+    if job.finished:
+        if is_main:
+            print(f"accelgen: all {job.rows.total} rows are already in {job.output}; nothing to do.", file=sys.stderr)
+        return 0
+    if job.done and is_main:
+        print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
+    result = complete(request, job, on_batch=None if arguments.quiet else print_batch,
+                      show_progress=bool(arguments.dataset))
+    generator = result.generator
+    rank_memory = gather_from_ranks(
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
+         **generator.accelerator.memory_stats()}, request.world
+    )
+    if is_main:
+        print_summary(result)
+        print_rank_memory(rank_memory, generator.unsharded_parameter_bytes)
+    leave_process_group()
+    return 0
+
+
+def bench_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+    protocol = BenchProtocol(tuple(arguments.batch_sizes), arguments.max_new_tokens, arguments.prompt,
+                             arguments.warmup_runs, arguments.runs)
+    protocol.check()
+    if arguments.model_config and arguments.model:
+        raise UsageError("Pass --model or --model-config, not both.")
+    if arguments.model_config and not arguments.random_weights:
+        raise UsageError("--model-config builds the model from its config alone: add --random-weights "
+                         "(or pass --model to load real weights).")
+    if arguments.output:
+        check_output_path(arguments.output, arguments.overwrite)
+    # sized for the largest batch of the sweep: what --offload keeps room for on the device
+    request = _request(arguments, plugin_manager, ignore_eos=True, batch_size=max(protocol.batch_sizes))
+    return _here_or_launched(arguments, request, argv, lambda: _measure(arguments, request, protocol))
+
+
+def _measure(arguments: argparse.Namespace, request: Request, protocol: BenchProtocol) -> int:
+    """Measure in this process; rank 0 reports each batch size as it is done, then writes the result file."""
+    quiet_libraries()
+    document = run_benchmark(request, protocol, arguments.label,
+                             report=lambda row: print(progress_line(row, protocol.max_new_tokens), file=sys.stderr, flush=True))
+    if document is not None:
+        if arguments.output:
+            write_result(arguments.output, document)
+            print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
+        if arguments.json:
+            print_json(document)
+    leave_process_group()
+    return 0
+
+
+def shard_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+    if arguments.world_size is None:
+        raise UsageError("accelgen shard needs --world-size N: the number of ranks the runs will use.")
+    request = _request(arguments, plugin_manager)
+    check_shard_request(request, arguments.output, arguments.overwrite)
+    return _here_or_launched(arguments, request, argv, lambda: _shard(arguments, request))
+
+
+def _shard(arguments: argparse.Namespace, request: Request) -> int:
+    """Write this rank's part of the pre-sharded model (rank 0 completes the folder)."""
+    quiet_libraries()
+    shard_model(request, arguments.output, arguments.max_file_mib << 20)
+    leave_process_group()
+    return 0
+
+
+def compare_command(arguments: argparse.Namespace) -> int:
+    if arguments.plot:
+        check_chart_possible(arguments.plot)
+    if arguments.markdown:
+        check_output_file(arguments.markdown, "--markdown", "table.md")
+    table = comparison_table(load_measurements(arguments.files), METRICS[arguments.metric], arguments.baseline)
+    print(render_text(table))
+    if arguments.markdown:
+        write_text_file(arguments.markdown, "--markdown", render_markdown(table))
+    if arguments.plot:
+        draw_chart(table, arguments.plot)
+    return 0
+
+
+def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, **fixed_settings) -> Request:
+    """The request the command's arguments make (``fixed_settings`` are not the user's to choose)."""
+    settings = {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
+    return build_request(
+        getattr(arguments, "model_config", None) or arguments.model,
+        random_weights=getattr(arguments, "random_weights", False), device=arguments.device,
+        trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager, **settings | fixed_settings,
+    )
+
+
+def _here_or_launched(arguments: argparse.Namespace, request: Request, argv: Sequence[str], command: Callable[[], int]) -> int:
+    """Run ``command`` in this process (one rank of a launched job, or a one-rank job), or launch the
+    job's ranks when several are asked for; each rank then runs the same command line."""
+    if running_as_worker():
+        if arguments.world_size not in (None, request.world.size):
+            raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {request.world.size} ranks.")
+    elif arguments.world_size not in (None, 1):
+        plan = plan_launch(arguments.world_size, arguments.nnodes, arguments.node_rank, arguments.master_addr,
+                           arguments.master_port)
+        quiet_libraries()
+        return launch_job(request, plan, argv)
+    return command()
+

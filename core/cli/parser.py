@@ -1,0 +1,126 @@
+"""The ``accelgen`` command line: every subcommand's arguments (the commands themselves are in ``accelgen.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from accelgen.plugin.registry import AUTO_DEVICE
+from accelgen.bench.measure import PUBLISHED_PROMPT
+from accelgen.bench.compare import METRICS
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
+from accelgen.common.value_ranges import RANGES
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one line (and exit status 2) instead of usage text."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accelgen", description="Static-shape LLM text generation on any accelerator.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = commands.add_parser("run", help="generate completions for prompts")
+    _add_model_arguments(run)
+    run.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
+    data = run.add_argument_group("dataset completion (instead of --prompt)")
+    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
+    data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
+    data.add_argument("--split", default="train", help="split to complete (default: train)")
+    data.add_argument("--column", default="text", help="column holding the prompts (default: text)")
+    data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
+    data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
+    run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
+    run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("default 100", "max_new_tokens"))
+    run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))
+    run.add_argument("--batch-size", type=_number("batch_size"), default=1, help=_with_range("fixed batch shape; the last batch is padded", "batch_size"))
+    run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
+    run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    run.add_argument("--temperature", type=_number("temperature"), default=1.0, help=_with_range("default 1.0", "temperature"))
+    run.add_argument("--top-k", type=_number("top_k"), default=0, help=_with_range("0 (default): off", "top_k"))
+    run.add_argument("--top-p", type=_number("top_p"), default=1.0, help=_with_range("1.0 (default): off", "top_p"))
+    run.add_argument("--seed", type=_number("seed"), default=0, help=_with_range("decides the sampled draws of every row (default 0)", "seed"))
+    run.add_argument("--output", help="write one JSON line per prompt to this file")
+    run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
+    _add_offload_arguments(run)
+    _add_parallel_arguments(run)
+
+    bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
+    _add_model_arguments(bench)
+    bench.add_argument("--model-config", help="with --random-weights: a built-in config (bloom, bloomz, bloomz-7b1, bloom-560m), "
+                                              "a config.json or model folder, or a Hub id")
+    bench.add_argument("--random-weights", action="store_true", help="build the model from its config, no weights read")
+    bench.add_argument("--batch-sizes", type=RANGES["batch_sizes"].parse_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")
+    bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("new tokens per run, always generated (default 100)", "max_new_tokens"))
+    bench.add_argument("--runs", type=_number("runs"), default=5, help=_with_range("timed runs per batch size (default 5)", "runs"))
+    bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=1, help=_with_range("untimed runs first, graph capture included (default 1)", "warmup_runs"))
+    bench.add_argument("--prompt", default=PUBLISHED_PROMPT, help=f"default: {PUBLISHED_PROMPT!r}, as published")
+    bench.add_argument("--label", help="column name in 'accelgen compare' (default: the device's name)")
+    bench.add_argument("--output", help="write the result file (JSON) here")
+    bench.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    bench.add_argument("--json", action="store_true", help="print the result document to stdout")
+    _add_offload_arguments(bench)
+    _add_parallel_arguments(bench)
+
+    compare = commands.add_parser("compare", help="tables and a chart from result files of any machines")
+    compare.add_argument("files", nargs="+", help="result files written by 'accelgen bench' (or published ones)")
+    compare.add_argument("--metric", choices=sorted(METRICS), default="end-to-end", help="figure in the cells (default: end-to-end)")
+    compare.add_argument("--baseline", help="hardware label to compare the others with (default: the first column)")
+    compare.add_argument("--markdown", help="also write the table as Markdown to this file")
+    compare.add_argument("--plot", help="also draw a PNG chart to this file (needs matplotlib)")
+
+    shard = commands.add_parser("shard", help="split a model once for a world size and dtype; runs then read only their own files")
+    shard.add_argument("--model", required=True, help="Hub id or local folder of the model to split")
+    shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
+    shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
+    shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
+    shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=4096,
+                       help=_with_range("largest file each rank writes, in MiB (default 4096)", "max_file_mib"))
+    shard.add_argument("--device", default=AUTO_DEVICE, help="accelerator the ranks load on (see 'accelgen devices'); the split does not depend on it")
+    shard.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
+    _add_parallel_arguments(shard)
+
+    commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
+    parser.add_argument("--model", help="Hub id or local folder (default: the built-in demo model)")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: the device's (float32 on cpu)")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="capture the decode step as a graph (default: the device decides)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
+
+
+def _add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    offload = parser.add_argument_group("models larger than the device (Hugging Face Accelerate's big-model inference)")
+    offload.add_argument("--offload", choices=OFFLOAD_MODES,
+                         help="keep the weights that do not fit --max-device-memory in host memory (cpu) or in files (disk); "
+                              "they are brought to the device layer by layer in every step")
+    offload.add_argument("--max-device-memory", help="device memory the run may use, KV cache included, e.g. 8GiB "
+                                                     "(default: what the device has free)")
+    offload.add_argument("--offload-folder", help="with --offload disk: write the offloaded weights here in the run's dtype "
+                                                  "(default: read them in place from the checkpoint's safetensors files)")
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parallel = parser.add_argument_group("tensor parallelism (started with the device's launcher, torchrun by default)")
+    parallel.add_argument("--world-size", type=_number("world_size"), help=_with_range("ranks in the whole job, all nodes together (default 1)", "world_size"))
+    parallel.add_argument("--nnodes", type=_number("nnodes"), default=1, help=_with_range("machines taking part (run accelgen on each)", "nnodes"))
+    parallel.add_argument("--node-rank", type=_number("node_rank"), default=0, help=_with_range("this machine's index, 0 to nnodes-1", "node_rank"))
+    parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
+    parallel.add_argument("--master-port", type=_number("master_port"), help=_with_range("free port on node 0 (default: any free port on one node, 29500 on several)", "master_port"))
+
+
+def _number(setting: str):
+    """The argparse ``type`` of a numeric option: parsed and checked against its range."""
+    return RANGES[setting].parse
+
+
+def _with_range(help_text: str, setting: str) -> str:
+    return f"{help_text}; {RANGES[setting].describe()}"

@@ -1,0 +1,101 @@
+"""Plain data handed from the user's request to the core and the plugins."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: Dtype names users pass (``--dtype``) and the torch attribute each one names.
+DTYPES = ("float32", "bfloat16", "float16")
+#: Bytes per value of each dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+
+#: Where ``--offload`` keeps the weights that do not fit the device: host memory, or files.
+OFFLOAD_MODES = ("cpu", "disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """How the next token is chosen. Greedy unless ``do_sample``."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0  # 1.0: no nucleus filtering
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSettings:
+    """Weights beyond ``max_device_bytes`` of device memory kept in host memory (``mode`` "cpu") or in files
+    ("disk") and brought to the device layer by layer in every forward pass (``accelgen.loading.offload``).
+    ``max_device_bytes`` None: what the device says is free. ``folder``: where "disk" writes the offloaded
+    weights, in the run's dtype; None: they are read in place from the checkpoint's safetensors files."""
+
+    mode: str
+    max_device_bytes: int | None = None
+    folder: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What a generation run asks of the core and of the accelerator (built by ``accelgen.session.request``)."""
+
+    dtype: str
+    batch_size: int = 1
+    max_new_tokens: int = 100
+    max_input_tokens: int | None = None  # truncate prompts to their first N tokens
+    ignore_eos: bool = False
+    use_graphs: bool = False
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    sampling: SamplingSettings = SamplingSettings()
+    offload: OffloadSettings | None = None
+
+    def output_deciding(self) -> dict:
+        """The settings that decide what a run writes (graph capture and offloading do not), flat, as JSON values."""
+        settings = dataclasses.asdict(self)
+        sampling = settings.pop("sampling")
+        del settings["use_graphs"], settings["offload"]
+        return {**settings, "buckets": list(self.buckets), **sampling}
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this process sits among the ranks of a tensor-parallel job."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1  # ranks on this node
+
+    @classmethod
+    def from_environment(cls) -> "World":
+        """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher: the only
+        place that reads them; everything else is handed this object."""
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            local_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How the ranks of a tensor-parallel job are spread over machines; one launch per node."""
+
+    world_size: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.world_size // self.nnodes

@@ -1,0 +1,69 @@
+"""Calling a causal language model the way the static pipeline needs: same inputs on every release.
+
+The attention mask a model receives decides whether its decode step can be captured as a graph. Given
+the usual 2D padding mask, a model turns it into a 4D mask with Hugging Face's mask helpers, which differ
+between transformers releases, and some of which copy host data to the device on every call (5.17's
+``eager_mask`` builds ``torch.tensor(0.0, device=...)``; 4.x's BLOOM builds its ALiBi slopes from host data):
+nothing a CUDA graph can hold. So for the families that take one (``accelgen.model.architectures``), the core
+builds the 4D additive mask itself, with device operations only, and every release uses it as it is;
+the same table applies each family's own changes (BLOOM's ALiBi slopes on the device, for instance).
+Other families get the 2D mask and Hugging Face's own helpers (their step may or may not capture; the
+generator runs it eagerly, with a warning, if it does not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen.model.architectures import architecture_of
+from accelgen.loading.model_files import forward_accepts
+from accelgen.common.settings import World
+
+
+class ModelForward:
+    """``model`` called with static-shape inputs, returning the logits of the last position.
+
+    Call it as ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T],
+    cache)``: the T tokens at cache positions ``cache_position`` attend to the keys marked 1 in
+    ``attention_mask`` up to their own position, and their keys and values go into ``cache``.
+    """
+
+    def __init__(self, model: torch.nn.Module, world: World, dtype: torch.dtype):
+        self.model = model
+        self.dtype = dtype
+        architecture = architecture_of(model.config)
+        self.builds_4d_mask = architecture.takes_4d_mask
+        if architecture.make_capturable:
+            architecture.make_capturable(model, world)
+        self._takes_position_ids = forward_accepts(model, "position_ids")
+        self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache) -> torch.Tensor:
+        arguments = dict(
+            input_ids=input_ids,
+            attention_mask=additive_causal_mask(attention_mask, cache_position, self.dtype)
+            if self.builds_4d_mask
+            else attention_mask,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        )
+        if self._takes_position_ids:
+            arguments["position_ids"] = position_ids
+        if self._takes_logits_to_keep:
+            arguments["logits_to_keep"] = 1
+        return self.model(**arguments).logits[:, -1, :]
+
+
+def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D mask [B, 1, T, L] for queries at ``cache_position`` [T] over keys marked in ``attention_mask``
+    [B, L]: 0 where the query may attend (a real key at or before its own position), the dtype's most
+    negative value elsewhere, which is what Hugging Face's eager masks hold and what SDPA adds as a bias.
+
+    A query with nothing to attend to (a padding position of a prefill) gets a row of minima, so softmax
+    spreads evenly instead of producing NaN; no real token ever attends to it."""
+    key_positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    causal = key_positions[None, :] <= cache_position[:, None]  # [T, L]
+    visible = (attention_mask[:, None, None, :] != 0) & causal[None, None]  # [B, 1, T, L]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)

@@ -1,0 +1,143 @@
+"""The JSON-lines file a run's completions go to: one line per row, appended as each batch completes, so a
+run stopped at any moment (SIGKILL, a full disk) keeps every row it finished and the same run started again
+resumes after them.
+
+Beside it, ``<output>.run.json`` records what decides the rows (model, source, settings): a different run
+is refused on an existing file unless it overwrites. Every check is made when the file is opened, before
+any model loads; nothing on disk changes until the first completion is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import IO, Sequence
+
+from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.generation.generator import Completion
+from accelgen.common.output_files import check_output_file
+from accelgen.jobs.output_lock import OutputLock
+
+#: Run record fields for people, not compared: the model as named (the same model by another path resumes;
+#: what decides is ``model_identity``, its content).
+DESCRIPTIVE_FIELDS = ("model",)
+
+#: The fields of every line, in order: a line without them was not written by ``accelgen run``.
+LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion))
+
+
+class CompletionFile:
+    """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
+
+    def __init__(self, path: str, run_record: dict, overwrite: bool = False, lock: bool = True):
+        """``lock``: take the output's lock (:mod:`accelgen.jobs.output_lock`) until :meth:`close`; the ranks of a
+        job other than rank 0 read the file but do not lock it."""
+        check_output_file(path, "--output", "out.jsonl")
+        self.path = path
+        self.run_file = path + ".run.json"
+        if os.path.exists(self.run_file) and not os.path.isfile(self.run_file):
+            raise UsageError(f"Run record {self.run_file!r} (beside --output {path!r}) is not a file: move it away.")
+        self.run_record = run_record
+        self._file: IO[bytes] | None = None
+        self._lock = OutputLock(path) if lock else None
+        if self._lock:
+            self._lock.acquire()
+        try:
+            self.completed_rows = 0 if overwrite else self._count_completed_rows()
+        except BaseException:
+            self.close()
+            raise
+
+    def _count_completed_rows(self) -> int:
+        """Complete lines already in the file (a torn last line does not count), checked against this run."""
+        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            return 0
+        if not os.path.exists(self.run_file):
+            raise UsageError(
+                f"--output {self.path!r} already exists and was not written by accelgen run: "
+                f"pass --overwrite to replace it, or choose another file."
+            )
+        self._check_same_run(self._earlier_run_record())
+        rows = 0
+        with user_errors(f"Cannot read --output {self.path!r}", "pass --overwrite to start it again, or another file"):
+            with open(self.path, "rb") as existing:
+                for line in existing:
+                    if not line.endswith(b"\n"):
+                        break  # torn by a stop mid-write: written again on resume
+                    problem = _line_problem(line, rows)
+                    if problem:
+                        keep = f"keep its first {rows} lines (head -n {rows}) to resume after them, or " if rows else ""
+                        raise UsageError(f"--output {self.path!r} line {rows + 1} {problem}: the file is damaged; "
+                                         f"{keep}pass --overwrite to start it again.")
+                    rows += 1
+        return rows
+
+    def _earlier_run_record(self) -> dict:
+        fix = f"it says which run wrote {self.path!r}; restore it, or pass --overwrite to start the output again"
+        with user_errors(f"Run record {self.run_file!r} cannot be read", fix):
+            with open(self.run_file, encoding="utf-8") as run_file:
+                earlier = json.load(run_file)
+        if not isinstance(earlier, dict):
+            raise UsageError(f"Run record {self.run_file!r} holds {type(earlier).__name__}, not a run's description: {fix}.")
+        return earlier
+
+    def _check_same_run(self, earlier: dict) -> None:
+        changed = sorted(key for key in earlier.keys() | self.run_record.keys()
+                         if key not in DESCRIPTIVE_FIELDS and earlier.get(key) != self.run_record.get(key))
+        if changed:
+            raise UsageError(
+                f"--output {self.path!r} holds completions of another run (different {', '.join(changed)}): "
+                f"pass --overwrite to replace it, or the same arguments to resume it."
+            )
+
+    def write(self, completions: Sequence[Completion]) -> None:
+        """Append ``completions``, one line each, each line in one write; a failed write (a full disk) stops
+        the run in one line, the rows written before it kept."""
+        for completion in completions:
+            line = (json.dumps(dataclasses.asdict(completion), ensure_ascii=False) + "\n").encode()
+            with user_errors(f"Cannot write --output {self.path!r}",
+                             f"{self.completed_rows} rows are kept; make room (or move the file and its .run.json) "
+                             f"and run the same command again to resume after them"):
+                if self._file is None:
+                    self._file = self._open_for_append()
+                _write_all(self._file, line)
+            self.completed_rows += 1
+
+    def _open_for_append(self) -> IO[bytes]:
+        if self.completed_rows == 0:  # a new file, or one being overwritten
+            with open(self.run_file + ".tmp", "w", encoding="utf-8") as run_file:
+                json.dump(self.run_record, run_file, indent=1)
+            os.replace(self.run_file + ".tmp", self.run_file)
+            return open(self.path, "wb", buffering=0)
+        with open(self.path, "r+b") as existing:  # cut a torn last line
+            existing.truncate(existing.read().rfind(b"\n") + 1)
+        return open(self.path, "ab", buffering=0)
+
+    def close(self) -> None:
+        """Close the file and give up its lock (again: nothing)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._lock:
+            self._lock.release()
+
+
+def _line_problem(line: bytes, index: int) -> str | None:
+    """Why ``line`` is not the completion of row ``index`` written by ``accelgen run``, or None."""
+    try:
+        row = json.loads(line)
+    except ValueError as error:  # not JSON, or not UTF-8
+        return f"is not a JSON line ({reason(error)})"
+    if not isinstance(row, dict) or set(row) != set(LINE_FIELDS):
+        return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
+    if row["index"] != index:
+        return f"is row {row['index']}, not row {index}"
+    return None
+
+
+def _write_all(file: IO[bytes], data: bytes) -> None:
+    """Write all of ``data`` to an unbuffered file (a write may take only part of it)."""
+    written = 0
+    while written < len(data):
+        written += file.write(data[written:])

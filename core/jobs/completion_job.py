@@ -1,0 +1,135 @@
+"""Completing prompts or a dataset's rows into a resumable JSON-lines output: what ``accelgen run`` does
+once its request is built, callable from Python the same way.
+
+:func:`open_job` checks the inputs and the output (and finds where a stopped run left off) before any
+model loads; :func:`complete` loads the model and generates every row not yet written, appending each
+batch as it completes. Running out of device memory becomes one line saying what would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import time
+from typing import Callable, Sequence
+
+from accelgen.session.api import load_request
+from accelgen.jobs.completion_file import CompletionFile
+from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
+from accelgen.common.errors import UsageError
+from accelgen.generation.generator import Completion, Generator
+from accelgen.model.memory import out_of_memory_line
+from accelgen.loading.model_files import BUILT_IN_NAME
+from accelgen.jobs.progress import Progress
+from accelgen.common.prompts import check_prompts
+from accelgen.session.request import Request
+
+
+@dataclasses.dataclass
+class CompletionJob:
+    """The texts to complete, where the completions go, and how many were already written there."""
+
+    rows: TextRows
+    writer: CompletionFile | None
+    done: int
+
+    @property
+    def output(self) -> str | None:
+        return self.writer.path if self.writer else None
+
+    def close(self) -> None:
+        """Close the output and give up its lock (also done when :func:`complete` ends)."""
+        if self.writer:
+            self.writer.close()
+
+    @property
+    def finished(self) -> bool:
+        return self.rows.total is not None and self.done >= self.rows.total
+
+
+@dataclasses.dataclass
+class CompletedRun:
+    generator: Generator
+    load_seconds: float
+    generate_seconds: float
+
+
+def open_job(
+    request: Request, *, prompts: Sequence[str] = (), dataset: DatasetRequest | None = None, output: str | None = None,
+    overwrite: bool = False, lock_output: bool | None = None,
+) -> CompletionJob:
+    """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
+    a stopped run's completed rows found; nothing loaded or written yet. The output is locked against other
+    writers until the job closes when ``lock_output`` (default: on rank 0, the writer)."""
+    if dataset is not None:
+        if output:
+            check_not_dataset(output, dataset.source)
+        rows = open_rows(dataset)
+        source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+    else:
+        check_prompts(prompts)
+        rows = TextRows(iter(prompts), len(prompts))
+        source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
+    lock_output = request.world.is_main if lock_output is None else lock_output
+    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output) if output else None
+    return CompletionJob(rows, writer, writer.completed_rows if writer else 0)
+
+
+def check_not_dataset(output: str, dataset_source: str) -> None:
+    """Raise UsageError when ``output`` (or the run record beside it) is the local dataset being read, or
+    lies in the dataset's folder (whose files are all read): the input is never an output, whatever the flags."""
+    source = os.path.realpath(os.path.expanduser(dataset_source))
+    if not os.path.exists(source):
+        return  # a Hub dataset
+    for written in (output, output + ".run.json"):
+        path = os.path.realpath(written)
+        inside = os.path.isdir(source) and os.path.commonpath([source, path]) == source
+        if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
+            raise UsageError(f"--output {output!r} would overwrite the dataset being read ({dataset_source!r}): "
+                             f"write the completions to a file outside it.")
+
+
+def run_record(request: Request, source: dict) -> dict:
+    """What decides an output file's rows, written beside it: a resumed run must match it."""
+    return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
+                **request.run.output_deciding())
+
+
+def complete(
+    request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
+    show_progress: bool = False,
+) -> CompletedRun:
+    """Load the request's model and complete every row of ``job`` not yet written. Rank 0 writes each batch
+    as it completes and calls ``on_batch(batch number, completions)``; ``show_progress`` draws progress."""
+    generator = None
+    is_main = request.world.is_main
+    try:
+        started = time.perf_counter()
+        generator = load_request(request)
+        loaded = time.perf_counter()
+        progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
+        texts = itertools.islice(job.rows.texts, job.done, None)
+        first_batch = job.done // request.run.batch_size + 1
+        completed = False
+        try:
+            for number, completions in enumerate(generator.generate_batches(texts, job.done), start=first_batch):
+                if is_main and job.writer:
+                    job.writer.write(completions)
+                if is_main and on_batch:
+                    on_batch(number, completions)
+                if progress:
+                    progress.update(len(completions))
+            completed = True
+        finally:
+            if job.writer:
+                job.writer.close()
+            if progress:
+                progress.close(final_line=completed)  # a failure's own line is the last word
+    except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
+        if request.accelerator.is_out_of_memory(error):
+            raise UsageError(out_of_memory_line(request, generator, job.output)) from None
+        raise
+    return CompletedRun(generator, loaded - started, time.perf_counter() - loaded)

@@ -1,0 +1,216 @@
+"""The texts to complete, read from any source Hugging Face ``datasets`` reads.
+
+A source is a Hub dataset id (with ``--dataset-config`` and ``--split``), a local JSON / JSONL / CSV /
+Parquet file or a folder of them, or a folder written by ``save_to_disk``. Rows come out in dataset
+order, one text (the chosen column) each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+from typing import Iterator
+
+from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
+from accelgen.common.prompts import prompt_problem
+from accelgen.common.value_ranges import check_settings
+
+#: Local file suffixes and the ``datasets`` builder that reads them.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+TEXT_TYPES = ("string", "large_string")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetRequest:
+    source: str
+    column: str = "text"
+    split: str = "train"
+    config: str | None = None
+    limit: int | None = None  # the first N rows only
+    streaming: bool = False  # read rows as they are needed instead of loading the split
+
+
+@dataclasses.dataclass
+class TextRows:
+    """Texts in dataset order, and how many there are (None when streaming without --limit)."""
+
+    texts: Iterator[str]
+    total: int | None
+
+
+def open_rows(request: DatasetRequest) -> TextRows:
+    """The request's rows, checked: the split and column exist, the column holds text, rows exist. A split
+    that is not streamed is read through once here, so that a row which cannot be a prompt stops the run
+    before any model loads, not hours into it; a streamed one is checked row by row as it is read."""
+    import datasets
+
+    check_settings(limit=request.limit)
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
+    dataset = _load_split(request)
+    _check_column(dataset, request)
+    if request.limit is not None:
+        dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
+    if not request.streaming:
+        for _ in _row_texts(dataset, request):
+            pass
+    texts = _row_texts(dataset, request)
+    first = next(texts, None)
+    if first is None:
+        raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
+    total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
+    return TextRows(itertools.chain([first], texts), total)
+
+
+#: Rows read at a time from a split held on disk (a streamed one is read row by row).
+ROWS_PER_READ = 1024
+
+
+def _row_texts(dataset, request: DatasetRequest) -> Iterator[str]:
+    """The column's texts in dataset order; a row that cannot be read, or is no prompt, stops with its index."""
+    rows = dataset.select_columns([request.column])
+    rows_per_read = 1 if request.streaming else ROWS_PER_READ
+    batches = iter(rows.iter(batch_size=rows_per_read))
+    index = 0
+    while True:
+        with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, index, rows_per_read, error)):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        for text in batch[request.column]:
+            problem = prompt_problem(text)
+            if problem:
+                raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem} "
+                                 f"(rows count from 0, as the output's \"index\").")
+            yield text
+            index += 1
+
+
+def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
+    """The error of reading rows ``first_index`` on, naming the first that cannot be read where it can."""
+    bad_line = _bad_json_line(request)
+    if bad_line:
+        return bad_line
+    if request.streaming:  # read in chunks by the reader: where in the chunk it failed is not known
+        return (f"Cannot read dataset {request.source!r} (stopped after {first_index} rows): {reason(error)}: fix the "
+                f"file (UTF-8 text, well-formed), or pass another --dataset.")
+    index = first_index
+    for index in range(first_index, min(first_index + count, len(rows))):  # find the row: read them one at a time
+        try:
+            rows[index]
+        except FILE_ERRORS as row_error:
+            error = row_error
+            break
+    return (f"Dataset {request.source!r} row {index} cannot be read ({reason(error)}): fix that row of the "
+            f"file (UTF-8 text, well-formed), or remove it.")
+
+
+def _load_split(request: DatasetRequest):
+    import datasets
+
+    source = os.path.expanduser(request.source)
+    if os.path.isfile(source) and os.path.splitext(source)[1].lower() not in FILE_BUILDERS:
+        raise UsageError(f"Cannot read {source!r}: use a file ending in {', '.join(FILE_BUILDERS)}, or a dataset folder.")
+    if not os.path.exists(source) and source.startswith((".", "/", "~")):
+        raise UsageError(f"Dataset path {source!r} does not exist.")
+    with user_errors(f"Cannot read dataset {request.source!r}", "fix the file, or pass another --dataset",
+                     errors=(*FILE_ERRORS, StopIteration, datasets.exceptions.DatasetsError, ConnectionError),
+                     explain=lambda error: _explain_load_error(error, request, source)):
+        if os.path.isfile(source):
+            builder = FILE_BUILDERS[os.path.splitext(source)[1].lower()]
+            return datasets.load_dataset(builder, data_files=source, split=request.split, streaming=request.streaming)
+        if os.path.isdir(source) and _saved_with_save_to_disk(source):
+            return _saved_split(datasets.load_from_disk(source), request)
+        return datasets.load_dataset(source, request.config, split=request.split, streaming=request.streaming)
+
+
+def _explain_load_error(error: BaseException, request: DatasetRequest, source: str) -> str | None:
+    """The message for an error of loading the dataset, where we can say more than the error itself."""
+    import datasets
+
+    if isinstance(error, (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError)):
+        return (f"Dataset {request.source!r} not found, or the Hub cannot be reached ({first_line(error)}): "
+                f"pass a local JSON, JSONL, CSV or Parquet file, or a folder made by save_to_disk.")
+    if isinstance(error, StopIteration):  # what the JSON reader raises on an empty file
+        return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
+    bad_line = _bad_json_line(request)
+    if bad_line:
+        return bad_line
+    if isinstance(error, ValueError):
+        return _explain_value_error(error, request)
+    return None
+
+
+def _bad_json_line(request: DatasetRequest) -> str | None:
+    """The message naming the first line of a local JSON-lines dataset that does not parse, if there is one."""
+    source = os.path.expanduser(request.source)
+    if not (os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json"):
+        return None
+    bad_line = first_bad_json_line(source)
+    return bad_line and f"Dataset {request.source!r} {bad_line}."
+
+
+def first_bad_json_line(path: str) -> str | None:
+    """Where a JSON-lines file first fails to parse, and the fix ("line 3 (row 2) is not valid JSON (...): fix or
+    remove that line"), or None when every line parses (or the file is one JSON document over several lines)."""
+    with open(path, "rb") as file:
+        lines = [(number, line) for number, line in enumerate(file, start=1) if line.strip()]
+    for row, (number, line) in enumerate(lines):
+        try:
+            json.loads(line)
+        except UnicodeDecodeError as error:
+            return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
+                    f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
+        except ValueError as error:
+            if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
+                return None  # one JSON document over several lines, not JSON lines
+            torn = " (a torn last line: the file is still being written, or was cut short)" if row == len(lines) - 1 else ""
+            return f"line {number} (row {row}) is not valid JSON{torn} ({first_line(error)}): fix or remove that line"
+    return None
+
+
+def _saved_with_save_to_disk(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
+
+
+def _saved_split(saved, request: DatasetRequest):
+    """The split of a DatasetDict written by save_to_disk (a single saved Dataset is used whole)."""
+    if hasattr(saved, "keys"):
+        if request.split not in saved:
+            raise UsageError(f"Unknown split {request.split!r}; {request.source!r} has: {', '.join(saved)}.")
+        saved = saved[request.split]
+    return saved.to_iterable_dataset() if request.streaming else saved
+
+
+def _check_column(dataset, request: DatasetRequest) -> None:
+    # some streamed sources only know their columns once a row is read (their features are None)
+    features = dataset.features
+    if features is None:
+        with user_errors("", "", explain=lambda error: _unreadable_row(dataset, request, 0, 1, error)):
+            features = {name: None for name in next(iter(dataset.take(1)), {})}
+    if request.column not in features:
+        raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
+    feature = features[request.column]
+    if feature is not None and getattr(feature, "dtype", None) not in TEXT_TYPES:
+        text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
+        hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        raise UsageError(f"Column {request.column!r} holds {kind}, not text ({hint}).")
+
+
+def _explain_value_error(error: ValueError, request: DatasetRequest) -> str | None:
+    split_names = re.search(r"Should be one of \[(.*)\]", str(error))
+    if split_names:
+        return f"Unknown split {request.split!r}; {request.source!r} has: {split_names.group(1).replace(chr(39), '')}."
+    if "corresponds to no data" in str(error):  # what datasets says of an empty file
+        return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
+    config_names = re.search(r"(?:available configs|Available): \[(.*?)\]", str(error))
+    if config_names:
+        available = config_names.group(1).replace("'", "")
+        if request.config is None:
+            return f"Dataset {request.source!r} has several configurations: pass --dataset-config (one of: {available})."
+        return f"Unknown --dataset-config {request.config!r} for {request.source!r}; available: {available}."
+    return None

@@ -1,0 +1,116 @@
+"""``accelgen shard``: a model split once for a world size and dtype and written as a pre-sharded
+checkpoint (``accelgen.loading.pre_sharded``), which each rank of later runs reads without slicing.
+
+The job is a tensor-parallel load like a run's, on whatever device the user names (the split depends on
+the world size, not on the device): each rank gives memory to its parameters a file's worth at a time,
+fills them from the checkpoint, writes them and lets them go, so a rank holds at most one file's worth of
+weights. Everything is written into ``<output>.partial``; rank 0 adds config, tokenizer and, last, the
+manifest, then renames the folder to ``<output>``: a killed job leaves only the ``.partial`` folder, which
+nothing takes for a model and the next run removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+
+from accelgen.common.errors import UsageError
+from accelgen.parallel.launcher import inject_fault_if_asked
+from accelgen.loading.model_source import refuse_unsliced_family
+from accelgen.loading.pre_sharded import rank_file_name, write_manifest
+from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
+from accelgen.session.request import Request
+from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, parameter_bytes, plan_loading
+
+#: Largest file a rank writes, by default (the size Hugging Face shards checkpoints to).
+DEFAULT_FILE_MIB = 4096
+
+
+def check_shard_request(request: Request, output: str, overwrite: bool) -> None:
+    """Raise UsageError for a shard job that cannot work, before any rank starts."""
+    if request.model.random_weights:
+        raise UsageError("accelgen shard writes a checkpoint's weights: pass --model, not random weights.")
+    if request.model.pre_sharded_manifest() is not None:
+        raise UsageError(f"{request.model.name!r} is already pre-sharded: shard the original model.")
+    refuse_unsliced_family(request.model.config())
+    if os.path.lexists(output) and not overwrite:
+        raise UsageError(f"--output {output!r} exists: pass --overwrite to replace it, or another --output.")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise UsageError(f"--output {output!r} is a file, not a folder: pass a folder path.")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"Cannot write --output {output!r}: {parent!r} is not a writable folder; create it or pass another.")
+
+
+def shard_model(request: Request, output: str, max_file_bytes: int) -> None:
+    """Write this rank's files of the pre-sharded checkpoint; rank 0 completes and renames the folder."""
+    accelerator, world, dtype = request.accelerator, request.world, request.run.dtype
+    device = accelerator.setup(world)
+    init_process_group(world, accelerator.dist_backend)
+    staging = f"{output}.partial"
+    if world.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    wait_for_every_rank()
+    opened = request.model.open(dtype, world)
+    unsharded_bytes = parameter_bytes(opened.skeleton)
+    shard = (lambda model: accelerator.shard(model, world, request.run)) if world.size > 1 else None
+    model = allocate(opened.skeleton, device, shard)
+    plan = plan_loading(model, opened.weights, world)
+    written = _write_in_files(model, opened.weights, plan, staging, world, max_file_bytes)
+    inject_fault_if_asked(world)
+    files_by_rank = gather_from_ranks(written, world)
+    if world.is_main:
+        request.model.config().save_pretrained(staging)
+        opened.tokenizer.save_pretrained(staging)
+        opened.skeleton.generation_config.save_pretrained(staging)
+        source = {"model": request.model.report_name, "identity": request.model.identity(),
+                  "unsharded_parameter_bytes": unsharded_bytes}
+        write_manifest(staging, world.size, dtype, files_by_rank, source)
+        _move_into_place(staging, output)
+        print(f"accelgen: wrote {output}: {world.size} rank(s), {dtype}, "
+              f"{sum(len(files) for files in files_by_rank)} file(s)", file=sys.stderr)
+    wait_for_every_rank()
+
+
+def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], folder: str, world, max_file_bytes: int) -> list[str]:
+    """Fill, write and let go of this rank's parameters, a file of at most ``max_file_bytes`` at a time
+    (a parameter larger than that gets a file of its own); the names of the files written."""
+    from safetensors.torch import save_file
+
+    parameters = dict(model.named_parameters())
+    names: list[str] = []
+    for group in _groups_by_bytes(plan, parameters, max_file_bytes):
+        fill_parameters(model, weights, group)
+        name = rank_file_name(world.rank, world.size, len(names))
+        save_file({load.name: parameters[load.name].data.contiguous().cpu() for load in group}, os.path.join(folder, name))
+        for load in group:
+            parameters[load.name].data = parameters[load.name].data.new_empty(0)  # its memory goes back
+        names.append(name)
+    return names
+
+
+def _groups_by_bytes(plan: list[ParameterLoad], parameters: dict, max_file_bytes: int) -> list[list[ParameterLoad]]:
+    groups: list[list[ParameterLoad]] = [[]]
+    group_bytes = 0
+    for load in plan:
+        size = parameters[load.name].numel() * parameters[load.name].element_size()
+        if groups[-1] and group_bytes + size > max_file_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(load)
+        group_bytes += size
+    return [group for group in groups if group]
+
+
+def _move_into_place(staging: str, output: str) -> None:
+    """Rename the complete folder to ``output`` (the folder it replaces, with --overwrite, goes after)."""
+    replaced = f"{output}.replaced"
+    if os.path.lexists(output):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(output, replaced)
+    os.rename(staging, output)
+    shutil.rmtree(replaced, ignore_errors=True)

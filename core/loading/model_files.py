@@ -1,0 +1,106 @@
+"""Loading a causal language model and its tokenizer, from the Hub or a local folder."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from accelgen.loading.checkpoint_files import weight_file_problem
+from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.loading.pre_sharded import missing_rank_file, read_manifest
+
+#: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
+DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
+#: What reports and run records call it.
+BUILT_IN_NAME = "accelgen built-in default"
+
+# transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
+_TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
+
+
+def looks_local(model_name_or_path: str) -> bool:
+    """True for what can only be a filesystem path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        model_name_or_path.startswith((".", "/", "~"))
+        or os.path.exists(model_name_or_path)
+        or model_name_or_path.count("/") > 1
+    )
+
+
+def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a pad token (its EOS when it has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.convert_ids_to_tokens(0)
+    return tokenizer
+
+
+def model_source(model_name_or_path: str | os.PathLike | None) -> str:
+    """Where to load from: the built-in default model when None; a checked folder if it is a path."""
+    source = str(DEFAULT_MODEL if model_name_or_path is None else model_name_or_path)
+    if looks_local(source):
+        source = os.path.expanduser(source)
+        if not os.path.isdir(source):
+            raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id.")
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
+    return source
+
+
+def loading_errors_as_usage_errors(source: str):
+    """Errors of loading the model from ``source`` as one line (a damaged cached file of a Hub model included)."""
+    from safetensors import SafetensorError
+
+    return user_errors(
+        f"Cannot load model {source!r}",
+        "pass a local folder, or a Hub id reachable from here; models with custom code need --trust-remote-code",
+        errors=(OSError, ValueError, KeyError, ImportError, SafetensorError),
+        explain=lambda error: (
+            f"Cannot load model {source!r}: a weight file is damaged ({reason(error)}): download it again "
+            f"(delete the model from the Hugging Face cache first) or save the model again."
+        ) if isinstance(error, SafetensorError) else None,
+    )
+
+
+def check_weight_files(model_name_or_path: str | os.PathLike | None) -> None:
+    """Raise UsageError naming a damaged or missing weight file of a local model (headers only are read)."""
+    source = model_source(model_name_or_path)
+    if os.path.isdir(source):
+        manifest = read_manifest(source)
+        problem = (manifest and missing_rank_file(source, manifest)) or weight_file_problem(source)
+        fix = "shard the model again (accelgen shard)" if manifest else "download or save the model again"
+        if problem:
+            raise UsageError(f"Model {source!r} has a damaged weight file: {problem}: {fix}.")
+
+
+def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):
+    """The model's config alone (cheap: for checks made before any weights load)."""
+    source = model_source(model_name_or_path)
+    with loading_errors_as_usage_errors(source):
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_source(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Where ``tokenizer`` came from, for reports: its folder or Hub id, or the built-in model's."""
+    path = tokenizer.name_or_path
+    return BUILT_IN_NAME if path == str(DEFAULT_MODEL) else path
+
+
+def context_limit(config: transformers.PretrainedConfig) -> int | None:
+    """Most positions the model can attend over, or None when its position encoding has no limit (ALiBi)."""
+    for attribute in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, attribute, None)
+        if isinstance(limit, int):
+            return limit
+    return None
+
+
+def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the model's forward takes ``argument`` by name (BLOOM refuses ``position_ids``)."""
+    return argument in inspect.signature(model.forward).parameters

@@ -1,0 +1,157 @@
+"""Where a run's model comes from, resolved once: a Hub id or a local folder (the built-in model when none
+is given; a folder ``accelgen shard`` wrote is recognised), or, with random weights, a config to build the
+model from (``accelgen.loading.random_weights``); and its loading, with no process ever holding the whole model
+unless it runs the model alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from typing import Callable
+
+import torch
+import transformers
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from accelgen.loading.checkpoint_download import checkpoint_folder
+from accelgen.parallel.deepspeed_adapter import check_shardable, slices_checkpoints
+from accelgen.model.empty_model import empty_model
+from accelgen.common.errors import UsageError
+from accelgen.loading.model_identity import model_identity
+from accelgen.loading.model_files import (
+    BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_tokenizer,
+    loading_errors_as_usage_errors, model_source,
+)
+from accelgen.loading.offload import Placement, check_offload_world, load_offloaded
+from accelgen.loading.pre_sharded import check_sharded_for, rank_files, read_manifest
+from accelgen.loading.random_weights import resolve_model_config, tokenizer_for
+from accelgen.common.settings import RunSettings, World
+from accelgen.loading.weight_loading import HOST, load_weights, parameter_bytes
+from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights, checkpoint_files
+
+@dataclasses.dataclass
+class OpenedModel:
+    """A model ready to be given memory and filled: its empty ``skeleton``, where its weights come from,
+    and its tokenizer. ``whole_tensors``: the source holds exactly this rank's tensors (pre-sharded)."""
+
+    skeleton: torch.nn.Module
+    weights: object
+    tokenizer: PreTrainedTokenizerBase
+    whole_tensors: bool = False
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded model with its tokenizer, its parameter bytes before any split, and, when offloaded, where
+    its weights sit."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    unsharded_parameter_bytes: int
+    placement: Placement | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """``name``: a Hub id or folder (None: the built-in model); with ``random_weights``, a built-in config
+    name, a config.json, a model folder or a Hub id whose config alone is read."""
+
+    name: str | None = None
+    random_weights: bool = False
+    trust_remote_code: bool = False
+
+    @functools.cached_property
+    def _resolved(self) -> tuple[str, transformers.PretrainedConfig]:
+        """(the name reports use, the model's config), read once."""
+        if self.random_weights:
+            return resolve_model_config(str(self.name or DEFAULT_MODEL), self.trust_remote_code)
+        config = load_config(self.name, self.trust_remote_code)
+        check_weight_files(self.name)
+        return self.name or BUILT_IN_NAME, config
+
+    @property
+    def report_name(self) -> str:
+        """The model as reports name it: the Hub id of a built-in config, the given name, or the built-in model."""
+        return self._resolved[0]
+
+    def identity(self) -> dict[str, str | None]:
+        """The model by content (config and weights, or Hub revision): see ``accelgen.loading.model_identity``."""
+        return model_identity(model_source(self.name), self.config())
+
+    def config(self) -> transformers.PretrainedConfig:
+        """The model's config (cheap: for checks made before any weights load)."""
+        return self._resolved[1]
+
+    def pre_sharded_manifest(self) -> dict | None:
+        """The manifest when the model is a folder ``accelgen shard`` wrote, else None."""
+        if self.random_weights or self.name is None or not os.path.isdir(model_source(self.name)):
+            return None
+        return read_manifest(model_source(self.name))
+
+    def check_runs_on(self, world_size: int, dtype: str) -> None:
+        """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (heads that do not
+        split; a pre-sharded folder made for another world size or dtype): before any rank starts."""
+        manifest = self.pre_sharded_manifest()
+        if manifest is not None:
+            check_sharded_for(model_source(self.name), manifest, world_size, dtype)
+        if world_size > 1:
+            check_shardable(self.config(), world_size)
+
+    def load(
+        self, run: RunSettings, device: torch.device, world: World,
+        shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
+    ) -> LoadedModel:
+        """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
+        ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
+        own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
+        (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk."""
+        self.check_runs_on(world.size, run.dtype)
+        check_offload_world(run, world.size)
+        opened = self.open(run.dtype, world)
+        unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
+        placement = None
+        if run.offload is not None:
+            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes)
+        elif world.size > 1 and not slices_checkpoints(self.config()):
+            if world.is_main:
+                print(f"accelgen: {self.config().model_type} models are not sliced while loading: each rank puts the "
+                      f"whole model in host memory before DeepSpeed splits it.", file=sys.stderr)
+            model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
+        else:
+            model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors)
+        return LoadedModel(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
+
+    def open(self, dtype: str, world: World) -> OpenedModel:
+        """The empty model, its weight source and its tokenizer (every rank must call this)."""
+        config = self.config()
+        if self.random_weights:
+            skeleton = empty_model(config, dtype, self.trust_remote_code)
+            shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.named_parameters()}
+            weights = RandomWeights(shapes, std=getattr(config, "initializer_range", 0.02))
+            return OpenedModel(skeleton, weights, tokenizer_for(str(self.name or DEFAULT_MODEL), self.trust_remote_code))
+        folder = checkpoint_folder(self.name, world)
+        with loading_errors_as_usage_errors(folder):
+            tokenizer = load_tokenizer(folder, self.trust_remote_code)
+            skeleton = empty_model(config, dtype, self.trust_remote_code)
+            if os.path.isfile(os.path.join(folder, "generation_config.json")):
+                skeleton.generation_config = GenerationConfig.from_pretrained(folder)
+            prefix = skeleton.base_model_prefix
+            manifest = read_manifest(folder)
+            if manifest is not None:
+                weights = SafetensorsWeights(rank_files(folder, manifest, world.rank), prefix, where=folder)
+                return OpenedModel(skeleton, weights, tokenizer, whole_tensors=True)
+            files, are_safetensors = checkpoint_files(folder)
+            if not are_safetensors:
+                print(f"accelgen: {folder} has pickle (.bin) weights, read file by file; safetensors load faster "
+                      f"and slice by slice (save the model with save_pretrained, or use accelgen shard).", file=sys.stderr)
+            weights = SafetensorsWeights(files, prefix) if are_safetensors else PickleWeights(files, prefix)
+        return OpenedModel(skeleton, weights, tokenizer)
+
+
+def refuse_unsliced_family(config: transformers.PretrainedConfig) -> None:
+    """Raise UsageError for a family accelgen cannot pre-shard (its split is not checked for slicing)."""
+    if not slices_checkpoints(config):
+        raise UsageError(f"accelgen shard does not know how DeepSpeed splits {config.model_type} models yet: "
+                         f"run them unsharded (accelgen run --world-size N --model the original folder).")

@@ -1,0 +1,101 @@
+"""What differs between model families, in one table, so that nothing else asks ``model_type == ...``.
+
+For each family the static pipeline is checked on (greedy parity with Hugging Face, and a decode step
+that never waits for the host, on transformers 4.55, 5.17 and 5.23): whether a model takes the core's 4D
+attention mask as it is (``accelgen.generation.model_forward``), and what to change in it, once, for its decode
+step to hold nothing a captured graph cannot (BLOOM: ALiBi slopes kept on the device, and only this
+rank's; Falcon: its multi-query head split without index lists). Families not in the table get Hugging
+Face's own masks and no change: they run, and capture where their code allows.
+
+Under tensor parallelism the table also says how a family's key/value heads are counted (they must split
+evenly over the ranks) and which of its linear layers are row parallel: for those families each rank reads
+only its own slices of the checkpoint (``accelgen.loading.weight_loading``); the others load whole on every rank
+before DeepSpeed splits them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Callable
+
+import torch
+import transformers
+
+from accelgen.model.alibi import use_rank_alibi
+from accelgen.common.settings import World
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    #: The model takes a 4D additive mask [B, 1, T, L] as it is, on every supported transformers release.
+    takes_4d_mask: bool = False
+    #: ``make_capturable(model, world)``: changes the model in place (idempotent), or None.
+    make_capturable: Callable[[torch.nn.Module, World], None] | None = None
+    #: ``count_key_value_heads(config)`` where the config's ``num_key_value_heads`` (or its absence) misleads.
+    count_key_value_heads: Callable[[transformers.PretrainedConfig], int] | None = None
+    #: Class name of the family's decoder layer, and the linear layers in it whose input dimension is split
+    #: over the ranks (row parallel: each rank's partial outputs are summed by an all-reduce). Every other
+    #: linear layer in it is column parallel (split by its output rows; a fused query/key/value projection
+    #: only where its rows are grouped by head, as BLOOM's are). Given to DeepSpeed as its injection policy,
+    #: so the split DeepSpeed makes is the one the checkpoint is sliced by; named as DeepSpeed names them
+    #: (relative to the decoder layer, a direct child with a leading dot). None: not checked for slicing.
+    decoder_layer: str | None = None
+    row_parallel: tuple[str, ...] = ()
+
+
+def _split_multi_query_heads_by_slicing(model: torch.nn.Module, world: World) -> None:
+    """Falcon's multi-query attention splits its fused projection with ``fused_qkv[..., [-2], :]``: indexing
+    with a Python list, which copies the index from the host on every call (transformers 4.55 to 5.23).
+    Slices select the same values without it."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    for module in model.modules():
+        if isinstance(module, FalconAttention) and module.multi_query and not module.new_decoder_architecture:
+            module._split_heads = types.MethodType(_split_heads_by_slicing, module)
+
+
+def _split_heads_by_slicing(self, fused_qkv: torch.Tensor):
+    """fused_qkv [B, T, (H + 2) * D] -> query [B, T, H, D], key [B, T, 1, D], value [B, T, 1, D]."""
+    batch_size, seq_length, _ = fused_qkv.shape
+    fused_qkv = fused_qkv.view(batch_size, seq_length, self.num_heads + 2, self.head_dim)
+    return fused_qkv[..., :-2, :], fused_qkv[..., -2:-1, :], fused_qkv[..., -1:, :]
+
+
+def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
+    """Falcon states its key/value heads in three ways, by generation."""
+    if config.new_decoder_architecture:
+        return config.num_kv_heads
+    return 1 if config.multi_query else config.num_attention_heads
+
+
+#: The families checked, by ``config.model_type``. Not listed on purpose: models with sliding-window or
+#: chunked attention (Mistral, Gemma 2/3, ...), whose layers need masks that one 4D mask cannot give.
+ARCHITECTURES = {
+    "bloom": Architecture(takes_4d_mask=True, make_capturable=use_rank_alibi, decoder_layer="BloomBlock",
+                          row_parallel=("self_attention.dense", "mlp.dense_4h_to_h")),
+    "falcon": Architecture(takes_4d_mask=True, make_capturable=_split_multi_query_heads_by_slicing,
+                           count_key_value_heads=_falcon_key_value_heads),
+    "gpt2": Architecture(takes_4d_mask=True),
+    "llama": Architecture(takes_4d_mask=True, decoder_layer="LlamaDecoderLayer",
+                          row_parallel=("self_attn.o_proj", "mlp.down_proj")),
+    "opt": Architecture(takes_4d_mask=True, decoder_layer="OPTDecoderLayer", row_parallel=("self_attn.out_proj", ".fc2")),
+}
+
+
+def architecture_of(config: transformers.PretrainedConfig) -> Architecture:
+    """The table's entry for ``config``; unknown families get Hugging Face's masks and no change."""
+    architecture = ARCHITECTURES.get(config.model_type, Architecture())
+    if getattr(config, "alibi", False) and config.model_type == "falcon":
+        # Falcon's ALiBi variant builds its bias from the 2D mask inside the model: leave it that mask.
+        architecture = dataclasses.replace(architecture, takes_4d_mask=False)
+    return architecture
+
+
+def attention_head_counts(config: transformers.PretrainedConfig) -> tuple[int, int]:
+    """(query heads, key/value heads) of a decoder config, across the naming conventions in use."""
+    heads = next(getattr(config, name) for name in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, name))
+    count_key_value_heads = architecture_of(config).count_key_value_heads
+    if count_key_value_heads is not None:
+        return heads, count_key_value_heads(config)
+    return heads, getattr(config, "num_key_value_heads", None) or heads

@@ -1,0 +1,132 @@
+"""What to try after running out of device memory: a batch size or world size that would fit.
+
+Estimated from the model's shape and the device's total memory (``memory_stats()["total_bytes"]``):
+per rank, the weights, then per sequence its KV cache (keys and values of every layer for the cache
+length: the generator's one cache, which every bucket shares, sized for the largest bucket met) plus
+the activations of a prefill over the prompt bucket. The estimate leaves 10% of the
+device to the runtime and allocator, so it errs on the side of fitting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import DTYPE_BYTES
+from accelgen.model.architectures import attention_head_counts
+from accelgen.loading.weight_loading import HOST, parameter_bytes
+
+if TYPE_CHECKING:
+    from accelgen.generation.generator import Generator
+    from accelgen.session.request import Request
+
+GIB = 1024**3
+USABLE_SHARE = 0.9
+#: Live activations of a prefill, per token, in units of ``hidden_size`` values (residual, attention and
+#: MLP intermediates, with headroom): a coarse, safe-side figure.
+ACTIVATION_VALUES_PER_TOKEN = 16
+
+
+def kv_cache_bytes_per_position(config: transformers.PretrainedConfig, dtype: str, world_size: int) -> int:
+    """Bytes of keys and values one position of one row holds on each rank, over every layer."""
+    heads, key_value_heads = attention_head_counts(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * (key_value_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
+
+
+def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int, dtype: str, world_size: int) -> int:
+    """Device bytes one more row of the batch costs on each rank: KV cache plus prefill activations."""
+    kv_cache = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
+    activations = cache_length * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
+    return kv_cache + activations
+
+
+def check_cache_fits(
+    config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
+    device_name: str, free_bytes: int | None,
+) -> None:
+    """Raise UsageError before allocating a KV cache larger than the memory free on the device (a cache the
+    operating system would grant lazily and then kill the process for, on a CPU)."""
+    needed = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length * batch_size
+    if free_bytes is not None and needed > free_bytes:
+        raise UsageError(
+            f"The KV cache for --batch-size {batch_size} and {cache_length:,} positions per row (prompt bucket + "
+            f"--max-new-tokens) needs {needed / GIB:,.1f} GiB per device, more than the {free_bytes / GIB:,.1f} GiB "
+            f"free on {device_name}: lower --max-new-tokens or --batch-size, or spread the model with --world-size."
+        )
+
+
+def out_of_memory_line(request: "Request", generator: "Generator | None", kept_output: str | None = None) -> str:
+    """Running out of memory as one line, with a batch size or world size that would fit, or the offloading
+    that would; ``generator`` is None when the weights themselves did not fit, ``kept_output`` the file
+    holding the rows finished so far."""
+    run, world = request.run, request.world
+    # offload to host memory, unless the device is the host itself (known once a generator exists)
+    offload_mode = "disk" if generator is not None and generator.device.type == HOST.type else "cpu"
+    config = request.model.config()
+    cache_length = min(run.buckets) + run.max_new_tokens
+    if generator is not None:
+        weight_bytes_per_rank = parameter_bytes(generator.model)
+        cache_length = generator.cache_length_in_use or cache_length  # the one cache all buckets share
+    else:
+        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype) // world.size
+    advice = out_of_memory_advice(
+        config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,
+        world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
+        total_bytes=request.accelerator.memory_stats().get("total_bytes"),
+        offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
+    )
+    kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
+    return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
+            f"{world.size}{kept}: {advice}")
+
+
+def out_of_memory_advice(
+    config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
+    weight_bytes_per_rank: int, total_bytes: int | None, offload_mode: str | None = None,
+) -> str:
+    """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes; and
+    with ``offload_mode`` ("cpu" or "disk"), the --offload that keeps what does not fit off the device."""
+    if not total_bytes:
+        return "lower --batch-size or --max-new-tokens, or spread the model over more devices with --world-size."
+    usable = USABLE_SHARE * total_bytes
+    per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size)
+    sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
+             f"each sequence about {per_sequence / GIB:.2f} GiB")
+    weights_that_fit = usable - per_sequence * batch_size
+    offload = ""
+    if offload_mode is not None and 0 < weights_that_fit < weight_bytes_per_rank:
+        where = "host memory" if offload_mode == "cpu" else "files"
+        offload = (f"; or --offload {offload_mode} --max-device-memory {format_size(int(usable), math.floor)}, which keeps about "
+                   f"{format_size(int(weights_that_fit))} of the weights on the device and the rest in {where} "
+                   f"(slower: brought in layer by layer every step)")
+    fitting_batch = int((usable - weight_bytes_per_rank) // per_sequence)
+    if 1 <= fitting_batch < batch_size:
+        return f"{sizes}, so --batch-size {fitting_batch} should fit{offload}."
+    heads, key_value_heads = attention_head_counts(config)
+    unsharded = weight_bytes_per_rank * world_size
+    for larger in range(world_size + 1, key_value_heads + 1):
+        per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
+        if heads % larger == 0 and key_value_heads % larger == 0 and unsharded / larger + per_rank_sequence * batch_size < usable:
+            return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size){offload}."
+    return f"{sizes}: this model does not fit these devices{offload or '; use devices with more memory'}."
+
+
+def format_size(size: int, whole=None) -> str:
+    """``size`` in GiB, MiB or KiB (the largest unit it has one of): ``12.50 GiB``, or with ``whole``
+    (``math.ceil`` or ``math.floor``) a whole number of them written as an option takes it, ``13GiB``."""
+    unit, name = next((unit, name) for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                      if size >= unit or name == "KiB")
+    return f"{whole(size / unit)}{name}" if whole else f"{size / unit:.2f} {name}"
+
+
+def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str) -> int:
+    """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]

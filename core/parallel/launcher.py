@@ -1,0 +1,223 @@
+"""Starting the worker processes of a tensor-parallel job, and how a failing one ends the job.
+
+``accelgen run --world-size N`` calls :func:`launch_job`, which checks what can be checked before any
+process starts, then runs ``python -m accelgen.cli run ...`` N times (``N / nnodes`` on this node) with the
+device's own launcher or under ``torch.distributed.run``: the launcher's agent sets RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of them when one fails or
+when it is interrupted. Workers report a failure through the error file the agent gives them
+(:func:`record_worker_failure`), so the launcher can print it as one line. ``ACCELGEN_FAULT_RANK=N``
+makes rank N fail after loading, to drill exactly that (:func:`inject_fault_if_asked`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from typing import TYPE_CHECKING, NoReturn, Sequence
+
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import LaunchPlan, World
+
+if TYPE_CHECKING:
+    from accelgen.session.request import Request
+
+#: Seconds torch's launcher gives an interrupted worker before it kills it (its default: 30).
+SHUTDOWN_GRACE_SECONDS = 3
+#: Set by torch's elastic launcher in every worker it starts.
+WORKER_VARIABLE = "TORCHELASTIC_RUN_ID"
+
+
+def running_as_worker() -> bool:
+    """True inside a process started by torchrun / torch's elastic agent (ours or the user's)."""
+    return WORKER_VARIABLE in os.environ or "RANK" in os.environ
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
+def check_port_free(address: str, port: int) -> None:
+    """Raise UsageError when this machine cannot listen on ``address:port`` (the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, port))
+        except OSError as error:
+            raise UsageError(
+                f"Cannot use --master-port {port} on {address}: {error.strerror or error}; pass a free port."
+            ) from None
+
+
+def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> LaunchPlan:
+    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank`` (each
+    number already in its range: ``accelgen.common.value_ranges``)."""
+    if world_size % nnodes:
+        raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank}).")
+    port = master_port or (free_port() if nnodes == 1 else 29500)
+    if node_rank == 0:
+        check_port_free(master_addr, port)
+    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
+
+
+def launch_job(request: "Request", plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
+    """Check that the job can start (devices on this node, a model whose heads split over the ranks, a
+    pre-sharded model sharded for this world size and dtype), then
+    start this node's ranks, each running ``accelgen <worker_argv>``; return the job's exit status."""
+    accelerator = request.accelerator
+    if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
+        raise UsageError(
+            f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
+            f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
+        )
+    from accelgen.loading.offload import check_offload_world
+
+    request.model.check_runs_on(plan.world_size, request.run.dtype)
+    check_offload_world(request.run, plan.world_size)
+    for name, value in accelerator.worker_environment(plan).items():
+        os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
+    return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))
+
+
+def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> int:
+    """Run ``accelgen <worker_argv>`` as this node's workers, with the accelerator's own launcher
+    command when it has one, else with torch's; return the job's exit status."""
+    if launch_command is not None:
+        return run_launch_command(launch_command, plan)
+    return launch_with_torchrun(worker_argv, plan)
+
+
+def run_launch_command(command: list[str], plan: LaunchPlan) -> int:
+    """Run an accelerator's launcher (e.g. DeepSpeed's) in the foreground; stop it on Ctrl-C.
+
+    Its ranks print their own one-line errors (no torch error file exists outside torchrun)."""
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"The launcher {command[0]!r} this device needs is not installed (not on PATH).")
+    environment = dict(os.environ, MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.master_port))
+    process = subprocess.Popen(command, env=environment, start_new_session=True)
+    try:
+        status = process.wait()
+    except KeyboardInterrupt:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        print("accelgen: interrupted (SIGINT); all workers stopped", file=sys.stderr)
+        return 130
+    if status == 0:
+        return 0
+    print(f"accelgen: error: the job's launcher ({command[0]}) exited with status {status}; "
+          f"the failing rank's error is above.", file=sys.stderr)
+    return 2 if status == 2 else 1
+
+
+def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> int:
+    """Run this node's workers under ``torch.distributed.run``; one line for a failed or interrupted job."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launcher_arguments = torchrun.parse_args([
+        f"--nproc-per-node={plan.processes_per_node}",
+        f"--nnodes={plan.nnodes}",
+        f"--node-rank={plan.node_rank}",
+        f"--master-addr={plan.master_addr}",
+        f"--master-port={plan.master_port}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",  # notice a failed worker within a tenth of a second
+        "--module",
+        "accelgen.cli",
+        *worker_argv,
+    ])
+    # a worker that did not stop on the launcher's signal is killed (with its process group) after this
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
+    try:
+        torchrun.run(launcher_arguments)
+    except ChildFailedError as failure:
+        rank, process_failure = failure.get_first_failure()
+        print(f"accelgen: error: {_failure_line(rank, process_failure)}", file=sys.stderr)
+        return 2 if process_failure.exitcode == 2 else 1
+    except SignalException as interrupt:
+        print(f"accelgen: interrupted ({interrupt.sigval.name}); all workers stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _failure_line(rank: int, process_failure) -> str:
+    message = process_failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if message.startswith("UsageError: "):
+        return message.removeprefix("UsageError: ")
+    if process_failure.exitcode < 0:
+        return f"worker rank {rank} was killed by {process_failure.signal_name()}; the job was stopped."
+    if not message or process_failure.error_file == "<N/A>":
+        return f"worker rank {rank} exited with status {process_failure.exitcode}; its output is above."
+    return f"worker rank {rank} failed: {message}"
+
+
+def record_worker_failure(error: BaseException) -> bool:
+    """Hand a worker's error to torch's launcher through the error file its agent reads.
+
+    Returns False when this process has no such file (started by another launcher)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(error)
+    return True
+
+
+def end_worker_process(status: int) -> NoReturn:
+    """End a launched worker, its work done, without tearing the interpreter down.
+
+    DeepSpeed's layers keep torch's gloo process groups alive until the interpreter finalizes, and a gloo
+    worker thread may then still be releasing the tensors of a finished collective: it cannot take the GIL
+    of a finalizing interpreter, and the process aborts ("terminate called without an active exception",
+    SIGABRT; pytorch/pytorch#190489, seen here in about one job in ten). Python's exit handlers run first
+    and the output is flushed, so nothing the worker wrote or registered is lost."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def stop_at_once_when_interrupted() -> None:
+    """Let SIGINT and SIGTERM end this worker at once, as their default action does, even inside a collective.
+
+    Python would only raise KeyboardInterrupt once the running C++ call returns, and a rank waiting in an
+    all-reduce for a peer that has already stopped never returns: the launcher then waited out its grace
+    period (30 s) before killing it. Nothing is lost by stopping at once: rank 0 writes each completed row
+    in one write, and a torn last line is cut on resume."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _end_with_the_launcher()
+
+
+def _end_with_the_launcher() -> None:
+    """Have Linux kill this worker when the launcher that started it dies (SIGKILL, a crash), which no signal
+    handler of the launcher's can forward: the rank would otherwise wait in its next collective for ever."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died while we asked
+        os._exit(1)
+
+
+def inject_fault_if_asked(world: World) -> None:
+    """The failure drill: with ``ACCELGEN_FAULT_RANK=N``, rank N fails here (after loading its model)."""
+    fault_rank = os.environ.get("ACCELGEN_FAULT_RANK")
+    if fault_rank is not None and int(fault_rank) == world.rank:
+        raise RuntimeError(f"injected fault on rank {world.rank} (ACCELGEN_FAULT_RANK={fault_rank})")

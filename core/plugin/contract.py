@@ -1,0 +1,183 @@
+"""The plugin contract: the hook a plugin implements and the accelerator objects it registers.
+
+A plugin is a module (or object) with functions marked ``@accelgen.hookimpl``. Plugins are found in
+two ways, through one plugin manager (see ``accelgen.plugin.manager``): the built-in ones by module name,
+and third-party ones through the ``accelgen`` entry-point group, e.g. in a plugin's pyproject::
+
+    [project.entry-points.accelgen]
+    my_device = "accelgen_my_device"
+
+Hooks are called with keyword arguments only; an implementation may accept a subset of them.
+Set ``ACCELGEN_TRACE_HOOKS=1`` to print every hook call to stderr.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+import torch
+
+if TYPE_CHECKING:
+    from accelgen.common.settings import LaunchPlan, RunSettings, World
+
+hookspec = pluggy.HookspecMarker("accelgen")
+hookimpl = pluggy.HookimplMarker("accelgen")
+
+
+@hookspec
+def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) -> None:
+    """Register the accelerators this plugin provides by calling ``register(accelerator)`` for each.
+
+    ``accelerator`` is an :class:`Accelerator`. Register it whether or not its hardware is present:
+    availability is asked later through ``is_available()``, so that ``accelgen devices`` can say why a
+    device cannot be used. Each one is checked as it registers; a broken one is refused with one line
+    naming this plugin and what is wrong, and the other devices go on working. When two plugins register
+    the same ``name``, the one registered later with the plugin manager wins (third-party plugins load
+    after the built-ins, so an installed plugin can replace a built-in accelerator).
+    """
+
+
+class Accelerator:
+    """Everything that is specific to one kind of hardware. The core calls nothing else device-specific.
+
+    Subclass it and write what your hardware does differently: ``name``, ``is_available`` and ``setup``
+    are required; every other member has the default documented on it, which suits an eager device that
+    needs nothing special (no graphs, no tensor parallelism, no launcher of its own).
+
+    Methods are called in this order during a run: (``worker_environment`` and ``launch_command`` in the
+    launching process, when several ranks are asked for) -> ``is_available`` -> ``setup`` ->
+    ``prepare_model`` -> ``shard`` (only when ``world.size > 1``) -> ``capture`` (once per static shape)
+    -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while measuring. None
+    of them may import a vendor library at module import time: import it inside the method, so that
+    ``import`` works on any machine. None reads the launcher's environment (``RANK``, ``WORLD_SIZE``...):
+    the core reads it once and passes the :class:`~accelgen.common.settings.World` down.
+    """
+
+    #: Short name users pass as ``--device``, e.g. ``"npu"``. Required.
+    name: str = ""
+    #: ``torch.distributed`` backend for tensor parallelism, e.g. ``"nccl"``.
+    dist_backend: str = "gloo"
+    #: Dtypes this device runs, by their names in ``accelgen.common.settings.DTYPES``.
+    supported_dtypes: tuple[str, ...] = ("float32",)
+    #: Dtype used when the user asks for none; one of ``supported_dtypes``.
+    default_dtype: str = "float32"
+    #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
+    captures_by_default: bool = False
+    #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
+    priority: int = 0
+    #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most
+    #: ``device_count()`` ranks. False where ranks share the device (CPU).
+    one_process_per_device: bool = False
+
+    #: Members a subclass must write itself; registration refuses an accelerator without them.
+    REQUIRED = ("name", "is_available", "setup")
+
+    def is_available(self) -> bool:
+        """True when this machine can run on the device (software stack importable, hardware present)."""
+        raise NotImplementedError
+
+    def unavailable_reason(self) -> str:
+        """One sentence saying why ``is_available()`` is False and what to install or check.
+        Only called when ``is_available()`` returned False. Default: that the plugin gives no reason."""
+        return f"the plugin providing {self.name!r} gives no reason"
+
+    def device_count(self) -> int:
+        """Number of devices of this kind on this machine. Default: 1 when available, else 0."""
+        return 1 if self.is_available() else 0
+
+    def setup(self, world: "World") -> torch.device:
+        """Select the device for this process (rank ``world.rank`` of ``world.size``, ``world.local_rank``
+        on its node) and return it. Must not initialise the process group: the core does that with
+        ``dist_backend``."""
+        raise NotImplementedError
+
+    def prepare_model(self, model: torch.nn.Module, device: torch.device, run: "RunSettings", world: "World") -> torch.nn.Module:
+        """Return the model ready for this device, with any device-specific patches. The model arrives with
+        its weights in ``run.dtype`` on ``device`` (what ``setup`` returned), already split by ``shard`` under
+        tensor parallelism (``world.size > 1``); the buffers that must stay float32 (rotary frequencies) are
+        float32: do not cast the whole model again. With ``run.offload`` only part of the weights is on the
+        device and Accelerate's hooks bring the rest in every forward pass: do not move the model.
+        Default: the model as it is."""
+        return model
+
+    def shard(self, model: torch.nn.Module, world: "World", run: "RunSettings") -> torch.nn.Module:
+        """Return the model split over ``world.size`` ranks with tensor parallelism: this rank's part, its
+        parameters allocated on this rank's device; or raise ``accelgen.common.errors.UsageError`` saying why it
+        cannot be. Called while the model loads, only when ``world.size > 1``, after the core has joined the
+        process group with ``dist_backend``. The model usually arrives empty (parameters on the meta device):
+        the core fills the parameters afterwards, each rank reading only its part of the checkpoint.
+        ``accelgen.parallel.deepspeed_adapter.shard_with_deepspeed`` does all of this with DeepSpeed-Inference (AutoTP).
+        Default: refused, since DeepSpeed may not know the device."""
+        from accelgen.common.errors import UsageError
+
+        raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
+
+    def capture(
+        self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: "RunSettings"
+    ) -> Callable[..., torch.Tensor]:
+        """Return a callable equivalent to ``step`` that replays a captured graph (CUDA graph, HPU
+        graph, compiled code). ``step(*inputs)`` is the whole decode step: it reads and updates the static-shape
+        buffers ``inputs`` in place (and the KV cache), never waits for the host, and returns the chosen
+        tokens; ``example_inputs`` are those buffers, holding valid values (``accelgen.generation.decoding.DecodeState``).
+        The returned callable is called with the same buffers (same shapes and addresses) for every decoded
+        token and must have the same effect on them; what it returns is not read. ``capture`` may run
+        ``step`` once (to warm up or compile); the core sets the buffers again afterwards. It is called once
+        per static shape, and the calls are counted.
+
+        When the step cannot be captured, raise (the step's own error says best why): the core then runs it
+        eagerly, with one warning, and tries no more captures for that model. An error that
+        ``is_out_of_memory`` recognises is reported as running out of memory instead.
+        Default: the step itself (no graphs)."""
+        return step
+
+    def mark_step(self) -> None:
+        """Called after each forward pass the core issues (the prefill, then every decode step, captured
+        or not) and the token choice that follows it. Lazy-mode devices flush the operations queued so
+        far here (Habana's ``htcore.mark_step()``). Must not wait for the device. Default: nothing."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished all queued work (for timing). Default: nothing, for devices
+        whose operations have finished when they return."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """Memory figures for reports, in bytes: ``peak_allocated_bytes`` when known (peak device memory
+        held by tensors since the process started), and where the device can tell, ``free_bytes`` and
+        ``total_bytes`` of its memory now: ``free_bytes`` is what ``--offload`` fills when the user gives no
+        ``--max-device-memory`` (the user is asked for one where it is missing), ``total_bytes`` what the
+        advice after running out of memory is sized by. Default: none known."""
+        return {}
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """True when ``error`` says this device ran out of memory. The core then reports it as such (one
+        line, with a batch size that would fit) instead of a crash, and ``accelgen bench`` records "oom"
+        for that configuration and goes on with the next. Default: ``torch.OutOfMemoryError`` or
+        Python's ``MemoryError``."""
+        return isinstance(error, (torch.OutOfMemoryError, MemoryError))
+
+    def worker_environment(self, plan: "LaunchPlan") -> dict[str, str]:
+        """Environment variables every rank of a job of ``plan.world_size`` ranks needs set before it starts
+        (a vendor runtime that reads them when it loads); a value the user set wins. Default: none."""
+        return {}
+
+    def launch_command(self, worker_argv: list[str], plan: "LaunchPlan") -> list[str] | None:
+        """The command that starts this node's ranks of a job of ``plan.world_size`` ranks, or None to
+        use torch's elastic launcher (torchrun), which suits most devices.
+
+        Each rank the command starts must run ``python -m accelgen.cli <worker_argv>`` with RANK,
+        WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun and DeepSpeed's launcher do),
+        and the command must exit non-zero when a rank fails. Devices whose vendor documents another
+        launcher (Habana: DeepSpeed's launcher or mpirun) return it here. Default: None."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for reports and ``accelgen devices``: ``device_name``, ``device_count``, and where
+        known ``driver``, ``peak_memory_bandwidth_gbps`` and ``peak_bf16_tflops`` (None if unknown).
+        Default: the accelerator's name and count, nothing else known."""
+        return {
+            "device_name": self.name,
+            "device_count": self.device_count(),
+            "driver": None,
+            "peak_memory_bandwidth_gbps": None,
+            "peak_bf16_tflops": None,
+        }

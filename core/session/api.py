@@ -1,0 +1,62 @@
+"""The Python interface: ``accelgen.load`` a model once, or ``accelgen.generate`` in one call.
+
+Both build an ``accelgen.session.request.Request`` as the command line does and load it with :func:`load_request`,
+which every rank of a launched job runs too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+from accelgen.common.errors import UsageError
+from accelgen.generation.generator import Completion, Generator
+from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
+from accelgen.parallel.launcher import inject_fault_if_asked
+from accelgen.session.request import Request, build_request
+from accelgen.parallel.process_groups import init_process_group
+
+
+def load(model: str | os.PathLike | None = None, **options) -> Generator:
+    """Load ``model`` (a Hub id or local folder; the built-in default model when None) for generation.
+
+    ``options`` are those of :func:`accelgen.session.request.build_request`: ``device``, ``random_weights``,
+    ``trust_remote_code``, ``plugin_manager`` and the settings of :func:`accelgen.session.request.run_settings`
+    (``batch_size``, ``max_new_tokens``, ``dtype``, ``do_sample``...). With ``random_weights``, only the
+    model's config is read (``model`` may then also be a config.json or a built-in config name, see
+    ``accelgen.loading.random_weights``) and the weights are drawn at random on the device: for benchmarks.
+    Inside a job started with several ranks (``accelgen run --world-size N`` or torchrun), every rank
+    calls this: it joins the process group and the accelerator shards the model over the ranks.
+    """
+    return load_request(build_request(model, **options))
+
+
+def load_request(request: Request) -> Generator:
+    """Set the device up, load the model (this rank's part of it under tensor parallelism; what fits the
+    memory cap with --offload), prepare it for the device: a Generator."""
+    accelerator, run, world = request.accelerator, request.run, request.world
+    device = accelerator.setup(world)
+    init_process_group(world, accelerator.dist_backend)
+    shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None
+    free_bytes = accelerator.memory_stats().get("free_bytes") if run.offload else None
+    host_bytes_before_loading = resident_bytes()
+    restart_peak()
+    loaded = request.model.load(run, device, world, shard, free_bytes)
+    model = accelerator.prepare_model(loaded.model, device, run, world)
+    loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
+                           "peak_host_bytes_loading": peak_resident_bytes()}
+    inject_fault_if_asked(world)
+    if loaded.placement is not None and loaded.placement.offloaded_bytes:
+        run = dataclasses.replace(run, use_graphs=False)  # Accelerate's hooks move weights in every step
+    return Generator(model, loaded.tokenizer, accelerator, device, run, world, loaded.unsharded_parameter_bytes,
+                     loading_host_memory=loading_host_memory, placement=loaded.placement)
+
+
+def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:
+    """Completions for ``prompts``; ``options`` are those of :func:`load`."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:  # before loading a model for nothing (generate_batches checks iterables as they run)
+        raise UsageError("No prompts given: pass at least one prompt.")
+    return load(model, **options).generate(prompts)

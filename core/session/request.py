@@ -1,0 +1,124 @@
+"""A run as the user asked for it, built and checked once, then passed down.
+
+The command line, the Python API (``accelgen.load``, ``accelgen.generate``) and every launched worker
+build their :class:`Request` with :func:`build_request`: the accelerator is chosen (and the plugins asked)
+once, the settings are checked once, the launcher's environment is read once. :func:`run_settings` is the
+one declaration of the settings a run takes: its keyword names are the Python API's, and the command
+line's options carry the same names (``--max-new-tokens`` for ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Sequence
+
+from accelgen.plugin.registry import AUTO_DEVICE, check_dtype, select_accelerator
+from accelgen.common.errors import UsageError
+from accelgen.plugin.contract import Accelerator
+from accelgen.loading.model_source import ModelSource
+from accelgen.plugin.manager import PluginManager, get_plugin_manager
+from accelgen.common.settings import DEFAULT_BUCKETS, OFFLOAD_MODES, OffloadSettings, RunSettings, SamplingSettings, World
+from accelgen.common.value_ranges import check_settings, parse_memory_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to run, where, and how: checked, ready to load."""
+
+    model: ModelSource
+    run: RunSettings
+    accelerator: Accelerator
+    world: World
+
+
+def build_request(
+    model: str | os.PathLike | None = None,
+    *,
+    random_weights: bool = False,
+    device: str = AUTO_DEVICE,
+    trust_remote_code: bool = False,
+    plugin_manager: PluginManager | None = None,
+    world: World | None = None,
+    **settings,
+) -> Request:
+    """The request for ``model`` (a Hub id or folder; None: the built-in model) on ``device`` with the
+    :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment.
+    Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
+    unknown = set(settings) - set(SETTING_NAMES)
+    if unknown:
+        raise TypeError(f"unknown settings {', '.join(sorted(unknown))}; the settings are: {', '.join(SETTING_NAMES)}")
+    accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device)
+    source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
+    return Request(source, run_settings(accelerator, **settings), accelerator, world or World.from_environment())
+
+
+def run_settings(
+    accelerator: Accelerator,
+    *,
+    dtype: str | None = None,
+    batch_size: int = 1,
+    max_new_tokens: int = 100,
+    max_input_tokens: int | None = None,
+    ignore_eos: bool = False,
+    graphs: bool | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    offload: str | None = None,
+    max_device_memory: str | int | None = None,
+    offload_folder: str | os.PathLike | None = None,
+) -> RunSettings:
+    """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
+    ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
+    keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
+    has free) off the device, in host memory or in files (in ``offload_folder`` when given)."""
+    run = RunSettings(
+        dtype=check_dtype(accelerator, dtype),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        max_input_tokens=max_input_tokens,
+        ignore_eos=ignore_eos,
+        use_graphs=accelerator.captures_by_default if graphs is None else graphs,
+        buckets=tuple(buckets),
+        sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
+        offload=offload_settings(offload, max_device_memory, offload_folder),
+    )
+    _check(run)
+    return run
+
+
+def offload_settings(
+    mode: str | None, max_device_memory: str | int | None, folder: str | os.PathLike | None
+) -> OffloadSettings | None:
+    """The checked ``--offload``, ``--max-device-memory`` and ``--offload-folder`` (None: no offloading)."""
+    if mode is None:
+        if max_device_memory is not None or folder is not None:
+            given = "--max-device-memory" if max_device_memory is not None else "--offload-folder"
+            raise UsageError(f"{given} goes with --offload: add --offload disk (or cpu), or drop {given}.")
+        return None
+    if mode not in OFFLOAD_MODES:
+        raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {mode!r}).")
+    if mode == "cpu" and folder is not None:
+        raise UsageError("--offload-folder is where --offload disk writes weights; --offload cpu keeps them in host "
+                         "memory: drop --offload-folder, or use --offload disk.")
+    max_device_bytes = None if max_device_memory is None else parse_memory_size(max_device_memory, "--max-device-memory")
+    return OffloadSettings(mode, max_device_bytes, None if folder is None else os.fspath(folder))
+
+
+#: The settings a run takes, by name: :func:`run_settings`'s keywords.
+SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameters if name != "accelerator")
+
+
+def _check(run: RunSettings) -> None:
+    """Raise UsageError for settings no model could run with."""
+    sampling = run.sampling
+    check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
+                   buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                   seed=sampling.seed)
+    if not run.buckets:
+        raise UsageError("--buckets must list prompt lengths, e.g. 32,64,128.")
