@@ -44,15 +44,15 @@ import traceback
 from typing import Callable
 
 import torch
-
-from accelgen.plugin.registry import select_accelerator
-from accelgen.common.errors import UsageError
-from accelgen.generation.generator import Generator
-from accelgen.model.memory import kv_cache_bytes_per_position
-from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
-from accelgen.plugin.manager import get_plugin_manager
-from accelgen.common.settings import RunSettings, World
 from random_bloom import add_shape_arguments, describe_shape, random_bloom
+
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import RunSettings, World
+from accelgen.generation.generator import Generator
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
+from accelgen.model.memory import kv_cache_bytes_per_position
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.plugin.registry import select_accelerator
 
 PROMPT = "DeepSpeed is a machine learning framework"
 SMALL_SHAPE = dict(layers=2, hidden=256, heads=4, vocab=4096)

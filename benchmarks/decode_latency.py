@@ -20,13 +20,13 @@ import statistics
 import time
 
 import torch
+from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
+from accelgen.common.settings import RunSettings, World
 from accelgen.generation.generator import Generator
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import select_accelerator
-from accelgen.common.settings import RunSettings, World
-from random_bloom import add_shape_arguments, describe_shape, random_bloom
 
 PROMPT = "DeepSpeed is a machine learning framework"
 
@@ -87,13 +87,13 @@ def main() -> None:
           f"{arguments.new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
     warmup_seconds = {}
     for name, generate in contenders.items():  # warm-up (and graph capture) not counted
-        warmup_seconds[name] = time_call(lambda: (generate(1), generate(arguments.new_tokens)))
+        warmup_seconds[name] = time_call(lambda generate=generate: (generate(1), generate(arguments.new_tokens)))
 
     per_token = {name: [] for name in contenders}
     for _ in range(arguments.runs):
         for name, generate in contenders.items():
-            one = time_call(lambda: generate(1))
-            many = time_call(lambda: generate(arguments.new_tokens))
+            one = time_call(lambda generate=generate: generate(1))
+            many = time_call(lambda generate=generate: generate(arguments.new_tokens))
             per_token[name].append((many - one) / (arguments.new_tokens - 1))
 
     baseline = statistics.median(per_token["hf_generate"])

@@ -46,7 +46,7 @@ def drop_page_cache() -> None:
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3")
     except OSError as error:
-        raise SystemExit(f"--cold needs to drop the page cache, which this user cannot: {error}")
+        raise SystemExit(f"--cold needs to drop the page cache, which this user cannot: {error}") from None
 
 
 def read_once_seconds(folder: Path, cold: bool) -> float:

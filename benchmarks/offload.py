@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from random_bloom import add_shape_arguments, describe_shape
 from load_time import drop_page_cache, save_model
+from random_bloom import add_shape_arguments, describe_shape
 
 GIB = 2**30
 

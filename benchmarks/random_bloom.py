@@ -11,7 +11,6 @@ import argparse
 import torch
 from transformers import BloomConfig, BloomForCausalLM
 
-
 #: Shapes of real checkpoints: layers, hidden size, attention heads, vocabulary.
 SHAPES = {
     "bloom-560m": dict(layers=24, hidden=1024, heads=16, vocab=250880),

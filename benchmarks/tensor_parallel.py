@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 from random_bloom import add_shape_arguments, describe_shape, random_bloom
+
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 
 PROMPT = "DeepSpeed is a machine learning framework"
 

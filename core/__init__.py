@@ -1,10 +1,10 @@
 """accelgen: static-shape LLM text generation on any accelerator a plugin provides."""
 
-from accelgen.session.api import generate, load
 from accelgen.common.errors import UsageError
 from accelgen.generation.generator import Completion, Generator
 from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen.plugin.manager import get_plugin_manager
+from accelgen.session.api import generate, load
 
 __all__ = [
     "Accelerator",

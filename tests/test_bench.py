@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import plugin_manager_with
 
 from accelgen.bench.measure import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
 from accelgen.cli import main
-from accelgen.model.empty_model import empty_model
 from accelgen.loading.random_weights import resolve_model_config
+from accelgen.model.empty_model import empty_model
 from accelgen_cpu import CpuAccelerator
-from conftest import plugin_manager_with
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PUBLISHED = sorted(str(path) for path in (REPOSITORY / "results" / "published").glob("*.json"))
@@ -367,8 +367,8 @@ def test_bench_over_two_ranks_records_the_world_size(tiny_model_folder, tmp_path
 
 def test_run_out_of_memory_says_which_batch_size_would_fit(tiny_model_folder, capsys):
     """`accelgen run` on a device that runs out of memory: one line, with a batch size estimated to fit."""
-    from accelgen.model.memory import USABLE_SHARE, bytes_per_sequence
     from accelgen.loading.model_files import load_config
+    from accelgen.model.memory import USABLE_SHARE, bytes_per_sequence
 
     folder = tiny_model_folder("bloom")
     config = load_config(str(folder))

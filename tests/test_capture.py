@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from conftest import PROMPTS, plugin_manager_with
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accelgen
@@ -14,7 +15,6 @@ from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
 from accelgen_cpu import CpuAccelerator
 from accelgen_cuda.graph_pool import SharedGraphPool
-from conftest import PROMPTS, plugin_manager_with
 
 NEW_TOKENS = 20
 

@@ -10,19 +10,19 @@ import sys
 
 import pytest
 import torch
+from conftest import PROMPTS, plugin_manager_with
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
-from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.cli import main
 from accelgen.common.errors import UsageError
-from accelgen.loading.model_files import DTYPE_KEYWORD
-from accelgen.plugin.manager import get_plugin_manager
 from accelgen.common.settings import RunSettings, World
+from accelgen.model.empty_model import DTYPE_KEYWORD
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen_cuda import CudaAccelerator
 from accelgen_cuda.gpus import known_gpu_peaks
-from conftest import PROMPTS, plugin_manager_with
 
 MAX_NEW_TOKENS = 24
 #: Architectures whose decode step can be captured: it never waits for the host (checked below on any machine).

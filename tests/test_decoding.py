@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelgen.generation import decoding
-from accelgen.generation import sampling
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
+from accelgen.generation import decoding, sampling
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 

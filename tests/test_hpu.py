@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import accelgen
-
-from accelgen.common.errors import UsageError
-from accelgen.common.settings import LaunchPlan, RunSettings, World
-from accelgen_hpu import HpuAccelerator, bridge
 from conftest import PROMPTS
 from test_parity import MAX_NEW_TOKENS, reference_completions
+
+import accelgen
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import LaunchPlan
+from accelgen_hpu import HpuAccelerator, bridge
 
 HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
 

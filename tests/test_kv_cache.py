@@ -2,18 +2,17 @@
 of buckets; and the caches that share that memory never disturb each other."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import plugin_manager_with
+from tiny_models import CORPUS, build_model, build_tokenizer
 from transformers import AutoTokenizer, LlamaConfig
 
 import accelgen
 from accelgen_cpu import CpuAccelerator
-from conftest import plugin_manager_with
-from tiny_models import CORPUS, build_model, build_tokenizer
 
 
 def text_of_at_most(tokenizer, tokens: int) -> str:

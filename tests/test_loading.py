@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_parity import MAX_NEW_TOKENS, reference_completions
+from tiny_models import build_model
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 import accelgen
 from accelgen.cli import main
 from accelgen.loading.pre_sharded import MANIFEST
-from test_parity import MAX_NEW_TOKENS, reference_completions
-from tiny_models import build_model
 
 pytest.importorskip("deepspeed")
 

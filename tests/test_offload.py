@@ -12,12 +12,12 @@ from collections import namedtuple
 import pytest
 import torch
 from safetensors import safe_open
+from test_parity import MAX_NEW_TOKENS, reference_completions
+from tiny_models import EOS_ID, PAD_ID, build_model
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 import accelgen
 from accelgen.cli import main
-from test_parity import MAX_NEW_TOKENS, reference_completions
-from tiny_models import EOS_ID, PAD_ID, build_model
 
 pytest.importorskip("accelerate")
 

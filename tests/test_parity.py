@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import ARCHITECTURES, PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
-from conftest import ARCHITECTURES, PROMPTS
 
 MAX_NEW_TOKENS = 24
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.cli import main
 from accelgen.plugin.manager import DEFAULT_PLUGINS, get_plugin_manager
+from accelgen.plugin.registry import registered_accelerators, select_accelerator
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -199,7 +199,6 @@ class WrongDtypes(UnavailableAccelerator):
 
 
 @pytest.mark.parametrize("accelerator, device, problem", [
-    (HalfWrittenAccelerator(), "npu", "registers HalfWrittenAccelerator, which does not define setup (required of every accelerator)"),
     (OldStyleAccelerator(), "tpu", "registers OldStyleAccelerator, which lacks dist_backend, supported_dtypes, "),
     (WrongDtypes(), "xpu", "registers 'xpu' with supported_dtypes ('bfloat16', 'float8') and default_dtype 'float16'"),
 ])
@@ -217,6 +216,25 @@ def test_a_broken_accelerator_is_refused_at_registration_with_one_line(accelerat
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith(f"accelgen: error: --device {device} cannot be used: plugin my_plugin")
     assert problem in error
+
+
+def test_an_accelerator_without_setup_cannot_be_made_and_its_plugin_is_named(capsys):
+    """Python itself refuses the half-written accelerator (abstract methods); the registry names its plugin."""
+
+    class HalfWrittenPlugin:
+        @accelgen.hookimpl
+        def accelgen_register_accelerators(self, register):
+            register(HalfWrittenAccelerator())
+
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(HalfWrittenPlugin(), name="my_plugin")
+    assert main(["devices"], plugin_manager) == 0
+    [broken] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("broken")]
+    assert broken.startswith("broken   plugin my_plugin (") and "HalfWrittenAccelerator" in broken
+    assert "abstract method" in broken and "setup" in broken
+    assert main(["run", "--device", "npu", "--prompt", "hi"], plugin_manager) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "my_plugin" in error and "abstract method" in error
 
 
 def test_a_plugin_whose_hook_raises_is_set_aside_and_the_others_work(tiny_model_folder, capsys):

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModelForCausalLM,
     BloomConfig,
     FalconConfig,
     GPT2Config,
     LlamaConfig,
     OPTConfig,
-    AutoModelForCausalLM,
     PreTrainedTokenizerFast,
 )
 

@@ -33,18 +33,17 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from accelgen.session.api import load_request
 from accelgen.common.errors import UsageError, first_line
-from accelgen.generation.generator import Generator
-from accelgen.model.memory import kv_cache_bytes_per_position
-from accelgen.loading.model_source import ModelSource
-from accelgen.loading.model_files import tokenizer_source
 from accelgen.common.output_files import check_output_file, write_whole_file
 from accelgen.common.prompts import prompt_problem
-from accelgen.session.request import Request
 from accelgen.common.settings import DTYPE_BYTES
-from accelgen.loading.weight_loading import parameter_bytes
 from accelgen.common.value_ranges import check_settings
+from accelgen.generation.generator import Generator
+from accelgen.loading.model_files import tokenizer_source
+from accelgen.loading.model_source import ModelSource
+from accelgen.model.memory import kv_cache_bytes_per_position, parameter_bytes
+from accelgen.session.api import load_request
+from accelgen.session.request import Request
 
 SCHEMA = "accelgen-bench"
 SCHEMA_VERSION = 1

@@ -8,27 +8,43 @@ import sys
 import warnings
 from typing import Callable, Sequence
 
-from accelgen.plugin.registry import accelerator_registry
+from accelgen.bench.compare import (
+    METRICS,
+    check_chart_possible,
+    comparison_table,
+    draw_chart,
+    load_measurements,
+    render_markdown,
+    render_text,
+    write_text_file,
+)
 from accelgen.bench.measure import BenchProtocol, check_output_path, print_json, progress_line, run_benchmark, write_result
 from accelgen.cli.parser import build_parser
-from accelgen.bench.compare import METRICS, check_chart_possible, comparison_table, draw_chart, load_measurements, \
-    render_markdown, render_text, write_text_file
+from accelgen.cli.terminal import (
+    describe_plugin,
+    print_batch,
+    print_rank_memory,
+    print_summary,
+    quiet_libraries,
+    show_our_warnings_as_lines,
+)
+from accelgen.common.errors import UsageError
+from accelgen.common.output_files import check_output_file
+from accelgen.common.settings import World
 from accelgen.jobs.completion_job import complete, open_job
 from accelgen.jobs.dataset_rows import DatasetRequest
-from accelgen.common.errors import UsageError
-from accelgen.parallel.launcher import (
-    end_worker_process, launch_job, plan_launch, record_worker_failure, running_as_worker, stop_at_once_when_interrupted,
-)
-from accelgen.cli.terminal import (
-    describe_plugin, print_batch, print_rank_memory, print_summary, quiet_libraries, show_our_warnings_as_lines,
-)
-from accelgen.common.output_files import check_output_file
-from accelgen.plugin.manager import PluginManager, get_plugin_manager
-from accelgen.session.request import SETTING_NAMES, Request, build_request
 from accelgen.jobs.shard_job import check_shard_request, shard_model
-from accelgen.common.settings import World
+from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.launcher import (
+    launch_job,
+    plan_launch,
+    record_worker_failure,
+    running_as_worker,
+)
 from accelgen.parallel.process_groups import gather_from_ranks, leave_process_group
-from accelgen.loading.weight_loading import parameter_bytes
+from accelgen.plugin.manager import PluginManager, get_plugin_manager
+from accelgen.plugin.registry import accelerator_registry
+from accelgen.session.request import SETTING_NAMES, Request, build_request
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
@@ -206,7 +222,8 @@ def _here_or_launched(arguments: argparse.Namespace, request: Request, argv: Seq
     elif arguments.world_size not in (None, 1):
         plan = plan_launch(arguments.world_size, arguments.nnodes, arguments.node_rank, arguments.master_addr,
                            arguments.master_port)
+        request.check_world_size(plan.world_size)
         quiet_libraries()
-        return launch_job(request, plan, argv)
+        return launch_job(request.accelerator, plan, argv)
     return command()
 

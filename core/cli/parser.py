@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from accelgen.plugin.registry import AUTO_DEVICE
-from accelgen.bench.measure import PUBLISHED_PROMPT
 from accelgen.bench.compare import METRICS
+from accelgen.bench.measure import PUBLISHED_PROMPT
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
 from accelgen.common.value_ranges import RANGES
+from accelgen.plugin.registry import AUTO_DEVICE
 
 
 class _Parser(argparse.ArgumentParser):

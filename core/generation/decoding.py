@@ -18,8 +18,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.generation.sampling import choose_tokens
 from accelgen.common.settings import SamplingSettings
+from accelgen.generation.sampling import choose_tokens
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache.

@@ -19,16 +19,15 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.generation import decoding
 from accelgen.common.errors import GraphCaptureWarning, UsageError, first_line
-from accelgen.model.memory import check_cache_fits
 from accelgen.common.prompts import check_prompts
-from accelgen.plugin.contract import Accelerator
+from accelgen.common.settings import RunSettings, World
+from accelgen.generation import decoding
 from accelgen.generation.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.generation.model_forward import ModelForward
-from accelgen.loading.model_files import context_limit
-from accelgen.loading.offload import Placement
-from accelgen.common.settings import RunSettings, World
+from accelgen.model.memory import check_cache_fits
+from accelgen.model.shape import context_limit
+from accelgen.plugin.contract import Accelerator
 
 #: Decode steps between checks that every row has finished (each check waits for the device).
 EOS_CHECK_INTERVAL = 8
@@ -93,7 +92,7 @@ class Generator:
         unsharded_parameter_bytes: int | None = None,
         capture_failure: str | None = None,
         loading_host_memory: dict[str, int] | None = None,
-        placement: Placement | None = None,
+        placement: object | None = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world

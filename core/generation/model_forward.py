@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.model.architectures import architecture_of
-from accelgen.loading.model_files import forward_accepts
 from accelgen.common.settings import World
+from accelgen.model.architectures import architecture_of
+from accelgen.model.shape import forward_accepts
 
 
 class ModelForward:

@@ -16,15 +16,15 @@ import os
 import time
 from typing import Callable, Sequence
 
-from accelgen.session.api import load_request
+from accelgen.common.errors import UsageError
+from accelgen.common.prompts import check_prompts
+from accelgen.generation.generator import Completion, Generator
 from accelgen.jobs.completion_file import CompletionFile
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
-from accelgen.common.errors import UsageError
-from accelgen.generation.generator import Completion, Generator
-from accelgen.model.memory import out_of_memory_line
-from accelgen.loading.model_files import BUILT_IN_NAME
 from accelgen.jobs.progress import Progress
-from accelgen.common.prompts import check_prompts
+from accelgen.loading.model_files import BUILT_IN_NAME
+from accelgen.session.api import load_request
+from accelgen.session.out_of_memory import out_of_memory_line
 from accelgen.session.request import Request
 
 

@@ -76,7 +76,7 @@ def _row_texts(dataset, request: DatasetRequest) -> Iterator[str]:
     batches = iter(rows.iter(batch_size=rows_per_read))
     index = 0
     while True:
-        with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, index, rows_per_read, error)):
+        with user_errors("", "", explain=lambda error, index=index: _unreadable_row(rows, request, index, rows_per_read, error)):
             batch = next(batches, None)
         if batch is None:
             return

@@ -18,12 +18,13 @@ import sys
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import rank_file_name, write_manifest
+from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, plan_loading
+from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
 from accelgen.session.request import Request
-from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, parameter_bytes, plan_loading
 
 #: Largest file a rank writes, by default (the size Hugging Face shards checkpoints to).
 DEFAULT_FILE_MIB = 4096

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
+from accelgen.common.settings import World
 from accelgen.loading.model_files import loading_errors_as_usage_errors, model_source
 from accelgen.parallel.process_groups import one_process_per_node_first
-from accelgen.common.settings import World
 
 #: The files a run needs besides weights: config, tokenizer (every format transformers reads), generation config.
 SUPPORT_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "tokenizer*")

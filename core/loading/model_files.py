@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from accelgen.loading.checkpoint_files import weight_file_problem
 from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.loading.checkpoint_files import weight_file_problem
 from accelgen.loading.pre_sharded import missing_rank_file, read_manifest
 
 #: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
@@ -19,9 +16,6 @@ DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
 #: What reports and run records call it.
 BUILT_IN_NAME = "accelgen built-in default"
 
-# transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
-_TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
 
 
 def looks_local(model_name_or_path: str) -> bool:
@@ -90,17 +84,3 @@ def tokenizer_source(tokenizer: PreTrainedTokenizerBase) -> str:
     """Where ``tokenizer`` came from, for reports: its folder or Hub id, or the built-in model's."""
     path = tokenizer.name_or_path
     return BUILT_IN_NAME if path == str(DEFAULT_MODEL) else path
-
-
-def context_limit(config: transformers.PretrainedConfig) -> int | None:
-    """Most positions the model can attend over, or None when its position encoding has no limit (ALiBi)."""
-    for attribute in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, attribute, None)
-        if isinstance(limit, int):
-            return limit
-    return None
-
-
-def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
-    """Whether the model's forward takes ``argument`` by name (BLOOM refuses ``position_ids``)."""
-    return argument in inspect.signature(model.forward).parameters

@@ -15,21 +15,28 @@ import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from accelgen.loading.checkpoint_download import checkpoint_folder
-from accelgen.parallel.deepspeed_adapter import check_shardable, slices_checkpoints
-from accelgen.model.empty_model import empty_model
 from accelgen.common.errors import UsageError
-from accelgen.loading.model_identity import model_identity
+from accelgen.common.settings import RunSettings, World
+from accelgen.loading.checkpoint_download import checkpoint_folder
 from accelgen.loading.model_files import (
-    BUILT_IN_NAME, DEFAULT_MODEL, check_weight_files, load_config, load_tokenizer,
-    loading_errors_as_usage_errors, model_source,
+    BUILT_IN_NAME,
+    DEFAULT_MODEL,
+    check_weight_files,
+    load_config,
+    load_tokenizer,
+    loading_errors_as_usage_errors,
+    model_source,
 )
+from accelgen.loading.model_identity import model_identity
 from accelgen.loading.offload import Placement, check_offload_world, load_offloaded
 from accelgen.loading.pre_sharded import check_sharded_for, rank_files, read_manifest
 from accelgen.loading.random_weights import resolve_model_config, tokenizer_for
-from accelgen.common.settings import RunSettings, World
-from accelgen.loading.weight_loading import HOST, load_weights, parameter_bytes
+from accelgen.loading.weight_loading import HOST, load_weights
 from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights, checkpoint_files
+from accelgen.model.empty_model import empty_model
+from accelgen.model.memory import parameter_bytes
+from accelgen.model.shape import check_shardable, slices_checkpoints
+
 
 @dataclasses.dataclass
 class OpenedModel:
@@ -102,6 +109,7 @@ class ModelSource:
     def load(
         self, run: RunSettings, device: torch.device, world: World,
         shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
+        device_is_host: bool = False,
     ) -> LoadedModel:
         """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
         ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
@@ -113,7 +121,7 @@ class ModelSource:
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
         placement = None
         if run.offload is not None:
-            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes)
+            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host)
         elif world.size > 1 and not slices_checkpoints(self.config()):
             if world.is_main:
                 print(f"accelgen: {self.config().model_type} models are not sliced while loading: each rank puts the "

@@ -30,10 +30,10 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
-from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 from accelgen.common.settings import OffloadSettings, RunSettings
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters
 from accelgen.loading.weight_sources import SafetensorsWeights
+from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 
 
 @dataclasses.dataclass
@@ -81,12 +81,12 @@ def check_offload_world(run: RunSettings, world_size: int) -> None:
 
 
 def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run: RunSettings,
-                   free_bytes: int | None) -> tuple[torch.nn.Module, Placement]:
+                   free_bytes: int | None, device_is_host: bool) -> tuple[torch.nn.Module, Placement]:
     """The empty ``skeleton`` placed under the run's memory cap, what stays filled from ``weights``, the rest
-    left to Accelerate's hooks; and where it all sits. ``free_bytes``: the device's free memory, if known."""
+    left to Accelerate's hooks; and where it all sits. ``free_bytes``: the device's free memory, if known;
+    ``device_is_host``: the device computes in host memory (the accelerator's ``shares_host_memory``)."""
     accelerate = _accelerate()
     offload, dtype = run.offload, getattr(torch, run.dtype)
-    device_is_host = device.type == HOST.type
     if offload.mode == "cpu" and device_is_host:
         raise UsageError("--offload cpu keeps offloaded weights in host memory, which is this device's own memory: "
                          "use --offload disk (with --max-device-memory for the memory the run may use).")

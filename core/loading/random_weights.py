@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import transformers
 from transformers import AutoConfig, BloomConfig, PreTrainedTokenizerBase
 

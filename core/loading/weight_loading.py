@@ -19,10 +19,9 @@ from typing import Callable
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.common.settings import World
 from accelgen.loading.weight_sources import TensorPart
-
+from accelgen.parallel.process_groups import gather_from_ranks
 
 #: Host memory.
 HOST = torch.device("cpu")
@@ -146,8 +145,3 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
     with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
         for _ in pool.map(fill, plan):  # in order, so the first error is raised
             pass
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters this process holds (a shard, under tensor parallelism); tied ones once."""
-    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())

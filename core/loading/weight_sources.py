@@ -20,8 +20,8 @@ from typing import Iterable
 
 import torch
 
-from accelgen.loading.checkpoint_files import read_safetensors_header
 from accelgen.common.errors import UsageError
+from accelgen.loading.checkpoint_files import read_safetensors_header
 
 #: madvise(MADV_POPULATE_READ) (Linux >= 5.14): map every page of a range now, reading none into new memory.
 #: Python 3.11's mmap module does not name it.

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 import transformers
 
-from accelgen.model.alibi import use_rank_alibi
 from accelgen.common.settings import World
+from accelgen.model.alibi import use_rank_alibi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +90,3 @@ def architecture_of(config: transformers.PretrainedConfig) -> Architecture:
         # Falcon's ALiBi variant builds its bias from the 2D mask inside the model: leave it that mask.
         architecture = dataclasses.replace(architecture, takes_4d_mask=False)
     return architecture
-
-
-def attention_head_counts(config: transformers.PretrainedConfig) -> tuple[int, int]:
-    """(query heads, key/value heads) of a decoder config, across the naming conventions in use."""
-    heads = next(getattr(config, name) for name in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, name))
-    count_key_value_heads = architecture_of(config).count_key_value_heads
-    if count_key_value_heads is not None:
-        return heads, count_key_value_heads(config)
-    return heads, getattr(config, "num_key_value_heads", None) or heads

@@ -10,7 +10,6 @@ device to the runtime and allocator, so it errs on the side of fitting.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -18,12 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import DTYPE_BYTES
-from accelgen.model.architectures import attention_head_counts
-from accelgen.loading.weight_loading import HOST, parameter_bytes
-
-if TYPE_CHECKING:
-    from accelgen.generation.generator import Generator
-    from accelgen.session.request import Request
+from accelgen.model.shape import attention_head_counts
 
 GIB = 1024**3
 USABLE_SHARE = 0.9
@@ -59,31 +53,6 @@ def check_cache_fits(
             f"--max-new-tokens) needs {needed / GIB:,.1f} GiB per device, more than the {free_bytes / GIB:,.1f} GiB "
             f"free on {device_name}: lower --max-new-tokens or --batch-size, or spread the model with --world-size."
         )
-
-
-def out_of_memory_line(request: "Request", generator: "Generator | None", kept_output: str | None = None) -> str:
-    """Running out of memory as one line, with a batch size or world size that would fit, or the offloading
-    that would; ``generator`` is None when the weights themselves did not fit, ``kept_output`` the file
-    holding the rows finished so far."""
-    run, world = request.run, request.world
-    # offload to host memory, unless the device is the host itself (known once a generator exists)
-    offload_mode = "disk" if generator is not None and generator.device.type == HOST.type else "cpu"
-    config = request.model.config()
-    cache_length = min(run.buckets) + run.max_new_tokens
-    if generator is not None:
-        weight_bytes_per_rank = parameter_bytes(generator.model)
-        cache_length = generator.cache_length_in_use or cache_length  # the one cache all buckets share
-    else:
-        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype) // world.size
-    advice = out_of_memory_advice(
-        config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,
-        world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
-        total_bytes=request.accelerator.memory_stats().get("total_bytes"),
-        offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
-    )
-    kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
-    return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
-            f"{world.size}{kept}: {advice}")
 
 
 def out_of_memory_advice(
@@ -130,3 +99,8 @@ def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this process holds (a shard, under tensor parallelism); tied ones once."""
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())

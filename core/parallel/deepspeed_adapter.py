@@ -14,35 +14,14 @@ given to DeepSpeed as its injection policy, so the split it makes is the one the
 
 from __future__ import annotations
 
-import os
-
 import torch
-import transformers
 
-from accelgen.model.architectures import architecture_of, attention_head_counts
-from accelgen.model.empty_model import is_empty
 from accelgen.common.errors import UsageError
-from accelgen.parallel.process_groups import wait_for_every_rank
 from accelgen.common.settings import World
+from accelgen.model.architectures import architecture_of
+from accelgen.model.empty_model import is_empty
+from accelgen.model.shape import check_shardable
 from accelgen.parallel.vocab_parallel import split_vocabulary
-
-
-def check_shardable(config: transformers.PretrainedConfig, world_size: int) -> None:
-    """Raise UsageError when the model's heads cannot be split evenly over ``world_size`` ranks."""
-    heads, key_value_heads = attention_head_counts(config)
-    for count, what in ((heads, "attention heads"), (key_value_heads, "key/value heads")):
-        if count % world_size:
-            divisors = ", ".join(str(size) for size in range(1, count + 1) if count % size == 0)
-            raise UsageError(
-                f"The model has {count} {what}, which do not split over --world-size {world_size}: "
-                f"use a world size that divides {count} ({divisors})."
-            )
-
-
-def slices_checkpoints(config: transformers.PretrainedConfig) -> bool:
-    """Whether ranks of this family read only their slices of the checkpoint (else each loads the whole
-    model and DeepSpeed's own parser splits it)."""
-    return architecture_of(config).decoder_layer is not None
 
 
 def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inference_options) -> torch.nn.Module:
@@ -71,7 +50,6 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inf
             f"DeepSpeed cannot shard {type(model).__name__} with AutoTP ({str(error).strip()}); "
             f"run it with --world-size 1."
         ) from None
-    _unlink_shared_memory_buffer(world)
     return engine.module  # BLOOM's ALiBi bias is sliced per rank where the model is called (accelgen.model.alibi)
 
 
@@ -86,34 +64,3 @@ def _injection_policy(model: torch.nn.Module) -> dict:
     layer_class = next(type(module) for module in model.modules() if type(module).__name__ == architecture.decoder_layer)
     return {"injection_policy": {layer_class: architecture.row_parallel}}
 
-
-def prepare_shared_memory_all_reduce(world: World) -> bool:
-    """Get DeepSpeed's shared-memory all-reduce kernel (its CPU accelerator's) right; True when it will be
-    used. It runs when all ranks share a machine, which DeepSpeed learns from LOCAL_SIZE, set by DeepSpeed's
-    launcher but not torch's: without it the kernel runs uninitialised and the rank dies with SIGSEGV
-    (DeepSpeed 0.19.8). So: name the local ranks on one node, and turn the kernel off across nodes, where
-    gloo's all-reduce is used instead. Its buffers are unlinked once mapped (:func:`_unlink_shared_memory_buffer`)."""
-    import deepspeed.ops
-
-    if world.local_size == world.size:
-        os.environ["LOCAL_SIZE"] = str(world.local_size)
-        return True
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return False
-
-
-def _unlink_shared_memory_buffer(world: World) -> None:
-    """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
-
-    DeepSpeed (0.19.8), when its ranks share a host, creates one 66 MB POSIX shared-memory segment per rank
-    while it joins (inside ``init_inference``) and never unlinks it: each job left its buffers in /dev/shm
-    (20 GB after a day of tests here). After a barrier every rank has opened every other's segment, so
-    the names can go: the mappings stay valid and the memory is freed when the last rank exits. Where
-    DeepSpeed made no such buffer (GPUs, several hosts) there is nothing to remove."""
-    wait_for_every_rank()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{world.rank}")
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:
-        pass

@@ -18,13 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan, World
-
-if TYPE_CHECKING:
-    from accelgen.session.request import Request
+from accelgen.plugin.contract import Accelerator
 
 #: Seconds torch's launcher gives an interrupted worker before it kills it (its default: 30).
 SHUTDOWN_GRACE_SECONDS = 3
@@ -67,20 +65,15 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
     return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
 
 
-def launch_job(request: "Request", plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
-    """Check that the job can start (devices on this node, a model whose heads split over the ranks, a
-    pre-sharded model sharded for this world size and dtype), then
-    start this node's ranks, each running ``accelgen <worker_argv>``; return the job's exit status."""
-    accelerator = request.accelerator
+def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
+    """Check that this node has the devices the job needs, then start this node's ranks, each running
+    ``accelgen <worker_argv>``; return the job's exit status. (What the model needs of the world size is
+    checked by the caller, before: ``accelgen.session.request.Request.check_world_size``.)"""
     if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
         raise UsageError(
             f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
             f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
-    from accelgen.loading.offload import check_offload_world
-
-    request.model.check_runs_on(plan.world_size, request.run.dtype)
-    check_offload_world(request.run, plan.world_size)
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
     return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))

@@ -13,12 +13,14 @@ Set ``ACCELGEN_TRACE_HOOKS=1`` to print every hook call to stderr.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
-import torch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a method needs it: `accelgen --help` must not pay for it
+    import torch
+
     from accelgen.common.settings import LaunchPlan, RunSettings, World
 
 hookspec = pluggy.HookspecMarker("accelgen")
@@ -38,20 +40,21 @@ def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) ->
     """
 
 
-class Accelerator:
+class Accelerator(abc.ABC):
     """Everything that is specific to one kind of hardware. The core calls nothing else device-specific.
 
-    Subclass it and write what your hardware does differently: ``name``, ``is_available`` and ``setup``
-    are required; every other member has the default documented on it, which suits an eager device that
-    needs nothing special (no graphs, no tensor parallelism, no launcher of its own).
+    Subclass it and write what your hardware does differently: ``name`` and the abstract methods
+    ``is_available`` and ``setup`` are required (Python refuses to create an accelerator without them);
+    every other member has the default documented on it, which suits an eager device that needs nothing
+    special (no graphs, no tensor parallelism, no launcher of its own).
 
     Methods are called in this order during a run: (``worker_environment`` and ``launch_command`` in the
-    launching process, when several ranks are asked for) -> ``is_available`` -> ``setup`` ->
-    ``prepare_model`` -> ``shard`` (only when ``world.size > 1``) -> ``capture`` (once per static shape)
-    -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while measuring. None
-    of them may import a vendor library at module import time: import it inside the method, so that
-    ``import`` works on any machine. None reads the launcher's environment (``RANK``, ``WORLD_SIZE``...):
-    the core reads it once and passes the :class:`~accelgen.common.settings.World` down.
+    launching process, when several ranks are asked for) -> ``is_available`` -> ``setup`` -> ``shard``
+    while the model loads (only when ``world.size > 1``) -> ``prepare_model`` -> ``capture`` (once per
+    static shape) -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while
+    measuring. None of them may import a vendor library at module import time: import it inside the
+    method, so that ``import`` works on any machine. None reads the launcher's environment (``RANK``,
+    ``WORLD_SIZE``...): the core reads it once and passes the :class:`~accelgen.common.settings.World` down.
     """
 
     #: Short name users pass as ``--device``, e.g. ``"npu"``. Required.
@@ -69,13 +72,13 @@ class Accelerator:
     #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most
     #: ``device_count()`` ranks. False where ranks share the device (CPU).
     one_process_per_device: bool = False
+    #: True when the device computes in the host's own memory (the CPU): ``--offload cpu`` would make no
+    #: room there, so only ``--offload disk`` is offered and accepted.
+    shares_host_memory: bool = False
 
-    #: Members a subclass must write itself; registration refuses an accelerator without them.
-    REQUIRED = ("name", "is_available", "setup")
-
+    @abc.abstractmethod
     def is_available(self) -> bool:
         """True when this machine can run on the device (software stack importable, hardware present)."""
-        raise NotImplementedError
 
     def unavailable_reason(self) -> str:
         """One sentence saying why ``is_available()`` is False and what to install or check.
@@ -86,13 +89,13 @@ class Accelerator:
         """Number of devices of this kind on this machine. Default: 1 when available, else 0."""
         return 1 if self.is_available() else 0
 
-    def setup(self, world: "World") -> torch.device:
+    @abc.abstractmethod
+    def setup(self, world: "World") -> "torch.device":
         """Select the device for this process (rank ``world.rank`` of ``world.size``, ``world.local_rank``
         on its node) and return it. Must not initialise the process group: the core does that with
         ``dist_backend``."""
-        raise NotImplementedError
 
-    def prepare_model(self, model: torch.nn.Module, device: torch.device, run: "RunSettings", world: "World") -> torch.nn.Module:
+    def prepare_model(self, model: "torch.nn.Module", device: "torch.device", run: "RunSettings", world: "World") -> "torch.nn.Module":
         """Return the model ready for this device, with any device-specific patches. The model arrives with
         its weights in ``run.dtype`` on ``device`` (what ``setup`` returned), already split by ``shard`` under
         tensor parallelism (``world.size > 1``); the buffers that must stay float32 (rotary frequencies) are
@@ -101,7 +104,7 @@ class Accelerator:
         Default: the model as it is."""
         return model
 
-    def shard(self, model: torch.nn.Module, world: "World", run: "RunSettings") -> torch.nn.Module:
+    def shard(self, model: "torch.nn.Module", world: "World", run: "RunSettings") -> "torch.nn.Module":
         """Return the model split over ``world.size`` ranks with tensor parallelism: this rank's part, its
         parameters allocated on this rank's device; or raise ``accelgen.common.errors.UsageError`` saying why it
         cannot be. Called while the model loads, only when ``world.size > 1``, after the core has joined the
@@ -114,8 +117,8 @@ class Accelerator:
         raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
 
     def capture(
-        self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: "RunSettings"
-    ) -> Callable[..., torch.Tensor]:
+        self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"
+    ) -> Callable[..., "torch.Tensor"]:
         """Return a callable equivalent to ``step`` that replays a captured graph (CUDA graph, HPU
         graph, compiled code). ``step(*inputs)`` is the whole decode step: it reads and updates the static-shape
         buffers ``inputs`` in place (and the KV cache), never waits for the host, and returns the chosen
@@ -123,7 +126,8 @@ class Accelerator:
         The returned callable is called with the same buffers (same shapes and addresses) for every decoded
         token and must have the same effect on them; what it returns is not read. ``capture`` may run
         ``step`` once (to warm up or compile); the core sets the buffers again afterwards. It is called once
-        per static shape, and the calls are counted.
+        per static shape, and again for a shape whose buffers and cache were made anew (the KV cache grows
+        when a longer prompt bucket is met); the calls are counted.
 
         When the step cannot be captured, raise (the step's own error says best why): the core then runs it
         eagerly, with one warning, and tries no more captures for that model. An error that
@@ -153,6 +157,8 @@ class Accelerator:
         line, with a batch size that would fit) instead of a crash, and ``accelgen bench`` records "oom"
         for that configuration and goes on with the next. Default: ``torch.OutOfMemoryError`` or
         Python's ``MemoryError``."""
+        import torch
+
         return isinstance(error, (torch.OutOfMemoryError, MemoryError))
 
     def worker_environment(self, plan: "LaunchPlan") -> dict[str, str]:

@@ -16,8 +16,8 @@ import sys
 
 import pluggy
 
-from accelgen.plugin import contract as hookspecs
 from accelgen.common.errors import first_line
+from accelgen.plugin import contract as hookspecs
 
 #: Built-in plugins, registered by module name before entry points so installed plugins can override them.
 DEFAULT_PLUGINS = ("accelgen_cpu", "accelgen_cuda", "accelgen_hpu")

@@ -6,13 +6,13 @@ import dataclasses
 import functools
 
 from accelgen.common.errors import UsageError, first_line
+from accelgen.common.settings import DTYPES
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import BrokenPlugin, PluginManager, package_of
-from accelgen.common.settings import DTYPES
 
 AUTO_DEVICE = "auto"
 #: Every member of the contract: what an accelerator that does not subclass Accelerator must have itself.
-CONTRACT = tuple(member for member in vars(Accelerator) if not member.startswith("_") and member != "REQUIRED")
+CONTRACT = tuple(member for member in vars(Accelerator) if not member.startswith("_"))
 
 
 @dataclasses.dataclass
@@ -65,16 +65,11 @@ def _register(found: dict, broken: list, plugin_name: str, package: str | None, 
 def accelerator_problem(accelerator: object) -> str | None:
     """What is wrong with ``accelerator`` as a registered device (one sentence), or None when it can be used."""
     kind = type(accelerator).__name__
-    if isinstance(accelerator, Accelerator):
-        missing = [member for member in Accelerator.REQUIRED if not _defines(accelerator, member)]
-    else:
-        missing = [member for member in CONTRACT if not hasattr(accelerator, member)]
-        if missing:
-            return (f"registers {kind}, which lacks {', '.join(missing)}: subclass accelgen.Accelerator, "
-                    f"whose defaults fill in every optional member")
-    if missing:
-        return f"registers {kind}, which does not define {', '.join(missing)} (required of every accelerator)"
-    name = accelerator.name
+    missing = [member for member in CONTRACT if not hasattr(accelerator, member)]
+    if missing:  # not a subclass of Accelerator (a subclass lacking is_available or setup cannot be created)
+        return (f"registers {kind}, which lacks {', '.join(missing)}: subclass accelgen.Accelerator, "
+                f"whose defaults fill in every optional member")
+    name = getattr(accelerator, "name", "")
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         return f"registers {kind} with the name {name!r}: a device name is a word such as 'npu'"
     unknown_dtypes = [dtype for dtype in accelerator.supported_dtypes if dtype not in DTYPES]
@@ -84,13 +79,6 @@ def accelerator_problem(accelerator: object) -> str | None:
     if not isinstance(accelerator.priority, int):
         return f"registers {name!r} with the priority {accelerator.priority!r}: it must be a whole number"
     return None
-
-
-def _defines(accelerator: Accelerator, member: str) -> bool:
-    """Whether ``accelerator`` gives ``member`` itself rather than inheriting the base class's placeholder."""
-    if member == "name":
-        return bool(getattr(accelerator, "name", ""))
-    return getattr(type(accelerator), member) is not getattr(Accelerator, member)
 
 
 def availability_line(accelerator: Accelerator) -> str:
@@ -107,24 +95,29 @@ def select_accelerator(plugin_manager: PluginManager, device: str) -> Accelerato
     the plugins that could not be used, when any."""
     registry = accelerator_registry(plugin_manager)
     accelerators = registry.accelerators
-    known = ", ".join(availability_line(accelerator) for accelerator in accelerators.values())
-    broken_note = ""
-    if registry.broken:
-        broken_note = " Plugins that could not be used: " + "; ".join(plugin.line() for plugin in registry.broken) + "."
     if device == AUTO_DEVICE:
         for accelerator in accelerators.values():
             if accelerator.is_available():
                 return accelerator
-        raise UsageError(f"No available device. Known: {known}.{broken_note}")
+        raise UsageError(f"No available device. Known: {_known_devices(registry)}")
     if device not in accelerators:
         for plugin in registry.broken:
             if device in plugin.devices:
                 raise UsageError(f"--device {device} cannot be used: plugin {plugin.line()}")
-        raise UsageError(f"No plugin provides --device {device!r}. Known: {known}.{broken_note}")
+        raise UsageError(f"No plugin provides --device {device!r}. Known: {_known_devices(registry)}")
     accelerator = accelerators[device]
     if not accelerator.is_available():
         raise UsageError(f"--device {device} is not available here: {accelerator.unavailable_reason()}")
     return accelerator
+
+
+def _known_devices(registry: Registry) -> str:
+    """Every registered device with its availability, and the plugins that could not be used (asked only when
+    an error names them: asking whether a device is available may import its vendor's software)."""
+    known = ", ".join(availability_line(accelerator) for accelerator in registry.accelerators.values()) + "."
+    if registry.broken:
+        known += " Plugins that could not be used: " + "; ".join(plugin.line() for plugin in registry.broken) + "."
+    return known
 
 
 def check_dtype(accelerator: Accelerator, dtype: str | None) -> str:

@@ -11,11 +11,11 @@ import os
 from typing import Sequence
 
 from accelgen.common.errors import UsageError
-from accelgen.generation.generator import Completion, Generator
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
+from accelgen.generation.generator import Completion, Generator
 from accelgen.parallel.launcher import inject_fault_if_asked
-from accelgen.session.request import Request, build_request
 from accelgen.parallel.process_groups import init_process_group
+from accelgen.session.request import Request, build_request
 
 
 def load(model: str | os.PathLike | None = None, **options) -> Generator:
@@ -42,7 +42,7 @@ def load_request(request: Request) -> Generator:
     free_bytes = accelerator.memory_stats().get("free_bytes") if run.offload else None
     host_bytes_before_loading = resident_bytes()
     restart_peak()
-    loaded = request.model.load(run, device, world, shard, free_bytes)
+    loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory)
     model = accelerator.prepare_model(loaded.model, device, run, world)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}

@@ -14,13 +14,14 @@ import inspect
 import os
 from typing import Sequence
 
-from accelgen.plugin.registry import AUTO_DEVICE, check_dtype, select_accelerator
 from accelgen.common.errors import UsageError
-from accelgen.plugin.contract import Accelerator
-from accelgen.loading.model_source import ModelSource
-from accelgen.plugin.manager import PluginManager, get_plugin_manager
 from accelgen.common.settings import DEFAULT_BUCKETS, OFFLOAD_MODES, OffloadSettings, RunSettings, SamplingSettings, World
 from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.loading.model_source import ModelSource
+from accelgen.loading.offload import check_offload_world
+from accelgen.plugin.contract import Accelerator
+from accelgen.plugin.manager import PluginManager, get_plugin_manager
+from accelgen.plugin.registry import AUTO_DEVICE, check_dtype, select_accelerator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Request:
     run: RunSettings
     accelerator: Accelerator
     world: World
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise UsageError when the run cannot go over ``world_size`` ranks (heads that do not split, a
+        pre-sharded folder made for another world size or dtype, offloading): before any rank starts."""
+        self.model.check_runs_on(world_size, self.run.dtype)
+        check_offload_world(self.run, world_size)
 
 
 def build_request(

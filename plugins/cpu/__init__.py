@@ -8,10 +8,11 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import RunSettings, World
+from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cpu.extension_lock import check_extension_build_lock
+from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 
 
 @hookimpl
@@ -29,6 +30,7 @@ class CpuAccelerator(Accelerator):
     captures_by_default = False
     priority = 0
     one_process_per_device = False  # ranks share the CPU (torchrun gives each one OMP thread by default)
+    shares_host_memory = True
 
     def is_available(self) -> bool:
         return True
@@ -37,11 +39,13 @@ class CpuAccelerator(Accelerator):
         return torch.device("cpu")
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.parallel.deepspeed_adapter import prepare_shared_memory_all_reduce, shard_with_deepspeed
+        from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
 
         if prepare_shared_memory_all_reduce(world):
             check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use
-        return shard_with_deepspeed(model, world, run.dtype)
+        model = shard_with_deepspeed(model, world, run.dtype)
+        unlink_shared_memory_buffer(world)
+        return model
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings

@@ -49,7 +49,7 @@ def check_extension_build_lock(local_rank: int) -> None:
         warnings.warn(AccelgenWarning(
             f"removed {lock}, left by a compile of DeepSpeed's CPU all-reduce extension that was stopped (no process is "
             f"compiling it); every tensor-parallel job would have waited on it for ever"
-        ))
+        ), stacklevel=2)
 
 
 def extension_build_folder(name: str) -> str:

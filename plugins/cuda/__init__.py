@@ -32,8 +32,8 @@ from typing import Any, Callable
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen.common.settings import RunSettings, World
+from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cuda.gpus import known_gpu_peaks
 from accelgen_cuda.graph_pool import SharedGraphPool
 
@@ -216,6 +216,6 @@ def _driver_version() -> str | None:
             version = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no pynvml, no driver, or no NVML library: the version is simply unknown
+    except Exception:  # noqa: BLE001 - no pynvml, no driver, or no NVML library: the version is simply unknown
         return None
     return version.decode() if isinstance(version, bytes) else version

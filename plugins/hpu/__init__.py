@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen.common.settings import LaunchPlan, RunSettings, World
+from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_hpu import bridge
 
 #: Text of the bridge's error when device memory runs out (e.g. "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed

@@ -48,7 +48,7 @@ def unavailable_reason() -> str | None:
     """None when a Gaudi card can be used here, else one sentence saying what is missing and what to do."""
     try:
         _, hpu = import_bridge()
-    except Exception as error:  # a missing package, or a bridge whose native libraries fail to load
+    except Exception as error:  # noqa: BLE001 - a missing package, or a bridge whose native libraries fail to load
         return f"Habana's software stack cannot be imported ({type(error).__name__}: {error}); {INSTALL_HINT}."
     if not hpu.is_available():
         return (

@@ -1,0 +1,44 @@
+"""DeepSpeed's shared-memory all-reduce on CPU (its CPU accelerator's ``deepspeed_shm_comm`` kernel), set up
+right and cleaned up after: what running DeepSpeed-Inference with several CPU ranks on one machine needs.
+
+Versions: the behaviour below is DeepSpeed 0.19's (the release ``accelgen[deepspeed]`` resolves to as of this
+writing); the figures that led here are in the commit messages.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelgen.common.settings import World
+from accelgen.parallel.process_groups import wait_for_every_rank
+
+
+def prepare_shared_memory_all_reduce(world: World) -> bool:
+    """Get DeepSpeed's shared-memory all-reduce kernel right; True when it will be used. It runs when all
+    ranks share a machine, which DeepSpeed learns from LOCAL_SIZE, set by DeepSpeed's launcher but not
+    torch's: without it the kernel runs uninitialised and the rank dies with SIGSEGV. So: name the local
+    ranks on one node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
+    import deepspeed.ops
+
+    if world.local_size == world.size:
+        os.environ["LOCAL_SIZE"] = str(world.local_size)
+        return True
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return False
+
+
+def unlink_shared_memory_buffer(world: World) -> None:
+    """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
+
+    When its ranks share a host, DeepSpeed creates one POSIX shared-memory segment per rank while it joins
+    (inside ``init_inference``) and never unlinks it, so every job would leave its buffers in /dev/shm.
+    After a barrier every rank has opened every other's segment, so the names can go: the mappings stay
+    valid and the memory is freed when the last rank exits. Where DeepSpeed made no such buffer (several
+    hosts) there is nothing to remove."""
+    wait_for_every_rank()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{world.rank}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
