@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import plugin_manager_with
 
-from accelgen.bench.measure import PUBLISHED_PROMPT, SCHEMA, SCHEMA_VERSION
+from accelgen.bench.protocol import PUBLISHED_PROMPT
+from accelgen.bench.result_file import SCHEMA, SCHEMA_VERSION
 from accelgen.cli import main
 from accelgen.loading.random_weights import resolve_model_config
 from accelgen.model.empty_model import empty_model

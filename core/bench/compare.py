@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from accelgen.bench.measure import SCHEMA, SCHEMA_VERSION
+from accelgen.bench.result_file import SCHEMA, SCHEMA_VERSION
 from accelgen.common.errors import UsageError, user_errors
 from accelgen.common.output_files import check_output_file, write_whole_file
 

@@ -1,10 +1,5 @@
-"""``accelgen bench``: latency and throughput measured the same way on every device.
-
-The protocol (DESIGN.md section 5) is the one of the published BLOOM / BLOOMZ benchmarks, so figures
-compare with theirs: greedy decoding, ``max_new_tokens`` forced (no early EOS), the prompt "DeepSpeed is
-a machine learning framework" repeated over the batch, warm-up runs not counted (graph capture happens
-there), then timed runs, for each batch size of a sweep from small to large. Every time is taken
-between two calls of the accelerator's ``synchronize``.
+"""``accelgen bench``: latency and throughput measured the same way on every device, by the protocol of
+``accelgen.bench.protocol``. Every time is taken between two calls of the accelerator's ``synchronize``.
 
 Figures per batch size (see :func:`measure_batch_size`): time to first token, per-token decode latency
 and end-to-end latency (median and 90th percentile over the timed runs), tokens/s, ms per token per
@@ -12,66 +7,25 @@ sequence, the device's memory statistics, graph captures, and % of the memory-ba
 bytes a decode step must read (this rank's weights, and the KV cache of the positions each row attends
 to) over the device's peak bandwidth, against the measured time per step.
 A batch size that runs out of device memory is recorded as ``"oom"`` and the sweep goes on.
-
-The result file is JSON; its layout (schema ``accelgen-bench``, version :data:`SCHEMA_VERSION`) is
-documented in README.md ("Result files"). ``accelgen compare`` reads any number of them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import gc
-import importlib.metadata
-import json
-import platform
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
-from accelgen.common.errors import UsageError, first_line
-from accelgen.common.output_files import check_output_file, write_whole_file
-from accelgen.common.prompts import prompt_problem
+from accelgen.bench.protocol import BenchProtocol
+from accelgen.bench.result_file import environment_facts, result_document
+from accelgen.common.errors import first_line
 from accelgen.common.settings import DTYPE_BYTES
-from accelgen.common.value_ranges import check_settings
 from accelgen.generation.generator import Generator
 from accelgen.loading.model_files import tokenizer_source
 from accelgen.loading.model_source import ModelSource
 from accelgen.model.memory import kv_cache_bytes_per_position, parameter_bytes
 from accelgen.session.api import load_request
 from accelgen.session.request import Request
-
-SCHEMA = "accelgen-bench"
-SCHEMA_VERSION = 1
-PUBLISHED_PROMPT = "DeepSpeed is a machine learning framework"
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchProtocol:
-    """What is measured: the same on every machine for figures to compare."""
-
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 100
-    prompt: str = PUBLISHED_PROMPT
-    warmup_runs: int = 1
-    runs: int = 5
-
-    def check(self) -> None:
-        if not self.batch_sizes:
-            raise UsageError("--batch-sizes must list batch sizes, e.g. 1,8,32.")
-        check_settings(batch_sizes=self.batch_sizes, max_new_tokens=self.max_new_tokens, runs=self.runs,
-                       warmup_runs=self.warmup_runs)
-        problem = prompt_problem(self.prompt)
-        if problem:
-            raise UsageError(f"--prompt {problem} (the default is the published prompt).")
-
-    def as_record(self, prompt_tokens: int) -> dict[str, Any]:
-        return dict(prompt=self.prompt, prompt_tokens=prompt_tokens, max_new_tokens=self.max_new_tokens,
-                    decoding="greedy", ignore_eos=True, warmup_runs=self.warmup_runs, runs=self.runs)
 
 
 def measure(generator: Generator, protocol: BenchProtocol, report=None) -> list[dict[str, Any]]:
@@ -163,84 +117,6 @@ def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
     if len(values) == 1:
         return {"median": values[0], "p90": values[0]}
     return {"median": statistics.median(values), "p90": statistics.quantiles(values, n=10, method="inclusive")[8]}
-
-
-def result_document(measurement: dict[str, Any]) -> dict[str, Any]:
-    """The file ``accelgen bench`` writes: one measurement (a published-results file may hold several)."""
-    return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "source": "measured",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "measurements": [measurement],
-    }
-
-
-def environment_facts() -> dict[str, Any]:
-    """Library versions, machine and the accelgen source revision, for the result file."""
-    versions = {}
-    for package in ("accelgen", "torch", "transformers", "deepspeed"):  # device libraries: in describe()
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        **versions,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "git_revision": _git_revision(),
-    }
-
-
-def _git_revision() -> str | None:
-    """The commit accelgen runs from, when it runs from a git checkout ("+dirty" with local changes)."""
-    source = Path(__file__).resolve().parent
-    try:
-        revision = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return revision + ("+dirty" if dirty else "")
-
-
-def check_output_path(path: str, overwrite: bool) -> None:
-    """Refuse, before anything is measured, an --output that cannot be written as a regular file, or that
-    exists (unless ``overwrite``)."""
-    check_output_file(path, "--output", "results/cpu.json", exists_ok=overwrite)
-
-
-def write_result(path: str, document: dict[str, Any]) -> None:
-    """Write the result file whole or not at all: a full disk leaves the file that was there as it was."""
-
-    def write(temporary: str) -> None:
-        with open(temporary, "w", encoding="utf-8") as file:
-            json.dump(document, file, indent=2)
-            file.write("\n")
-
-    write_whole_file(path, "--output", write)
-
-
-def progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
-    """One line per measured configuration, for the terminal."""
-    if row["status"] == "oom":
-        return f"accelgen: bench batch size {row['batch_size']}: out of memory (recorded as oom); going on"
-    roofline = row["roofline_percent"]
-    return (
-        f"accelgen: bench batch size {row['batch_size']}: {row['end_to_end_s']['median']:.3f} s for "
-        f"{max_new_tokens} tokens, first token {row['first_token_ms']:.1f} ms, decode "
-        f"{row['decode_ms_per_token']['median']:.2f} ms/token (p90 {row['decode_ms_per_token']['p90']:.2f}), "
-        f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
-        f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
-        + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
-    )
-
-
-def print_json(document: dict[str, Any]) -> None:
-    json.dump(document, sys.stdout, indent=2)
-    sys.stdout.write("\n")
 
 
 def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None) -> dict[str, Any] | None:

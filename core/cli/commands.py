@@ -1,50 +1,43 @@
 """The ``accelgen`` commands (run, bench, shard, compare, devices): each parses, calls the core and prints.
-Nothing here knows a device; the arguments are declared in ``accelgen.cli.parser``."""
+
+Nothing here knows a device; the arguments are declared in ``accelgen.cli.parser``. The layers below are
+imported inside the commands that use them, so that ``accelgen --help`` and ``accelgen compare`` start
+without importing torch or transformers.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from accelgen.bench.compare import (
-    METRICS,
-    check_chart_possible,
-    comparison_table,
-    draw_chart,
-    load_measurements,
-    render_markdown,
-    render_text,
-    write_text_file,
-)
-from accelgen.bench.measure import BenchProtocol, check_output_path, print_json, progress_line, run_benchmark, write_result
 from accelgen.cli.parser import build_parser
 from accelgen.cli.terminal import (
+    bench_progress_line,
     describe_plugin,
     print_batch,
-    print_rank_memory,
     print_summary,
     quiet_libraries,
     show_our_warnings_as_lines,
 )
 from accelgen.common.errors import UsageError
-from accelgen.common.output_files import check_output_file
 from accelgen.common.settings import World
-from accelgen.jobs.completion_job import complete, open_job
-from accelgen.jobs.dataset_rows import DatasetRequest
-from accelgen.jobs.shard_job import check_shard_request, shard_model
-from accelgen.model.memory import parameter_bytes
-from accelgen.parallel.launcher import (
-    launch_job,
-    plan_launch,
-    record_worker_failure,
-    running_as_worker,
-)
-from accelgen.parallel.process_groups import gather_from_ranks, leave_process_group
-from accelgen.plugin.manager import PluginManager, get_plugin_manager
-from accelgen.plugin.registry import accelerator_registry
-from accelgen.session.request import SETTING_NAMES, Request, build_request
+from accelgen.parallel.launcher import record_worker_failure, running_as_worker
+
+if TYPE_CHECKING:
+    from accelgen.plugin.manager import PluginManager
+    from accelgen.session.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """One call of the command line: its arguments, as given and as parsed, and where this process runs."""
+
+    argv: list[str]
+    arguments: argparse.Namespace
+    worker: bool  # a rank started by a launcher (ours, torchrun or DeepSpeed's), not the user's own process
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
@@ -54,7 +47,7 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
     with warnings.catch_warnings():
         show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
         try:
-            return _run(build_parser().parse_args(argv), plugin_manager, argv)
+            return _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
         except UsageError as error:
             if not worker:
                 print(f"accelgen: error: {error}", file=sys.stderr)
@@ -71,20 +64,21 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             raise
 
 
-def _run(arguments: argparse.Namespace, plugin_manager: PluginManager | None, argv: list[str]) -> int:
-    if arguments.command == "compare":
-        return compare_command(arguments)
+def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
+    command = invocation.arguments.command
+    if command == "compare":
+        return compare_command(invocation.arguments)
+    from accelgen.plugin.manager import get_plugin_manager
+
     plugin_manager = plugin_manager or get_plugin_manager()
-    if arguments.command == "devices":
+    if command == "devices":
         return devices_command(plugin_manager)
-    if arguments.command == "bench":
-        return bench_command(arguments, plugin_manager, argv)
-    if arguments.command == "shard":
-        return shard_command(arguments, plugin_manager, argv)
-    return run_command(arguments, plugin_manager, argv)
+    return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
 
 
 def devices_command(plugin_manager: PluginManager) -> int:
+    from accelgen.plugin.registry import accelerator_registry
+
     registry = accelerator_registry(plugin_manager)
     for accelerator in registry.accelerators.values():
         if accelerator.is_available():
@@ -97,7 +91,11 @@ def devices_command(plugin_manager: PluginManager) -> int:
     return 0
 
 
-def run_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
+    from accelgen.jobs.completion_job import open_job
+    from accelgen.jobs.dataset_rows import DatasetRequest
+
+    arguments = invocation.arguments
     if arguments.prompt and arguments.dataset:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
@@ -111,15 +109,18 @@ def run_command(arguments: argparse.Namespace, plugin_manager: PluginManager, ar
     # and no launcher of ours holds the lock (torchrun started by hand)
     job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
                    overwrite=arguments.overwrite,
-                   lock_output=request.world.is_main if running_as_worker() else arguments.node_rank == 0)
+                   lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0)
     try:
-        return _here_or_launched(arguments, request, argv, lambda: _generate(arguments, request, job))
+        return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
 
 
 def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
     """Generate in this process (one rank of a job, or the whole job) and report; rank 0 prints and writes."""
+    from accelgen.jobs.completion_job import complete
+    from accelgen.parallel.process_groups import leave_process_group
+
     quiet_libraries()
     is_main = request.world.is_main
     if job.finished:
@@ -128,21 +129,19 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         return 0
     if job.done and is_main:
         print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
-    result = complete(request, job, on_batch=None if arguments.quiet else print_batch,
+    report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
                       show_progress=bool(arguments.dataset))
-    generator = result.generator
-    rank_memory = gather_from_ranks(
-        {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
-         **generator.accelerator.memory_stats()}, request.world
-    )
     if is_main:
-        print_summary(result)
-        print_rank_memory(rank_memory, generator.unsharded_parameter_bytes)
+        print_summary(report)
     leave_process_group()
     return 0
 
 
-def bench_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
+    from accelgen.bench.protocol import BenchProtocol
+    from accelgen.bench.result_file import check_output_path
+
+    arguments = invocation.arguments
     protocol = BenchProtocol(tuple(arguments.batch_sizes), arguments.max_new_tokens, arguments.prompt,
                              arguments.warmup_runs, arguments.runs)
     protocol.check()
@@ -155,14 +154,18 @@ def bench_command(arguments: argparse.Namespace, plugin_manager: PluginManager, 
         check_output_path(arguments.output, arguments.overwrite)
     # sized for the largest batch of the sweep: what --offload keeps room for on the device
     request = _request(arguments, plugin_manager, ignore_eos=True, batch_size=max(protocol.batch_sizes))
-    return _here_or_launched(arguments, request, argv, lambda: _measure(arguments, request, protocol))
+    return _here_or_launched(invocation, request, lambda: _measure(arguments, request, protocol))
 
 
-def _measure(arguments: argparse.Namespace, request: Request, protocol: BenchProtocol) -> int:
+def _measure(arguments: argparse.Namespace, request: Request, protocol) -> int:
     """Measure in this process; rank 0 reports each batch size as it is done, then writes the result file."""
+    from accelgen.bench.measure import run_benchmark
+    from accelgen.bench.result_file import print_json, write_result
+    from accelgen.parallel.process_groups import leave_process_group
+
     quiet_libraries()
-    document = run_benchmark(request, protocol, arguments.label,
-                             report=lambda row: print(progress_line(row, protocol.max_new_tokens), file=sys.stderr, flush=True))
+    document = run_benchmark(request, protocol, arguments.label, report=lambda row: print(
+        bench_progress_line(row, protocol.max_new_tokens), file=sys.stderr, flush=True))
     if document is not None:
         if arguments.output:
             write_result(arguments.output, document)
@@ -173,16 +176,22 @@ def _measure(arguments: argparse.Namespace, request: Request, protocol: BenchPro
     return 0
 
 
-def shard_command(arguments: argparse.Namespace, plugin_manager: PluginManager, argv: Sequence[str]) -> int:
+def shard_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
+    from accelgen.jobs.shard_job import check_shard_request
+
+    arguments = invocation.arguments
     if arguments.world_size is None:
         raise UsageError("accelgen shard needs --world-size N: the number of ranks the runs will use.")
     request = _request(arguments, plugin_manager)
     check_shard_request(request, arguments.output, arguments.overwrite)
-    return _here_or_launched(arguments, request, argv, lambda: _shard(arguments, request))
+    return _here_or_launched(invocation, request, lambda: _shard(arguments, request))
 
 
 def _shard(arguments: argparse.Namespace, request: Request) -> int:
     """Write this rank's part of the pre-sharded model (rank 0 completes the folder)."""
+    from accelgen.jobs.shard_job import shard_model
+    from accelgen.parallel.process_groups import leave_process_group
+
     quiet_libraries()
     shard_model(request, arguments.output, arguments.max_file_mib << 20)
     leave_process_group()
@@ -190,6 +199,18 @@ def _shard(arguments: argparse.Namespace, request: Request) -> int:
 
 
 def compare_command(arguments: argparse.Namespace) -> int:
+    from accelgen.bench.compare import (
+        METRICS,
+        check_chart_possible,
+        comparison_table,
+        draw_chart,
+        load_measurements,
+        render_markdown,
+        render_text,
+        write_text_file,
+    )
+    from accelgen.common.output_files import check_output_file
+
     if arguments.plot:
         check_chart_possible(arguments.plot)
     if arguments.markdown:
@@ -205,6 +226,8 @@ def compare_command(arguments: argparse.Namespace) -> int:
 
 def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, **fixed_settings) -> Request:
     """The request the command's arguments make (``fixed_settings`` are not the user's to choose)."""
+    from accelgen.session.request import SETTING_NAMES, build_request
+
     settings = {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
     return build_request(
         getattr(arguments, "model_config", None) or arguments.model,
@@ -213,17 +236,19 @@ def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, **fix
     )
 
 
-def _here_or_launched(arguments: argparse.Namespace, request: Request, argv: Sequence[str], command: Callable[[], int]) -> int:
+def _here_or_launched(invocation: Invocation, request: Request, command: Callable[[], int]) -> int:
     """Run ``command`` in this process (one rank of a launched job, or a one-rank job), or launch the
     job's ranks when several are asked for; each rank then runs the same command line."""
-    if running_as_worker():
+    arguments = invocation.arguments
+    if invocation.worker:
         if arguments.world_size not in (None, request.world.size):
             raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {request.world.size} ranks.")
     elif arguments.world_size not in (None, 1):
+        from accelgen.parallel.launcher import launch_job, plan_launch
+
         plan = plan_launch(arguments.world_size, arguments.nnodes, arguments.node_rank, arguments.master_addr,
                            arguments.master_port)
         request.check_world_size(plan.world_size)
         quiet_libraries()
-        return launch_job(request.accelerator, plan, argv)
+        return launch_job(request.accelerator, plan, invocation.argv)
     return command()
-

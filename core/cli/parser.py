@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 
 from accelgen.bench.compare import METRICS
-from accelgen.bench.measure import PUBLISHED_PROMPT
+from accelgen.bench.protocol import PUBLISHED_PROMPT
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
 from accelgen.common.value_ranges import RANGES
 from accelgen.plugin.registry import AUTO_DEVICE
+
+#: Largest file a rank of ``accelgen shard`` writes, by default (the size Hugging Face shards checkpoints to).
+DEFAULT_FILE_MIB = 4096
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
     shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
     shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
-    shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=4096,
-                       help=_with_range("largest file each rank writes, in MiB (default 4096)", "max_file_mib"))
+    shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=DEFAULT_FILE_MIB,
+                       help=_with_range(f"largest file each rank writes, in MiB (default {DEFAULT_FILE_MIB})", "max_file_mib"))
     shard.add_argument("--device", default=AUTO_DEVICE, help="accelerator the ranks load on (see 'accelgen devices'); the split does not depend on it")
     shard.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
     _add_parallel_arguments(shard)

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from accelgen.common.errors import AccelgenWarning
-from accelgen.generation.generator import Completion
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import package_of
 
-if TYPE_CHECKING:
-    from accelgen.jobs.completion_job import CompletedRun
+if TYPE_CHECKING:  # not imported at run time: `accelgen --help` and `accelgen compare` import no torch
+    from accelgen.generation.text import Completion
+    from accelgen.jobs.completion_job import RunReport
 
 
-def print_batch(batch_number: int, completions: Sequence[Completion]) -> None:
+
+def print_batch(batch_number: int, completions: Sequence["Completion"]) -> None:
     """Print a batch the way the published text-generation examples do."""
     print(f"Batch n°{batch_number}")
     for completion in completions:
@@ -32,24 +33,21 @@ def describe_plugin(accelerator: Accelerator) -> str:
     return f"{module} from {package}" if package else module
 
 
-def print_summary(result: "CompletedRun") -> None:
-    """One line on stderr: tokens, speed, load time, device, dtype, world size, graph captures."""
-    generator = result.generator
-    stats = generator.stats
-    decode_seconds = sum(timing.decode_seconds for timing in stats.timings)
-    decode_steps = sum(timing.decode_steps for timing in stats.timings)
-    per_token_ms = 1000 * decode_seconds / max(decode_steps, 1)
+def print_summary(report: "RunReport") -> None:
+    """On stderr: one line of tokens, speed, load time, device, dtype, world size and graph captures; one of
+    where offloaded weights sat, when they were; one of each rank's parameter bytes and memory."""
     print(
-        f"accelgen: {stats.new_tokens} new tokens in {result.generate_seconds:.2f} s "
-        f"({stats.new_tokens / max(result.generate_seconds, 1e-9):.1f} tokens/s, decode {per_token_ms:.2f} ms/step), "
-        f"model loaded in {result.load_seconds:.2f} s, device {generator.accelerator.name}, dtype {generator.run.dtype}, "
-        f"world size {generator.world.size}, graph captures: {stats.graph_captures}"
-        + (f" ({stats.capture_seconds:.1f} s)" if stats.graph_captures else "")
-        + (", decoded eagerly: the decode step could not be captured" if generator.capture_failure else ""),
+        f"accelgen: {report.new_tokens} new tokens in {report.generate_seconds:.2f} s "
+        f"({report.tokens_per_second:.1f} tokens/s, decode {report.ms_per_decode_step:.2f} ms/step), "
+        f"model loaded in {report.load_seconds:.2f} s, device {report.device}, dtype {report.dtype}, "
+        f"world size {report.world_size}, graph captures: {report.graph_captures}"
+        + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
+        + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else ""),
         file=sys.stderr,
     )
-    if generator.placement is not None:
-        print(f"accelgen: {generator.placement.describe()}", file=sys.stderr)
+    if report.offload is not None:
+        print(f"accelgen: {report.offload}", file=sys.stderr)
+    print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)
 
 
 def print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) -> None:
@@ -92,3 +90,18 @@ def quiet_libraries() -> None:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     hub_logging.set_verbosity_error()  # its retry chatter; the failure itself comes back as our one line
+
+
+def bench_progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
+    """One line per measured configuration, for the terminal."""
+    if row["status"] == "oom":
+        return f"accelgen: bench batch size {row['batch_size']}: out of memory (recorded as oom); going on"
+    roofline = row["roofline_percent"]
+    return (
+        f"accelgen: bench batch size {row['batch_size']}: {row['end_to_end_s']['median']:.3f} s for "
+        f"{max_new_tokens} tokens, first token {row['first_token_ms']:.1f} ms, decode "
+        f"{row['decode_ms_per_token']['median']:.2f} ms/token (p90 {row['decode_ms_per_token']['p90']:.2f}), "
+        f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
+        f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
+        + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
+    )

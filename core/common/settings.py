@@ -12,6 +12,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
+
+def torch_dtype(name: str):
+    """The ``torch.dtype`` a dtype name of :data:`DTYPES` names (torch is imported here, not by this module)."""
+    import torch
+
+    return getattr(torch, name)
+
 #: Where ``--offload`` keeps the weights that do not fit the device: host memory, or files.
 OFFLOAD_MODES = ("cpu", "disk")
 
@@ -52,6 +59,11 @@ class RunSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
+
+    @property
+    def torch_dtype(self):
+        """The ``torch.dtype`` of ``dtype``."""
+        return torch_dtype(self.dtype)
 
     def output_deciding(self) -> dict:
         """The settings that decide what a run writes (graph capture and offloading do not), flat, as JSON values."""

@@ -1,49 +1,40 @@
-"""The generation pipeline: tokenize, pad to a bucket, prefill a static cache, replay one captured step.
+"""The generation pipeline on token ids: pad to a bucket, prefill a static cache, replay one captured step.
 
 One ``Generator`` holds a prepared model on one accelerator. For each static shape (bucket length,
 cache length) it keeps a ``DecodeSlot``: the KV cache and the fixed-address buffers the decode step
-reads and writes (``accelgen.generation.decoding``), so a later batch of the same bucket replays the graph
-captured for the first one. The caches of all slots share one storage (``accelgen.generation.kv_cache``), sized
-for the largest cache in use: a generator holds one cache's memory, whatever the prompt lengths it meets.
+reads and writes (``accelgen.generation.decoding``), so a later batch of the same bucket replays the
+graph captured for the first one. The caches of all slots share one storage (``kv_cache``), sized for
+the largest cache in use: a generator holds one cache's memory, whatever the prompt lengths it meets.
+Text in and out goes through ``accelgen.generation.text``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import time
 import warnings
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from accelgen.common.errors import GraphCaptureWarning, UsageError, first_line
-from accelgen.common.prompts import check_prompts
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.generation.model_forward import ModelForward
+from accelgen.generation.text import Completion, PromptCodec, eos_token_ids
 from accelgen.model.memory import check_cache_fits
 from accelgen.model.shape import context_limit
 from accelgen.plugin.contract import Accelerator
 
+__all__ = ["BatchTiming", "Completion", "GenerationStats", "Generator"]
+
 #: Decode steps between checks that every row has finished (each check waits for the device).
 EOS_CHECK_INTERVAL = 8
-
-
-@dataclasses.dataclass
-class Completion:
-    """One prompt's result. ``prompt`` is the text the model saw (the kept tokens, when truncated);
-    ``completion`` is the new text only; ``index`` the prompt's position (its row in a dataset)."""
-
-    index: int
-    prompt: str
-    completion: str
-    completion_token_ids: list[int]
-    prompt_token_count: int
-    finish_reason: str  # "eos" (the model ended it) or "length" (max_new_tokens reached)
 
 
 @dataclasses.dataclass
@@ -72,10 +63,17 @@ class GenerationStats:
 class DecodeSlot:
     """Everything one static shape (bucket length, cache length) needs, kept between batches."""
 
+    bucket_length: int
     cache: object  # transformers StaticCache, [B, heads, L, head_dim] per layer
     state: decoding.DecodeState  # the buffers the decode step reads and writes
     forward: decoding.Forward  # the model called on this slot's cache
     decode_step: Callable[..., object] | None = None  # decode_step(*state): captured, or plain
+
+
+class Timer:
+    """Seconds a timed block took (set when the block ends)."""
+
+    seconds: float = 0.0
 
 
 class Generator:
@@ -92,31 +90,33 @@ class Generator:
         unsharded_parameter_bytes: int | None = None,
         capture_failure: str | None = None,
         loading_host_memory: dict[str, int] | None = None,
-        placement: object | None = None,
+        placement: Any = None,
     ):
         self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.device, self.run, self.world = device, run, world
         self.stats = GenerationStats()
-        self.unsharded_parameter_bytes = unsharded_parameter_bytes  # the model before sharding, for reports
-        #: ``host_bytes_before_loading`` and ``peak_host_bytes_loading`` of this process, for reports.
+        # Facts of how the model was loaded, kept for reports (generation does not read them): its parameter
+        # bytes before any split, this process's host memory around loading, and where an offloaded model's
+        # weights sit (``accelgen.loading.offload.Placement``; None: not offloaded).
+        self.unsharded_parameter_bytes = unsharded_parameter_bytes
         self.loading_host_memory = loading_host_memory or {}
-        #: Where an offloaded model's weights sit and what has been moved to the device (None: not offloaded).
         self.placement = placement
         #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
         self.capture_failure = capture_failure
+        self.text = PromptCodec(tokenizer, model.config.vocab_size, run.max_input_tokens)
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._cache_storage: CacheStorage | None = None
-        self._model_forward = ModelForward(model, world, getattr(torch, run.dtype))
+        self._model_forward = ModelForward(model, world, run.torch_dtype)
         self._context_limit = context_limit(model.config)
         self.pad_token_id = tokenizer.pad_token_id
-        eos_token_ids = _eos_token_ids(model, tokenizer)
-        self._eos_token_id_set = set(eos_token_ids.tolist())
+        eos_ids = eos_token_ids(model, tokenizer)
+        self._eos_token_id_set = set(eos_ids)
         self._rules = decoding.TokenRules(
-            sampling=run.sampling, eos_token_ids=eos_token_ids.to(device), pad_token_id=self.pad_token_id,
-            stop_at_eos=not run.ignore_eos,
+            sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=device),
+            pad_token_id=self.pad_token_id, stop_at_eos=not run.ignore_eos,
         )
 
-    # -- public ---------------------------------------------------------------------------------
+    # -- text in, text out ----------------------------------------------------------------------
 
     def with_batch_size(self, batch_size: int) -> "Generator":
         """A generator sharing this one's model for another fixed batch size (its own caches and graphs)."""
@@ -141,7 +141,7 @@ class Generator:
             token_ids, truncated = self.tokenize(batch, first_index=index)
             outputs = self.generate_token_ids(token_ids, first_index=index)
             yield [
-                self._completion(index + row, batch[row], token_ids[row], truncated[row], *outputs[row])
+                self.text.completion(index + row, batch[row], token_ids[row], truncated[row], *outputs[row])
                 for row in range(len(batch))
             ]
             index += len(batch)
@@ -149,107 +149,68 @@ class Generator:
             raise UsageError("No prompts given: pass at least one prompt.")
 
     def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
-        """Token ids per prompt, truncated to their first ``run.max_input_tokens`` tokens, and which
-        prompts were truncated. ``first_index`` is the first prompt's number, for error messages."""
-        check_prompts(prompts, first_index)
-        token_ids = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        limit = self.run.max_input_tokens
-        truncated = [limit is not None and len(ids) > limit for ids in token_ids]
-        token_ids = [ids[:limit] for ids in token_ids] if limit is not None else token_ids
-        vocab_size = self.model.config.vocab_size
-        for index, ids in enumerate(token_ids, start=first_index):
-            if not ids:
-                raise UsageError(f"Prompt {index} makes no tokens: give it some text (or drop that row from the dataset).")
-            if max(ids) >= vocab_size:
-                raise UsageError(
-                    f"Prompt {index} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}: "
-                    f"the tokenizer does not belong to this model."
-                )
-        return token_ids, truncated
+        """Token ids per prompt (truncated to ``run.max_input_tokens``), and which prompts were truncated."""
+        return self.text.encode(prompts, first_index)
+
+    # -- token ids in, token ids out ------------------------------------------------------------
 
     @torch.no_grad()
-    def generate_token_ids(
-        self, prompts: Sequence[Sequence[int]], first_index: int = 0
-    ) -> list[tuple[list[int], str]]:
+    def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per prompt, for at most ``run.batch_size`` tokenized prompts
-        numbered from ``first_index``."""
+        numbered from ``first_index``: prefill, capture the decode step if this shape has none yet, decode."""
         run = self.run
         if not 0 < len(prompts) <= run.batch_size:
             raise ValueError(f"expected 1 to {run.batch_size} prompts, got {len(prompts)}")
         bucket_length = decoding.choose_bucket(
             max(len(ids) for ids in prompts), run.buckets, self._context_limit, run.max_new_tokens
         )
-        input_ids, prompt_mask = decoding.left_pad(prompts, bucket_length, run.batch_size, self.pad_token_id)
-        input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
-        prompt_lengths = prompt_mask.sum(-1, keepdim=True)
         slot = self._slot(bucket_length)
-        state = slot.state
-        slot.cache.reset()
-        state.attention_mask.zero_()
-        state.attention_mask[:, :bucket_length].copy_(prompt_mask)
-        state.row_indices.copy_(torch.arange(first_index, first_index + run.batch_size))
-
-        self.accelerator.synchronize()
-        started = time.perf_counter()
-        first_tokens = decoding.prefill(slot.forward, state, input_ids, prompt_mask, self._rules)
-        decoding.start_decoding(state, first_tokens, prompt_lengths, self._rules)
-        self.accelerator.mark_step()
-        self.accelerator.synchronize()
-        prefill_seconds = time.perf_counter() - started
-
-        decode_steps = run.max_new_tokens - 1
-        if slot.decode_step is None and decode_steps:
-            slot.decode_step = self._decode_step_for(slot)  # timed apart, in stats.capture_seconds
-            # capturing ran the step (to warm up or compile): start this batch's decoding again
-            decoding.start_decoding(state, first_tokens, prompt_lengths, self._rules)
-            rewind_static_cache(slot.cache, bucket_length)
-            self.accelerator.mark_step()
-            self.accelerator.synchronize()
-        decoding_started = time.perf_counter()
-        steps = decoding.decode_n_tokens(
-            slot.decode_step, state, decode_steps, stop_when_finished=self._rules.stop_at_eos,
-            check_every=EOS_CHECK_INTERVAL, after_step=self.accelerator.mark_step,
-        )
-        self.accelerator.synchronize()
-        decoded = time.perf_counter()
-
+        with self._timed() as prefill:
+            restart = self._prefill(slot, prompts, first_index)
+        if slot.decode_step is None and run.max_new_tokens > 1:
+            self._make_decode_step(slot, restart)
+        with self._timed() as decoding_time:
+            steps = decoding.decode_n_tokens(
+                slot.decode_step, slot.state, run.max_new_tokens - 1, stop_when_finished=self._rules.stop_at_eos,
+                check_every=EOS_CHECK_INTERVAL, after_step=self.accelerator.mark_step,
+            )
         self.stats.batches += 1
         self.stats.new_tokens += len(prompts) * (steps + 1)
-        self.stats.timings.append(BatchTiming(prefill_seconds, decoded - decoding_started, steps))
-        return [self._trim(row_tokens) for row_tokens in state.new_tokens[: len(prompts)].tolist()]
-
-    # -- internals ------------------------------------------------------------------------------
+        self.stats.timings.append(BatchTiming(prefill.seconds, decoding_time.seconds, steps))
+        return [self._trim(row_tokens) for row_tokens in slot.state.new_tokens[: len(prompts)].tolist()]
 
     @property
     def cache_length_in_use(self) -> int | None:
         """Positions per row of the KV cache memory this generator holds (its largest cache), None before any."""
         return self._cache_storage.capacity if self._cache_storage else None
 
-    def _slot(self, bucket_length: int) -> DecodeSlot:
-        cache_length = bucket_length + self.run.max_new_tokens
-        key = (bucket_length, cache_length)
-        if key not in self._slots:
-            batch_size = self.run.batch_size
-            if self._cache_storage is None or cache_length > self._cache_storage.capacity:
-                # the slots' caches (and the graphs captured on them) live in the storage that goes: drop them first
-                self._slots.clear()
-                self._cache_storage = None
-                check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=batch_size, cache_length=cache_length,
-                                 world_size=self.world.size, device_name=self.accelerator.name,
-                                 free_bytes=self.accelerator.memory_stats().get("free_bytes"))
-                self._cache_storage = CacheStorage(batch_size, cache_length)
-            cache = new_static_cache(self.model, cache_length, getattr(torch, self.run.dtype), self.device,
-                                     self._cache_storage)
-            self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
-            self._slots[key] = DecodeSlot(
-                cache=cache,
-                state=decoding.DecodeState.allocate(batch_size, cache_length, self.run.max_new_tokens, self.device),
-                forward=functools.partial(self._model_forward, cache=cache),
-            )
-        return self._slots[key]
+    # -- the steps of a batch -------------------------------------------------------------------
 
-    def _decode_step_for(self, slot: DecodeSlot) -> Callable[..., object]:
-        """The slot's decode step, captured by the accelerator when graphs are on and capture works.
+    def _prefill(self, slot: DecodeSlot, prompts: Sequence[Sequence[int]], first_index: int) -> Callable[[], None]:
+        """Start a batch in ``slot``: run the padded prompts through the model (filling the cache), choose each
+        row's first token and set the decode buffers from it. Returns what sets them again (after a capture
+        that ran the step)."""
+        state, bucket_length = slot.state, slot.bucket_length
+        input_ids, prompt_mask = decoding.left_pad(prompts, bucket_length, self.run.batch_size, self.pad_token_id)
+        input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
+        slot.cache.reset()
+        state.attention_mask.zero_()
+        state.attention_mask[:, :bucket_length].copy_(prompt_mask)
+        state.row_indices.copy_(torch.arange(first_index, first_index + self.run.batch_size))
+        first_tokens = decoding.prefill(slot.forward, state, input_ids, prompt_mask, self._rules)
+        prompt_lengths = prompt_mask.sum(-1, keepdim=True)
+
+        def start_decoding() -> None:
+            decoding.start_decoding(state, first_tokens, prompt_lengths, self._rules)
+            self.accelerator.mark_step()
+
+        start_decoding()
+        return start_decoding
+
+    def _make_decode_step(self, slot: DecodeSlot, restart: Callable[[], None]) -> None:
+        """The slot's decode step: captured by the accelerator when graphs are on and capture works, else the
+        plain step. A capture may run the step (to warm up or compile), which moves the batch on: then the
+        batch's decoding starts again, its cache rewound to the prompt.
 
         Any failure to capture (other than running out of memory) leaves the step eager, with one warning:
         the eager step runs the very same code, so a real bug in it still surfaces there, as itself."""
@@ -258,11 +219,12 @@ class Generator:
         def decode_step(*buffers: torch.Tensor) -> torch.Tensor:
             return decoding.decode_one_token(forward, decoding.DecodeState(*buffers), rules)
 
+        slot.decode_step = decode_step
         if not self.run.use_graphs or self.capture_failure is not None:
-            return decode_step
+            return
         started = time.perf_counter()
         try:
-            captured = self.accelerator.capture(decode_step, tuple(slot.state), self.run)
+            slot.decode_step = self.accelerator.capture(decode_step, tuple(slot.state), self.run)
         except Exception as error:  # noqa: BLE001 - see the docstring
             if self.accelerator.is_out_of_memory(error):
                 raise
@@ -271,12 +233,52 @@ class Generator:
                 f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
                 f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
                 f"slower (pass --no-graphs to skip the attempt)",
-                GraphCaptureWarning, stacklevel=2,
+                GraphCaptureWarning, stacklevel=3,
             )
-            return decode_step
-        self.stats.graph_captures += 1
-        self.stats.capture_seconds += time.perf_counter() - started
-        return captured
+        else:
+            self.stats.graph_captures += 1
+            self.stats.capture_seconds += time.perf_counter() - started
+        restart()  # the capture, or the attempt, may have run the step
+        rewind_static_cache(slot.cache, slot.bucket_length)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[Timer]:
+        """Time the block between two ``synchronize`` calls: all the device work it queued, and nothing before."""
+        timer = Timer()
+        self.accelerator.synchronize()
+        started = time.perf_counter()
+        yield timer
+        self.accelerator.synchronize()
+        timer.seconds = time.perf_counter() - started
+
+    # -- per static shape -----------------------------------------------------------------------
+
+    def _slot(self, bucket_length: int) -> DecodeSlot:
+        cache_length = bucket_length + self.run.max_new_tokens
+        key = (bucket_length, cache_length)
+        if key not in self._slots:
+            self._make_room_for(cache_length)
+            cache = new_static_cache(self.model, cache_length, self.run.torch_dtype, self.device, self._cache_storage)
+            self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
+            self._slots[key] = DecodeSlot(
+                bucket_length=bucket_length,
+                cache=cache,
+                state=decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device),
+                forward=functools.partial(self._model_forward, cache=cache),
+            )
+        return self._slots[key]
+
+    def _make_room_for(self, cache_length: int) -> None:
+        """A cache storage of at least ``cache_length`` positions, checked against the device's free memory. A
+        larger one replaces the old, and the slots whose caches (and graphs) lived in the old one go first."""
+        if self._cache_storage is not None and cache_length <= self._cache_storage.capacity:
+            return
+        self._slots.clear()
+        self._cache_storage = None
+        check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=self.run.batch_size, cache_length=cache_length,
+                         world_size=self.world.size, device_name=self.accelerator.name,
+                         free_bytes=self.accelerator.memory_stats().get("free_bytes"))
+        self._cache_storage = CacheStorage(self.run.batch_size, cache_length)
 
     def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:
         """The new tokens up to and including the first EOS (all of them with ignore_eos)."""
@@ -285,26 +287,3 @@ class Generator:
                 if token in self._eos_token_id_set:
                     return row_tokens[: position + 1], "eos"
         return row_tokens, "length"
-
-    def _completion(self, index, prompt, prompt_token_ids, truncated, new_token_ids, finish_reason) -> Completion:
-        # Decode prompt and completion together so word boundaries (e.g. SentencePiece spaces) come out right.
-        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
-        full_text = self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)
-        return Completion(
-            index=index,
-            prompt=prompt_text if truncated else prompt,  # what the model saw
-            completion=full_text[len(prompt_text) :],
-            completion_token_ids=new_token_ids,
-            prompt_token_count=len(prompt_token_ids),
-            finish_reason=finish_reason,
-        )
-
-
-def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """Every token id that ends a sequence: the generation config's, else the model config's or tokenizer's."""
-    generation_config = getattr(model, "generation_config", None)
-    for source in (generation_config, model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return torch.tensor(eos if isinstance(eos, list) else [eos], dtype=torch.long)
-    return torch.tensor([], dtype=torch.long)

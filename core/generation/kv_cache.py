@@ -45,11 +45,6 @@ class CacheStorage:
         view.zero_()
         return view
 
-    @property
-    def bytes(self) -> int:
-        """Bytes allocated so far."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
-
 
 def new_static_cache(
     model: torch.nn.Module, max_cache_len: int, dtype: torch.dtype, device: torch.device, storage: CacheStorage

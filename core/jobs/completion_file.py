@@ -16,7 +16,7 @@ from typing import IO, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file
-from accelgen.generation.generator import Completion
+from accelgen.generation.text import Completion
 from accelgen.jobs.output_lock import OutputLock
 
 #: Run record fields for people, not compared: the model as named (the same model by another path resumes;

@@ -18,11 +18,14 @@ from typing import Callable, Sequence
 
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import check_prompts
-from accelgen.generation.generator import Completion, Generator
+from accelgen.generation.generator import Generator
+from accelgen.generation.text import Completion
 from accelgen.jobs.completion_file import CompletionFile
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.jobs.progress import Progress
 from accelgen.loading.model_files import BUILT_IN_NAME
+from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.session.api import load_request
 from accelgen.session.out_of_memory import out_of_memory_line
 from accelgen.session.request import Request
@@ -50,11 +53,52 @@ class CompletionJob:
         return self.rows.total is not None and self.done >= self.rows.total
 
 
-@dataclasses.dataclass
-class CompletedRun:
-    generator: Generator
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """What a finished run did, for its summary: the same on every rank (figures of every rank gathered)."""
+
+    new_tokens: int
     load_seconds: float
     generate_seconds: float
+    decode_seconds: float  # in decode steps (after each batch's first token)
+    decode_steps: int
+    device: str
+    dtype: str
+    world_size: int
+    graph_captures: int
+    capture_seconds: float
+    capture_failure: str | None  # why the decode step ran eagerly, when it could not be captured
+    offload: str | None  # where an offloaded model's weights sat, as a sentence
+    unsharded_parameter_bytes: int
+    rank_memory: list[dict]  # per rank: parameter_bytes, host memory while loading, the device's memory_stats()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / max(self.generate_seconds, 1e-9)
+
+    @property
+    def ms_per_decode_step(self) -> float:
+        return 1000 * self.decode_seconds / max(self.decode_steps, 1)
+
+
+def run_report(generator: Generator, load_seconds: float, generate_seconds: float) -> RunReport:
+    """The report of a run by ``generator`` (every rank must call this: the ranks' memory figures are gathered)."""
+    stats = generator.stats
+    rank_memory = gather_from_ranks(
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
+         **generator.accelerator.memory_stats()}, generator.world
+    )
+    return RunReport(
+        new_tokens=stats.new_tokens, load_seconds=load_seconds, generate_seconds=generate_seconds,
+        decode_seconds=sum(timing.decode_seconds for timing in stats.timings),
+        decode_steps=sum(timing.decode_steps for timing in stats.timings),
+        device=generator.accelerator.name, dtype=generator.run.dtype, world_size=generator.world.size,
+        graph_captures=stats.graph_captures, capture_seconds=stats.capture_seconds,
+        capture_failure=generator.capture_failure,
+        offload=None if generator.placement is None else generator.placement.describe(),
+        unsharded_parameter_bytes=generator.unsharded_parameter_bytes or parameter_bytes(generator.model),
+        rank_memory=rank_memory,
+    )
 
 
 def open_job(
@@ -101,9 +145,10 @@ def run_record(request: Request, source: dict) -> dict:
 def complete(
     request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
     show_progress: bool = False,
-) -> CompletedRun:
+) -> RunReport:
     """Load the request's model and complete every row of ``job`` not yet written. Rank 0 writes each batch
-    as it completes and calls ``on_batch(batch number, completions)``; ``show_progress`` draws progress."""
+    as it completes and calls ``on_batch(batch number, completions)``; ``show_progress`` draws progress.
+    Every rank of a job calls this, and gets the run's report."""
     generator = None
     is_main = request.world.is_main
     try:
@@ -132,4 +177,4 @@ def complete(
         if request.accelerator.is_out_of_memory(error):
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None
         raise
-    return CompletedRun(generator, loaded - started, time.perf_counter() - loaded)
+    return run_report(generator, loaded - started, time.perf_counter() - loaded)

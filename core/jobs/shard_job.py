@@ -20,14 +20,11 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import rank_file_name, write_manifest
-from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, plan_loading
+from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, groups_by_bytes, plan_loading
 from accelgen.model.memory import parameter_bytes
 from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
 from accelgen.session.request import Request
-
-#: Largest file a rank writes, by default (the size Hugging Face shards checkpoints to).
-DEFAULT_FILE_MIB = 4096
 
 
 def check_shard_request(request: Request, output: str, overwrite: bool) -> None:
@@ -84,7 +81,11 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
 
     parameters = dict(model.named_parameters())
     names: list[str] = []
-    for group in _groups_by_bytes(plan, parameters, max_file_bytes):
+
+    def size_of(load: ParameterLoad) -> int:
+        return parameters[load.name].numel() * parameters[load.name].element_size()
+
+    for group in groups_by_bytes(plan, size_of, max_file_bytes):
         fill_parameters(model, weights, group)
         name = rank_file_name(world.rank, world.size, len(names))
         save_file({load.name: parameters[load.name].data.contiguous().cpu() for load in group}, os.path.join(folder, name))
@@ -92,19 +93,6 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
             parameters[load.name].data = parameters[load.name].data.new_empty(0)  # its memory goes back
         names.append(name)
     return names
-
-
-def _groups_by_bytes(plan: list[ParameterLoad], parameters: dict, max_file_bytes: int) -> list[list[ParameterLoad]]:
-    groups: list[list[ParameterLoad]] = [[]]
-    group_bytes = 0
-    for load in plan:
-        size = parameters[load.name].numel() * parameters[load.name].element_size()
-        if groups[-1] and group_bytes + size > max_file_bytes:
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(load)
-        group_bytes += size
-    return [group for group in groups if group]
 
 
 def _move_into_place(staging: str, output: str) -> None:

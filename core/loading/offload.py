@@ -30,8 +30,8 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
-from accelgen.common.settings import OffloadSettings, RunSettings
-from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters
+from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
+from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.loading.weight_sources import SafetensorsWeights
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 
@@ -86,7 +86,7 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
     left to Accelerate's hooks; and where it all sits. ``free_bytes``: the device's free memory, if known;
     ``device_is_host``: the device computes in host memory (the accelerator's ``shares_host_memory``)."""
     accelerate = _accelerate()
-    offload, dtype = run.offload, getattr(torch, run.dtype)
+    offload, dtype = run.offload, torch_dtype(run.dtype)
     if offload.mode == "cpu" and device_is_host:
         raise UsageError("--offload cpu keeps offloaded weights in host memory, which is this device's own memory: "
                          "use --offload disk (with --max-device-memory for the memory the run may use).")
@@ -200,17 +200,9 @@ def _write_offloaded(weights, names: list[str], dtype: torch.dtype, folder: str,
     holding at most ``group_bytes`` (or one tensor), which is all this holds in memory; where each one went."""
     from safetensors.torch import save_file
 
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        tensor_bytes = math.prod(weights.shape(name)) * dtype.itemsize
-        if groups[-1] and size + tensor_bytes > group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += tensor_bytes
     locations = {}
-    for number, group in enumerate(groups):
+    for number, group in enumerate(groups_by_bytes(names, lambda name: math.prod(weights.shape(name)) * dtype.itemsize,
+                                                   group_bytes)):
         tensors = {}
         for name in group:
             tensors[name] = torch.empty(weights.shape(name), dtype=dtype)

@@ -16,7 +16,6 @@ import math
 import mmap
 import os
 import zlib
-from typing import Iterable
 
 import torch
 
@@ -68,9 +67,6 @@ class CheckpointWeights:
             f"{self.where} holds no tensor {name!r} (it holds {len(self._tensors)}, e.g. "
             f"{', '.join(sorted(self._tensors)[:3])}): it was saved for another model; pass the model's own folder."
         )
-
-    def names(self) -> Iterable[str]:
-        return self._tensors.keys()
 
 
 class SafetensorsWeights(CheckpointWeights):

@@ -11,6 +11,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from accelgen.common.settings import torch_dtype
+
 # transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
 _TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
@@ -20,7 +22,7 @@ def empty_model(config: transformers.PretrainedConfig, dtype: str, trust_remote_
     """The model ``config`` describes, in eval mode and ``dtype``, its parameters on the meta device."""
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: getattr(torch, dtype)}
+            config, trust_remote_code=trust_remote_code, **{DTYPE_KEYWORD: torch_dtype(dtype)}
         )
     return model.eval()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import World
+from accelgen.common.settings import World, torch_dtype
 from accelgen.model.architectures import architecture_of
 from accelgen.model.empty_model import is_empty
 from accelgen.model.shape import check_shardable
@@ -43,7 +43,7 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inf
     options = dict(replace_with_kernel_inject=False, **_injection_policy(model)) | inference_options
     try:
         engine = deepspeed.init_inference(
-            model, tensor_parallel={"tp_size": world.size}, dtype=getattr(torch, dtype), **options
+            model, tensor_parallel={"tp_size": world.size}, dtype=torch_dtype(dtype), **options
         )
     except AssertionError as error:  # AutoTP states unsupported models with assertions
         raise UsageError(

@@ -6,13 +6,13 @@ which every rank of a launched job runs too.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Sequence
 
-from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
-from accelgen.generation.generator import Completion, Generator
+from accelgen.common.prompts import check_prompts
+from accelgen.generation.generator import Generator
+from accelgen.generation.text import Completion
 from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import init_process_group
 from accelgen.session.request import Request, build_request
@@ -47,8 +47,6 @@ def load_request(request: Request) -> Generator:
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     inject_fault_if_asked(world)
-    if loaded.placement is not None and loaded.placement.offloaded_bytes:
-        run = dataclasses.replace(run, use_graphs=False)  # Accelerate's hooks move weights in every step
     return Generator(model, loaded.tokenizer, accelerator, device, run, world, loaded.unsharded_parameter_bytes,
                      loading_host_memory=loading_host_memory, placement=loaded.placement)
 
@@ -57,6 +55,5 @@ def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, 
     """Completions for ``prompts``; ``options`` are those of :func:`load`."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not prompts:  # before loading a model for nothing (generate_batches checks iterables as they run)
-        raise UsageError("No prompts given: pass at least one prompt.")
+    check_prompts(prompts)  # before loading a model for nothing
     return load(model, **options).generate(prompts)

@@ -84,13 +84,18 @@ def run_settings(
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given)."""
+    if offload is not None and graphs:
+        raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
+                         "step, which no captured graph replays; drop --graphs.")
+    if graphs is None:  # offloaded steps are never captured; otherwise the device decides
+        graphs = accelerator.captures_by_default and offload is None
     run = RunSettings(
         dtype=check_dtype(accelerator, dtype),
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         max_input_tokens=max_input_tokens,
         ignore_eos=ignore_eos,
-        use_graphs=accelerator.captures_by_default if graphs is None else graphs,
+        use_graphs=graphs,
         buckets=tuple(buckets),
         sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
         offload=offload_settings(offload, max_device_memory, offload_folder),

@@ -15,21 +15,13 @@ from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 
 
-@hookimpl
-def accelgen_register_accelerators(register):
-    register(CpuAccelerator())
-
-
 class CpuAccelerator(Accelerator):
+    """The host's own processor. Ranks share it (torchrun gives each one OMP thread by default), over gloo.
+    Compiling the decode step costs tens of seconds on small models and gains little per token
+    (benchmarks/decode_latency.py), so capture is opt-in (--graphs) here: the defaults say so."""
+
     name = "cpu"
-    dist_backend = "gloo"
     supported_dtypes = ("float32", "bfloat16")
-    default_dtype = "float32"
-    # Measured with benchmarks/decode_latency.py (see README): on small models compiling the decode
-    # step costs tens of seconds and gains little per token, so it is opt-in (--graphs) on CPU.
-    captures_by_default = False
-    priority = 0
-    one_process_per_device = False  # ranks share the CPU (torchrun gives each one OMP thread by default)
     shares_host_memory = True
 
     def is_available(self) -> bool:
@@ -87,3 +79,8 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@hookimpl
+def accelgen_register_accelerators(register):
+    register(CpuAccelerator())

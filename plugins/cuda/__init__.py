@@ -48,11 +48,6 @@ _GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 WARM_UP_RUNS = 1
 
 
-@hookimpl
-def accelgen_register_accelerators(register):
-    register(CudaAccelerator())
-
-
 class CudaAccelerator(Accelerator):
     name = "cuda"
     dist_backend = "nccl"
@@ -219,3 +214,8 @@ def _driver_version() -> str | None:
     except Exception:  # noqa: BLE001 - no pynvml, no driver, or no NVML library: the version is simply unknown
         return None
     return version.decode() if isinstance(version, bytes) else version
+
+
+@hookimpl
+def accelgen_register_accelerators(register):
+    register(CudaAccelerator())

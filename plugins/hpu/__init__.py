@@ -37,11 +37,6 @@ from accelgen_hpu import bridge
 OUT_OF_MEMORY_TEXT = "PT_DEVMEM Allocation failed"
 
 
-@hookimpl
-def accelgen_register_accelerators(register):
-    register(HpuAccelerator())
-
-
 class HpuAccelerator(Accelerator):
     name = "hpu"
     dist_backend = "hccl"
@@ -145,3 +140,8 @@ class HpuAccelerator(Accelerator):
             "driver": bridge.bridge_version(),
             **facts,
         }
+
+
+@hookimpl
+def accelgen_register_accelerators(register):
+    register(HpuAccelerator())
