@@ -160,6 +160,7 @@ def run_contender(name: str, model, tokenizer, input_ids: torch.Tensor, accelera
     compile_setting = os.environ.get("ACCELGEN_CUDA_COMPILE")
     if name == "accelgen_compiled":
         os.environ["ACCELGEN_CUDA_COMPILE"] = "1"
+        accelerator.setup(World())  # the plugin reads the setting in setup
     generate = None
     try:
         generate = contender(name, model, tokenizer, input_ids, accelerator, device)
@@ -174,6 +175,7 @@ def run_contender(name: str, model, tokenizer, input_ids: torch.Tensor, accelera
             os.environ.pop("ACCELGEN_CUDA_COMPILE", None)
         else:
             os.environ["ACCELGEN_CUDA_COMPILE"] = compile_setting
+        accelerator.setup(World())
         del generate  # frees this contender's caches and graphs before the next one runs
         torch._dynamo.reset()  # and its compiled code (hf_static, accelgen_compiled; a no-op for the others)
         if device.type == "cuda":

@@ -193,7 +193,10 @@ def _shard(arguments: argparse.Namespace, request: Request) -> int:
     from accelgen.parallel.process_groups import leave_process_group
 
     quiet_libraries()
-    shard_model(request, arguments.output, arguments.max_file_mib << 20)
+    files = shard_model(request, arguments.output, arguments.max_file_mib << 20)
+    if request.world.is_main:
+        print(f"accelgen: wrote {arguments.output}: {request.world.size} rank(s), {request.run.dtype}, {files} file(s)",
+              file=sys.stderr)
     leave_process_group()
     return 0
 
@@ -250,5 +253,8 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
                            arguments.master_port)
         request.check_world_size(plan.world_size)
         quiet_libraries()
-        return launch_job(request.accelerator, plan, invocation.argv)
+        ended = launch_job(request.accelerator, plan, invocation.argv)
+        if ended.line is not None:
+            print(f"accelgen: {ended.line}", file=sys.stderr)
+        return ended.status
     return command()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import torch
 
@@ -31,7 +30,7 @@ def check_shard_request(request: Request, output: str, overwrite: bool) -> None:
     """Raise UsageError for a shard job that cannot work, before any rank starts."""
     if request.model.random_weights:
         raise UsageError("accelgen shard writes a checkpoint's weights: pass --model, not random weights.")
-    if request.model.pre_sharded_manifest() is not None:
+    if request.model.pre_sharded_manifest is not None:
         raise UsageError(f"{request.model.name!r} is already pre-sharded: shard the original model.")
     refuse_unsliced_family(request.model.config())
     if os.path.lexists(output) and not overwrite:
@@ -43,8 +42,9 @@ def check_shard_request(request: Request, output: str, overwrite: bool) -> None:
         raise UsageError(f"Cannot write --output {output!r}: {parent!r} is not a writable folder; create it or pass another.")
 
 
-def shard_model(request: Request, output: str, max_file_bytes: int) -> None:
-    """Write this rank's files of the pre-sharded checkpoint; rank 0 completes and renames the folder."""
+def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
+    """Write this rank's files of the pre-sharded checkpoint; rank 0 completes and renames the folder.
+    Returns how many files the job wrote (on rank 0; the others return how many they wrote)."""
     accelerator, world, dtype = request.accelerator, request.world, request.run.dtype
     device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
@@ -69,9 +69,8 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> None:
                   "unsharded_parameter_bytes": unsharded_bytes}
         write_manifest(staging, world.size, dtype, files_by_rank, source)
         _move_into_place(staging, output)
-        print(f"accelgen: wrote {output}: {world.size} rank(s), {dtype}, "
-              f"{sum(len(files) for files in files_by_rank)} file(s)", file=sys.stderr)
     wait_for_every_rank()
+    return sum(len(files) for files in files_by_rank)
 
 
 def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], folder: str, world, max_file_bytes: int) -> list[str]:

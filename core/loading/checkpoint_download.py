@@ -7,20 +7,20 @@ from __future__ import annotations
 import os
 
 from accelgen.common.settings import World
-from accelgen.loading.model_files import loading_errors_as_usage_errors, model_source
+from accelgen.loading.model_files import loading_errors_as_usage_errors
 from accelgen.parallel.process_groups import one_process_per_node_first
 
 #: The files a run needs besides weights: config, tokenizer (every format transformers reads), generation config.
 SUPPORT_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "tokenizer*")
 
 
-def checkpoint_folder(model_name_or_path: str | None, world: World) -> str:
-    """The local folder holding the model's files (every rank must call this)."""
-    source = model_source(model_name_or_path)
-    if os.path.isdir(source):
-        return source
-    with loading_errors_as_usage_errors(source), one_process_per_node_first(world):
-        return _download(source)
+def checkpoint_folder(location: str, world: World) -> str:
+    """The local folder holding the files of the model at ``location`` (a folder, or a Hub id to download;
+    every rank must call this)."""
+    if os.path.isdir(location):
+        return location
+    with loading_errors_as_usage_errors(location), one_process_per_node_first(world):
+        return _download(location)
 
 
 def _download(hub_id: str) -> str:

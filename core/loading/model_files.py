@@ -8,14 +8,11 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, reason, user_errors
-from accelgen.loading.checkpoint_files import weight_file_problem
-from accelgen.loading.pre_sharded import missing_rank_file, read_manifest
 
 #: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
 #: What reports and run records call it.
 BUILT_IN_NAME = "accelgen built-in default"
-
 
 
 def looks_local(model_name_or_path: str) -> bool:
@@ -35,8 +32,8 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False) -> 
     return tokenizer
 
 
-def model_source(model_name_or_path: str | os.PathLike | None) -> str:
-    """Where to load from: the built-in default model when None; a checked folder if it is a path."""
+def model_location(model_name_or_path: str | os.PathLike | None) -> str:
+    """Where to load from: the built-in default model when None; a checked folder if it is a path; else a Hub id."""
     source = str(DEFAULT_MODEL if model_name_or_path is None else model_name_or_path)
     if looks_local(source):
         source = os.path.expanduser(source)
@@ -62,22 +59,11 @@ def loading_errors_as_usage_errors(source: str):
     )
 
 
-def check_weight_files(model_name_or_path: str | os.PathLike | None) -> None:
-    """Raise UsageError naming a damaged or missing weight file of a local model (headers only are read)."""
-    source = model_source(model_name_or_path)
-    if os.path.isdir(source):
-        manifest = read_manifest(source)
-        problem = (manifest and missing_rank_file(source, manifest)) or weight_file_problem(source)
-        fix = "shard the model again (accelgen shard)" if manifest else "download or save the model again"
-        if problem:
-            raise UsageError(f"Model {source!r} has a damaged weight file: {problem}: {fix}.")
-
-
-def load_config(model_name_or_path: str | os.PathLike | None, trust_remote_code: bool = False):
-    """The model's config alone (cheap: for checks made before any weights load)."""
-    source = model_source(model_name_or_path)
-    with loading_errors_as_usage_errors(source):
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+def load_config(location: str, trust_remote_code: bool = False):
+    """The config of the model at ``location`` (a folder or Hub id: :func:`model_location`), alone: cheap, for
+    checks made before any weights load."""
+    with loading_errors_as_usage_errors(location):
+        return AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
 
 
 def tokenizer_source(tokenizer: PreTrainedTokenizerBase) -> str:

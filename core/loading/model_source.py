@@ -8,31 +8,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
+import warnings
 from typing import Callable
 
 import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from accelgen.common.errors import UsageError
+from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.settings import RunSettings, World
 from accelgen.loading.checkpoint_download import checkpoint_folder
+from accelgen.loading.checkpoint_files import CheckpointFolder
 from accelgen.loading.model_files import (
     BUILT_IN_NAME,
     DEFAULT_MODEL,
-    check_weight_files,
     load_config,
     load_tokenizer,
     loading_errors_as_usage_errors,
-    model_source,
+    model_location,
 )
 from accelgen.loading.model_identity import model_identity
 from accelgen.loading.offload import Placement, check_offload_world, load_offloaded
-from accelgen.loading.pre_sharded import check_sharded_for, rank_files, read_manifest
+from accelgen.loading.pre_sharded import check_sharded_for, missing_rank_file, rank_files, read_manifest
 from accelgen.loading.random_weights import resolve_model_config, tokenizer_for
 from accelgen.loading.weight_loading import HOST, load_weights
-from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights, checkpoint_files
+from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
@@ -63,20 +63,54 @@ class LoadedModel:
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """``name``: a Hub id or folder (None: the built-in model); with ``random_weights``, a built-in config
-    name, a config.json, a model folder or a Hub id whose config alone is read."""
+    name, a config.json, a model folder or a Hub id whose config alone is read.
+
+    Everything it reads is read once and kept: where the model is (:attr:`location`), its config, a
+    pre-sharded folder's manifest, and each weight file's header (checked before loading, loaded from)."""
 
     name: str | None = None
     random_weights: bool = False
     trust_remote_code: bool = False
 
     @functools.cached_property
+    def location(self) -> str:
+        """The checked local folder, or the Hub id, the model is read from (not used with random weights)."""
+        return model_location(self.name)
+
+    @functools.cached_property
+    def local_folder(self) -> CheckpointFolder | None:
+        """The model's local folder, whose weight files' headers are read once; None for a Hub id."""
+        if self.random_weights or not os.path.isdir(self.location):
+            return None
+        return CheckpointFolder(self.location)
+
+    @functools.cached_property
+    def pre_sharded_manifest(self) -> dict | None:
+        """The manifest when the model is a folder ``accelgen shard`` wrote, else None."""
+        return None if self.local_folder is None else read_manifest(self.location)
+
+    @functools.cached_property
     def _resolved(self) -> tuple[str, transformers.PretrainedConfig]:
-        """(the name reports use, the model's config), read once."""
+        """(the name reports use, the model's config), read once; a local model's weight files checked."""
         if self.random_weights:
             return resolve_model_config(str(self.name or DEFAULT_MODEL), self.trust_remote_code)
-        config = load_config(self.name, self.trust_remote_code)
-        check_weight_files(self.name)
+        config = load_config(self.location, self.trust_remote_code)
+        self._check_weight_files()
         return self.name or BUILT_IN_NAME, config
+
+    def _check_weight_files(self) -> None:
+        """Raise UsageError naming a damaged or missing weight file of a local model (headers only are read)."""
+        if self.local_folder is None:
+            return
+        manifest = self.pre_sharded_manifest
+        if manifest is not None:
+            problem = missing_rank_file(self.location, manifest) or self.local_folder.problem(
+                [name for files in manifest["rank_files"] for name in files])
+        else:
+            problem = self.local_folder.problem()
+        if problem:
+            fix = "shard the model again (accelgen shard)" if manifest else "download or save the model again"
+            raise UsageError(f"Model {self.location!r} has a damaged weight file: {problem}: {fix}.")
 
     @property
     def report_name(self) -> str:
@@ -85,24 +119,18 @@ class ModelSource:
 
     def identity(self) -> dict[str, str | None]:
         """The model by content (config and weights, or Hub revision): see ``accelgen.loading.model_identity``."""
-        return model_identity(model_source(self.name), self.config())
+        return model_identity(self.location, self.config())
 
     def config(self) -> transformers.PretrainedConfig:
         """The model's config (cheap: for checks made before any weights load)."""
         return self._resolved[1]
 
-    def pre_sharded_manifest(self) -> dict | None:
-        """The manifest when the model is a folder ``accelgen shard`` wrote, else None."""
-        if self.random_weights or self.name is None or not os.path.isdir(model_source(self.name)):
-            return None
-        return read_manifest(model_source(self.name))
-
     def check_runs_on(self, world_size: int, dtype: str) -> None:
         """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (heads that do not
         split; a pre-sharded folder made for another world size or dtype): before any rank starts."""
-        manifest = self.pre_sharded_manifest()
+        manifest = self.pre_sharded_manifest
         if manifest is not None:
-            check_sharded_for(model_source(self.name), manifest, world_size, dtype)
+            check_sharded_for(self.location, manifest, world_size, dtype)
         if world_size > 1:
             check_shardable(self.config(), world_size)
 
@@ -114,7 +142,8 @@ class ModelSource:
         """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
         ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
-        (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk."""
+        (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
+        ``device_is_host``: the device computes in host memory."""
         self.check_runs_on(world.size, run.dtype)
         check_offload_world(run, world.size)
         opened = self.open(run.dtype, world)
@@ -124,8 +153,9 @@ class ModelSource:
             model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host)
         elif world.size > 1 and not slices_checkpoints(self.config()):
             if world.is_main:
-                print(f"accelgen: {self.config().model_type} models are not sliced while loading: each rank puts the "
-                      f"whole model in host memory before DeepSpeed splits it.", file=sys.stderr)
+                warnings.warn(AccelgenWarning(
+                    f"{self.config().model_type} models are not sliced while loading: each rank puts the whole model "
+                    f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
             model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors)
@@ -139,22 +169,27 @@ class ModelSource:
             shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.named_parameters()}
             weights = RandomWeights(shapes, std=getattr(config, "initializer_range", 0.02))
             return OpenedModel(skeleton, weights, tokenizer_for(str(self.name or DEFAULT_MODEL), self.trust_remote_code))
-        folder = checkpoint_folder(self.name, world)
+        folder = checkpoint_folder(self.location, world)
+        checkpoint = self.local_folder or CheckpointFolder(folder)  # a Hub model's downloaded folder
         with loading_errors_as_usage_errors(folder):
             tokenizer = load_tokenizer(folder, self.trust_remote_code)
             skeleton = empty_model(config, dtype, self.trust_remote_code)
             if os.path.isfile(os.path.join(folder, "generation_config.json")):
                 skeleton.generation_config = GenerationConfig.from_pretrained(folder)
             prefix = skeleton.base_model_prefix
-            manifest = read_manifest(folder)
+            manifest = self.pre_sharded_manifest
             if manifest is not None:
-                weights = SafetensorsWeights(rank_files(folder, manifest, world.rank), prefix, where=folder)
+                weights = SafetensorsWeights(rank_files(folder, manifest, world.rank), prefix, where=folder,
+                                             read_header=checkpoint.header)
                 return OpenedModel(skeleton, weights, tokenizer, whole_tensors=True)
-            files, are_safetensors = checkpoint_files(folder)
+            files, are_safetensors = checkpoint.weight_files()
             if not are_safetensors:
-                print(f"accelgen: {folder} has pickle (.bin) weights, read file by file; safetensors load faster "
-                      f"and slice by slice (save the model with save_pretrained, or use accelgen shard).", file=sys.stderr)
-            weights = SafetensorsWeights(files, prefix) if are_safetensors else PickleWeights(files, prefix)
+                warnings.warn(AccelgenWarning(
+                    f"{folder} has pickle (.bin) weights, read file by file; safetensors load faster and slice by "
+                    f"slice (save the model with save_pretrained, or use accelgen shard)"), stacklevel=2)
+                weights = PickleWeights(files, prefix)
+            else:
+                weights = SafetensorsWeights(files, prefix, read_header=checkpoint.header)
         return OpenedModel(skeleton, weights, tokenizer)
 
 

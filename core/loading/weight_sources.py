@@ -11,16 +11,16 @@ memory (a memory-mapped file), a host tensor over that memory (``view``: no copy
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import mmap
 import os
 import zlib
+from typing import Callable
 
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.loading.checkpoint_files import read_safetensors_header
+from accelgen.loading import checkpoint_files
 
 #: madvise(MADV_POPULATE_READ) (Linux >= 5.14): map every page of a range now, reading none into new memory.
 #: Python 3.11's mmap module does not name it.
@@ -31,7 +31,6 @@ SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
-PICKLE_PATTERNS = ("pytorch_model*.bin", "model*.bin", "*.pt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +75,14 @@ class SafetensorsWeights(CheckpointWeights):
     when it is host memory of the file's dtype: a map of it would touch, and count in the process's resident
     memory, nearly every page of the whole tensor, so every rank would seem to hold what it read past."""
 
-    def __init__(self, paths: list[str], base_model_prefix: str = "", where: str | None = None):
+    def __init__(self, paths: list[str], base_model_prefix: str = "", where: str | None = None,
+                 read_header: Callable[[str], tuple[dict, int]] | None = None):
+        """``read_header(path)``: the file's header and where its data starts (a folder's reader, which keeps
+        the headers it has read; default: read each file's)."""
+        read_header = read_header or checkpoint_files.read_safetensors_header
         tensors = {}
         for path in paths:
-            header, data_start = read_safetensors_header(path)
+            header, data_start = read_header(path)
             for name, entry in header.items():
                 if name != "__metadata__":
                     tensors[name] = (path, data_start + entry["data_offsets"][0], SAFETENSORS_DTYPES[entry["dtype"]],
@@ -201,25 +204,3 @@ class RandomWeights:
             destination.copy_(torch.empty(destination.shape).normal_(0.0, self._std, generator=generator))
         else:
             destination.normal_(0.0, self._std, generator=generator)
-
-
-def checkpoint_files(folder: str) -> tuple[list[str], bool]:
-    """(weight files of the model in ``folder``, whether they are safetensors); safetensors preferred."""
-    from accelgen.loading.checkpoint_files import SAFETENSORS_INDEX
-
-    index = os.path.join(folder, SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        import json
-
-        with open(index, encoding="utf-8") as index_file:
-            names = sorted(set(json.load(index_file)["weight_map"].values()))
-        return [os.path.join(folder, name) for name in names], True
-    safetensors = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if safetensors:
-        return safetensors, True
-    for pattern in PICKLE_PATTERNS:
-        pickles = sorted(glob.glob(os.path.join(folder, pattern)))
-        if pickles:
-            return pickles, False
-    raise UsageError(f"Model folder {folder!r} holds no weights (*.safetensors or pytorch_model*.bin): "
-                     f"pass a folder made by save_pretrained.")

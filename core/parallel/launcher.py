@@ -12,6 +12,7 @@ makes rank N fail after loading, to drill exactly that (:func:`inject_fault_if_a
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import signal
@@ -65,9 +66,17 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
     return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
 
 
-def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> int:
+@dataclasses.dataclass(frozen=True)
+class JobEnd:
+    """How a launched job ended: its exit status, and when it failed or was stopped, one line saying how."""
+
+    status: int
+    line: str | None = None
+
+
+def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> JobEnd:
     """Check that this node has the devices the job needs, then start this node's ranks, each running
-    ``accelgen <worker_argv>``; return the job's exit status. (What the model needs of the world size is
+    ``accelgen <worker_argv>``; return how the job ended. (What the model needs of the world size is
     checked by the caller, before: ``accelgen.session.request.Request.check_world_size``.)"""
     if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
         raise UsageError(
@@ -79,15 +88,15 @@ def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence
     return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))
 
 
-def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> int:
+def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> JobEnd:
     """Run ``accelgen <worker_argv>`` as this node's workers, with the accelerator's own launcher
-    command when it has one, else with torch's; return the job's exit status."""
+    command when it has one, else with torch's."""
     if launch_command is not None:
         return run_launch_command(launch_command, plan)
     return launch_with_torchrun(worker_argv, plan)
 
 
-def run_launch_command(command: list[str], plan: LaunchPlan) -> int:
+def run_launch_command(command: list[str], plan: LaunchPlan) -> JobEnd:
     """Run an accelerator's launcher (e.g. DeepSpeed's) in the foreground; stop it on Ctrl-C.
 
     Its ranks print their own one-line errors (no torch error file exists outside torchrun)."""
@@ -103,16 +112,14 @@ def run_launch_command(command: list[str], plan: LaunchPlan) -> int:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-        print("accelgen: interrupted (SIGINT); all workers stopped", file=sys.stderr)
-        return 130
+        return JobEnd(130, "interrupted (SIGINT); all workers stopped")
     if status == 0:
-        return 0
-    print(f"accelgen: error: the job's launcher ({command[0]}) exited with status {status}; "
-          f"the failing rank's error is above.", file=sys.stderr)
-    return 2 if status == 2 else 1
+        return JobEnd(0)
+    return JobEnd(2 if status == 2 else 1, f"error: the job's launcher ({command[0]}) exited with status {status}; "
+                                           f"the failing rank's error is above.")
 
 
-def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> int:
+def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
     """Run this node's workers under ``torch.distributed.run``; one line for a failed or interrupted job."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -136,12 +143,10 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> int:
         torchrun.run(launcher_arguments)
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
-        print(f"accelgen: error: {_failure_line(rank, process_failure)}", file=sys.stderr)
-        return 2 if process_failure.exitcode == 2 else 1
+        return JobEnd(2 if process_failure.exitcode == 2 else 1, f"error: {_failure_line(rank, process_failure)}")
     except SignalException as interrupt:
-        print(f"accelgen: interrupted ({interrupt.sigval.name}); all workers stopped", file=sys.stderr)
-        return 130
-    return 0
+        return JobEnd(130, f"interrupted ({interrupt.sigval.name}); all workers stopped")
+    return JobEnd(0)
 
 
 def _failure_line(rank: int, process_failure) -> str:

@@ -59,6 +59,7 @@ class CudaAccelerator(Accelerator):
 
     def __init__(self):
         self._graph_pool = SharedGraphPool(new_pool=lambda: torch.cuda.graph_pool_handle())
+        self._compile_mode: str | None = None  # ACCELGEN_CUDA_COMPILE, read once in setup
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -83,6 +84,7 @@ class CudaAccelerator(Accelerator):
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                 f"start at most {device_count} ranks per node."
             )
+        self._compile_mode = _compile_mode()  # a bad value stops the run here, before the model loads
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
 
@@ -96,9 +98,8 @@ class CudaAccelerator(Accelerator):
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
     ) -> Callable[..., torch.Tensor]:
         """A :class:`CapturedStep` replaying ``step`` as a CUDA graph on the ``example_inputs`` buffers."""
-        compile_mode = _compile_mode()
-        if compile_mode is not None:
-            step = torch.compile(step, mode=compile_mode, dynamic=False)  # compiled in the warm-up below
+        if self._compile_mode is not None:
+            step = torch.compile(step, mode=self._compile_mode, dynamic=False)  # compiled in the warm-up below
         _warm_up_on_side_stream(step, example_inputs)
         graph, output = _capture_graph(step, example_inputs, self._graph_pool.pool_for_capture())
         captured = CapturedStep(graph, output, example_inputs)
