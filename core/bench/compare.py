@@ -277,7 +277,7 @@ def check_chart_possible(path: str) -> None:
 
 
 #: Above this ratio between the largest and smallest value, the chart's value axis is logarithmic: a CPU
-#: beside GPUs and Gaudis spans 100x, which a linear axis shows as one bar and a row of slivers.
+#: beside GPUs and Gaudis spans orders of magnitude, which a linear axis shows as one bar and a row of slivers.
 LOG_SCALE_SPAN = 10
 
 

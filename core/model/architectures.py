@@ -1,7 +1,7 @@
 """What differs between model families, in one table, so that nothing else asks ``model_type == ...``.
 
 For each family the static pipeline is checked on (greedy parity with Hugging Face, and a decode step
-that never waits for the host, on transformers 4.55, 5.17 and 5.23): whether a model takes the core's 4D
+that never waits for the host, on every transformers release CI runs): whether a model takes the core's 4D
 attention mask as it is (``accelgen.generation.model_forward``), and what to change in it, once, for its decode
 step to hold nothing a captured graph cannot (BLOOM: ALiBi slopes kept on the device, and only this
 rank's; Falcon: its multi-query head split without index lists). Families not in the table get Hugging
@@ -46,7 +46,7 @@ class Architecture:
 
 def _split_multi_query_heads_by_slicing(model: torch.nn.Module, world: World) -> None:
     """Falcon's multi-query attention splits its fused projection with ``fused_qkv[..., [-2], :]``: indexing
-    with a Python list, which copies the index from the host on every call (transformers 4.55 to 5.23).
+    with a Python list, which copies the index from the host on every call (transformers 4.55 and 5.x).
     Slices select the same values without it."""
     from transformers.models.falcon.modeling_falcon import FalconAttention
 

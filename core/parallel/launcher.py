@@ -180,7 +180,7 @@ def end_worker_process(status: int) -> NoReturn:
     DeepSpeed's layers keep torch's gloo process groups alive until the interpreter finalizes, and a gloo
     worker thread may then still be releasing the tensors of a finished collective: it cannot take the GIL
     of a finalizing interpreter, and the process aborts ("terminate called without an active exception",
-    SIGABRT; pytorch/pytorch#190489, seen here in about one job in ten). Python's exit handlers run first
+    SIGABRT; pytorch/pytorch#190489). Python's exit handlers run first
     and the output is flushed, so nothing the worker wrote or registered is lost."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -192,8 +192,8 @@ def stop_at_once_when_interrupted() -> None:
     """Let SIGINT and SIGTERM end this worker at once, as their default action does, even inside a collective.
 
     Python would only raise KeyboardInterrupt once the running C++ call returns, and a rank waiting in an
-    all-reduce for a peer that has already stopped never returns: the launcher then waited out its grace
-    period (30 s) before killing it. Nothing is lost by stopping at once: rank 0 writes each completed row
+    all-reduce for a peer that has already stopped never returns: the launcher then waited out its whole grace
+    period before killing it. Nothing is lost by stopping at once: rank 0 writes each completed row
     in one write, and a torn last line is cut on resume."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

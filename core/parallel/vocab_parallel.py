@@ -2,8 +2,8 @@
 
 DeepSpeed's AutoTP leaves the input embedding whole on every rank and gives the output head a
 separate (untied) copy split along the hidden size, so a rank of a tied-embedding model such as
-BLOOM holds the vocabulary matrix twice over: for BLOOM-560m that is 0.96x of the unsharded model
-per rank at 2 ranks. Here each rank keeps one slice of the vocabulary rows, shared by the embedding
+BLOOM holds the vocabulary matrix twice over, which for a model with a large vocabulary is most of what
+splitting was meant to save. Here each rank keeps one slice of the vocabulary rows, shared by the embedding
 and (for tied models) the head, and the collectives put the full results back together:
 
 - embedding: each rank embeds the ids in its slice (zeros elsewhere); an all-reduce sums them.

@@ -1,8 +1,7 @@
 """DeepSpeed's shared-memory all-reduce on CPU (its CPU accelerator's ``deepspeed_shm_comm`` kernel), set up
 right and cleaned up after: what running DeepSpeed-Inference with several CPU ranks on one machine needs.
 
-Versions: the behaviour below is DeepSpeed 0.19's (the release ``accelgen[deepspeed]`` resolves to as of this
-writing); the figures that led here are in the commit messages.
+The behaviour worked around is DeepSpeed 0.19's (its CPU accelerator and shared-memory all-reduce).
 """
 
 from __future__ import annotations
