@@ -5,9 +5,10 @@ import sys
 from accelgen.cli.commands import main
 from accelgen.parallel.launcher import end_worker_process, running_as_worker, stop_at_once_when_interrupted
 
-if running_as_worker():
+worker = running_as_worker()
+if worker:
     stop_at_once_when_interrupted()
 exit_status = main()
-if running_as_worker():
+if worker:
     end_worker_process(exit_status)
 sys.exit(exit_status)
