@@ -5,9 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import accelgen
-from accelgen.plugin.manager import get_plugin_manager
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import build_model, build_tokenizer, tiny_configs  # noqa: E402
@@ -50,18 +47,3 @@ def cli_environment():
     """Environment for running the ``accelgen`` script in a subprocess."""
     environment = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
     return environment
-
-
-def plugin_manager_with(*accelerators):
-    """A fresh plugin manager with the built-in plugins, then a plugin registering ``accelerators``
-    (each replaces the built-in accelerator of its name, as an installed plugin would)."""
-
-    class Plugin:
-        @accelgen.hookimpl
-        def accelgen_register_accelerators(self, register):
-            for accelerator in accelerators:
-                register(accelerator)
-
-    plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin())
-    return plugin_manager

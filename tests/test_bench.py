@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import plugin_manager_with
+from accelerators import CapturingCpu, plugin_manager_with
 
 from accelgen.bench.protocol import PUBLISHED_PROMPT
 from accelgen.bench.result_file import SCHEMA, SCHEMA_VERSION
@@ -78,13 +78,15 @@ class FakeClock:
         return self.now
 
 
-class ClockedCpu(CpuAccelerator):
-    """A device on which a prefill takes exactly 50 ms and each decode step 10 ms, by the fake clock."""
+class ClockedCpu(CapturingCpu):
+    """A device on which a prefill takes exactly 50 ms and each decode step ``step_seconds`` (10 ms), by the fake
+    clock; its peak memory bandwidth is ``peak_memory_bandwidth_gbps`` (unknown when None)."""
 
-    captures_by_default = True
+    def __init__(self, clock, step_seconds=0.010, peak_memory_bandwidth_gbps=None):
+        self.clock, self.step_seconds, self.peak_memory_bandwidth_gbps = clock, step_seconds, peak_memory_bandwidth_gbps
 
-    def __init__(self, clock):
-        self.clock = clock
+    def describe(self):
+        return {**super().describe(), "peak_memory_bandwidth_gbps": self.peak_memory_bandwidth_gbps}
 
     def prepare_model(self, model, device, run, world):
         forward = model.forward
@@ -100,7 +102,7 @@ class ClockedCpu(CpuAccelerator):
 
     def capture(self, step, example_inputs, run):
         def replay(*inputs):
-            self.clock.now += 0.010
+            self.clock.now += self.step_seconds
             return step(*inputs)
 
         return replay
@@ -133,33 +135,44 @@ def test_bench_json_prints_the_document_and_graphs_are_captured_once_per_size(ti
     assert "accelgen: bench batch size 1:" in shown.err
 
 
-def test_roofline_counts_the_weights_and_the_cache_a_step_reads_at_the_device_peak_bandwidth(tiny_model_folder, tmp_path):
-    class KnownBandwidthCpu(CpuAccelerator):
-        def describe(self):
-            return {**super().describe(), "peak_memory_bandwidth_gbps": 0.001}  # 1 MB/s: a step takes seconds
+def test_roofline_is_100_percent_when_a_step_takes_as_long_as_reading_its_bytes_at_peak_bandwidth(
+    tiny_model_folder, tmp_path, monkeypatch
+):
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
 
-    plugin_manager = plugin_manager_with(KnownBandwidthCpu())
-    assert bench(tiny_model_folder("bloom"), tmp_path / "r.json", "--batch-sizes", "1,3", plugin_manager=plugin_manager) == 0
-    measurement = json.loads((tmp_path / "r.json").read_text())["measurements"][0]
-    prompt_tokens = measurement["protocol"]["prompt_tokens"]
-    # the tiny BLOOM: 2 layers, 4 heads of 16 values, float32: keys and values of one position take 2 * 2 * 4 * 16 * 4
-    # bytes; on average a step attends to the prompt and half the new tokens
-    cache_bytes_per_row = 1024 * (prompt_tokens + NEW_TOKENS / 2)
-    for row in measurement["results"]:
-        expected_bytes = measurement["model"]["parameter_bytes_per_rank"] + row["batch_size"] * cache_bytes_per_row
-        assert row["decode_step_bytes"] == round(expected_bytes)
-        seconds_at_peak = expected_bytes / 1e6
-        assert row["roofline_percent"] == pytest.approx(100 * seconds_at_peak / (row["decode_ms_per_token"]["median"] / 1000))
+    def measurement(step_seconds, peak_memory_bandwidth_gbps):
+        device = ClockedCpu(clock, step_seconds, peak_memory_bandwidth_gbps)
+        output = tmp_path / f"{step_seconds}-{peak_memory_bandwidth_gbps}.json"
+        assert bench(tiny_model_folder("bloom"), output, "--batch-sizes", "1,3", plugin_manager=plugin_manager_with(device)) == 0
+        return json.loads(output.read_text())["measurements"][0]
+
+    unknown_peak = measurement(0.010, None)
+    assert [row["roofline_percent"] for row in unknown_peak["results"]] == [None, None]
+    one_row, three_rows = (row["decode_step_bytes"] for row in unknown_peak["results"])
+    # a step reads every weight once, and each row its own keys and values: three rows read three times one row's
+    weights = unknown_peak["model"]["parameter_bytes_per_rank"]
+    assert weights < one_row < three_rows
+    assert three_rows - weights == pytest.approx(3 * (one_row - weights), abs=2)
+
+    # a peak at which reading one row's step bytes takes exactly the 10 ms a step takes
+    peak_gbps = one_row / 0.010 / 1e9
+    at_peak = measurement(0.010, peak_gbps)
+    assert [row["decode_step_bytes"] for row in at_peak["results"]] == [one_row, three_rows]  # the same work
+    assert at_peak["results"][0]["roofline_percent"] == pytest.approx(100)
+    assert at_peak["results"][1]["roofline_percent"] > at_peak["results"][0]["roofline_percent"]  # more bytes, same 10 ms
+
+    twice_as_slow = measurement(0.020, peak_gbps)
+    for fast, slow in zip(at_peak["results"], twice_as_slow["results"]):
+        assert slow["roofline_percent"] == pytest.approx(fast["roofline_percent"] / 2)
 
 
-class SmallMemoryCpu(CpuAccelerator):
+class SmallMemoryCpu(CapturingCpu):
     """A CPU standing in for a device whose memory holds decode graphs of at most two rows: capturing a
     larger one raises the out-of-memory error torch raises on GPUs."""
 
-    captures_by_default = True
-
     def capture(self, step, example_inputs, run):
-        if example_inputs[0].shape[0] > 2:
+        if run.batch_size > 2:
             raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB (test device of small memory)")
         return step
 

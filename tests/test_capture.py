@@ -7,13 +7,14 @@ import weakref
 
 import pytest
 import torch
-from conftest import PROMPTS, plugin_manager_with
+from accelerators import CapturingCpu, plugin_manager_with
+from conftest import PROMPTS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
-from accelgen_cpu import CpuAccelerator
+from accelgen.generation.generator import EOS_CHECK_INTERVAL
 from accelgen_cuda.graph_pool import SharedGraphPool
 
 NEW_TOKENS = 20
@@ -48,10 +49,8 @@ class OperationLog(TorchDispatchMode):
         return [name for in_step, name in self.events[inside[0] : inside[-1]] if not in_step]
 
 
-class ReplayLoggingCpu(CpuAccelerator):
+class ReplayLoggingCpu(CapturingCpu):
     """'Captures' the step as itself, and marks in the log which operations run inside a replay."""
-
-    captures_by_default = True
 
     def __init__(self, log):
         self.log = log
@@ -70,25 +69,25 @@ class ReplayLoggingCpu(CpuAccelerator):
 @pytest.mark.parametrize("ignore_eos", [False, True], ids=["stops-at-eos", "ignore-eos"])
 def test_between_replays_the_host_only_checks_every_few_steps_whether_all_rows_finished(tiny_model_folder, ignore_eos):
     """Token choice, end-of-sequence bookkeeping and every position advance are inside the captured step: between
-    two replays the host launches nothing, and every 8 steps reads one flag (unless the run ignores EOS)."""
+    two replays the host launches nothing, and every EOS_CHECK_INTERVAL steps reads one flag (unless the run
+    ignores EOS)."""
     log = OperationLog()
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS,
                               ignore_eos=ignore_eos, plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
     with log:
         generator.generate(PROMPTS[:2])
     [timing] = generator.stats.timings
-    checks = 0 if ignore_eos else timing.decode_steps // 8
-    assert timing.decode_steps > 8
+    checks = 0 if ignore_eos else timing.decode_steps // EOS_CHECK_INTERVAL
+    assert timing.decode_steps > EOS_CHECK_INTERVAL  # at least one check
     assert log.between_replays() == ["aten.all.default", "aten._local_scalar_dense.default"] * checks
 
 
 # -- a capture that fails ----------------------------------------------------------------------------------
 
 
-class UncapturableCpu(CpuAccelerator):
+class UncapturableCpu(CapturingCpu):
     """A device whose capture fails the way CUDA's does for a step that reads a device value on the host."""
 
-    captures_by_default = True
     attempts = 0
 
     def capture(self, step, example_inputs, run):
@@ -131,9 +130,7 @@ def test_the_python_interface_warns_with_a_warning_category(tiny_model_folder):
 
 
 def test_running_out_of_memory_while_capturing_is_not_taken_for_an_uncapturable_step(tiny_model_folder):
-    class SmallCpu(CpuAccelerator):
-        captures_by_default = True
-
+    class SmallCpu(CapturingCpu):
         def capture(self, step, example_inputs, run):
             raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB")
 
@@ -176,10 +173,8 @@ class CapturedStep:
         return self.step(*inputs)
 
 
-class PoolCountingCpu(CpuAccelerator):
+class PoolCountingCpu(CapturingCpu):
     """Captures as the cuda plugin does, each graph's memory from the pool ``graph_pool`` hands out."""
-
-    captures_by_default = True
 
     def __init__(self, graph_pool, allocator):
         self.graph_pool, self.allocator = graph_pool, allocator

@@ -164,10 +164,17 @@ def test_out_of_memory_is_recognised_from_the_bridges_error(error, out_of_memory
 
 
 def test_launch_command_is_deepspeeds_launcher_with_one_rank_per_card():
+    """What DeepSpeed's launcher makes of the command: one rank per card of this node on the plan's port, each
+    running ``python -m accelgen.cli`` with the user's arguments and no ``--local_rank`` added to them."""
+    runner = pytest.importorskip("deepspeed.launcher.runner")
     plan = LaunchPlan(world_size=8, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=29600)
-    command = HpuAccelerator().launch_command(["run", "--device", "hpu", "--world-size", "8"], plan)
-    assert command == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "8", "--master_port", "29600",
-                       "--no_local_rank", "--module", "accelgen.cli", "run", "--device", "hpu", "--world-size", "8"]
+    worker_argv = ["run", "--device", "hpu", "--world-size", "8", "--prompt", "Hello"]
+    command = HpuAccelerator().launch_command(worker_argv, plan)
+    assert command[:3] == [sys.executable, "-m", runner.__name__]  # the launcher, with this interpreter
+    launch = runner.parse_args(command[3:])
+    assert (launch.num_gpus, launch.master_port) == (8, 29600)
+    assert (launch.module, launch.user_script, launch.user_args) == (True, "accelgen.cli", worker_argv)
+    assert launch.no_local_rank  # accelgen reads LOCAL_RANK from the environment; its parser has no --local_rank
 
 
 def test_several_nodes_are_one_line_pointing_to_deepspeeds_hostfile():

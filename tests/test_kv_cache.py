@@ -7,12 +7,11 @@ import sys
 import textwrap
 
 import pytest
-from conftest import plugin_manager_with
+from accelerators import CapturingCpu, plugin_manager_with
 from tiny_models import CORPUS, build_model, build_tokenizer
 from transformers import AutoTokenizer, LlamaConfig
 
 import accelgen
-from accelgen_cpu import CpuAccelerator
 
 
 def text_of_at_most(tokenizer, tokens: int) -> str:
@@ -27,15 +26,6 @@ def text_of_at_most(tokenizer, tokens: int) -> str:
     raise AssertionError("the corpus is too short")
 
 
-class PlainCaptureCpu(CpuAccelerator):
-    """Counts as capturing (so captures are counted) but replays the plain step: fast."""
-
-    captures_by_default = True
-
-    def capture(self, step, example_inputs, run):
-        return step
-
-
 @pytest.mark.parametrize("architecture", ["llama", "bloom", "falcon"])
 def test_buckets_met_in_any_order_give_what_a_fresh_generator_gives(tiny_model_folder, architecture):
     folder = tiny_model_folder(architecture)
@@ -44,7 +34,7 @@ def test_buckets_met_in_any_order_give_what_a_fresh_generator_gives(tiny_model_f
     settings = dict(device="cpu", max_new_tokens=12, buckets=(8, 32, 128))
     fresh = {prompt: accelgen.generate([prompt], model=folder, **settings)[0].completion_token_ids
              for prompt in (short, middle, long)}
-    generator = accelgen.load(folder, plugin_manager=plugin_manager_with(PlainCaptureCpu()), **settings)
+    generator = accelgen.load(folder, plugin_manager=plugin_manager_with(CapturingCpu()), **settings)
     for prompt in (short, middle, long, short, middle, long, middle, short):  # the cache grows twice, then is shared
         assert generator.generate([prompt])[0].completion_token_ids == fresh[prompt]
     assert generator.cache_length_in_use == 128 + 12

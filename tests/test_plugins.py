@@ -1,5 +1,6 @@
 """The plugin system: built-ins and third-party plugins through one pluggy manager."""
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerators import CapturingCpu, RegisteringPlugin
 
 import accelgen
 from accelgen.cli import main
-from accelgen.plugin.manager import DEFAULT_PLUGINS, get_plugin_manager
+from accelgen.plugin.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, get_plugin_manager
 from accelgen.plugin.registry import registered_accelerators, select_accelerator
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -35,18 +37,6 @@ class UnavailableAccelerator(accelgen.Accelerator):
         raise AssertionError("an unavailable device is never set up")
 
 
-class Plugin:
-    """Plugins can be objects too; this one registers whatever accelerators it is given."""
-
-    def __init__(self, *accelerators):
-        self.accelerators = accelerators
-
-    @accelgen.hookimpl
-    def accelgen_register_accelerators(self, register):
-        for accelerator in self.accelerators:
-            register(accelerator)
-
-
 def test_built_in_plugins_register_through_the_same_hook():
     plugin_manager = get_plugin_manager(load_entry_points=False)
     # get_plugins() is a set: compare names, not order (the order of calls is pluggy's, tested below)
@@ -54,15 +44,23 @@ def test_built_in_plugins_register_through_the_same_hook():
     assert list(registered_accelerators(plugin_manager)) == ["hpu", "cuda", "cpu"]  # by priority
 
 
-def test_entry_point_of_a_built_in_is_not_registered_twice():
+def test_entry_point_of_a_built_in_is_not_registered_twice(capsys):
+    """The built-ins are also listed as entry points (pyproject.toml); loading those must neither register a
+    module twice nor be refused by pluggy as a duplicate and shown as a broken plugin."""
+    entry_points = {entry_point.name for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert set(DEFAULT_PLUGINS) <= entry_points  # else this test checks nothing
     plugin_manager = get_plugin_manager()
     names = [plugin_manager.get_name(plugin) for plugin in plugin_manager.get_plugins()]
-    assert names.count("accelgen_cpu") == 1
+    assert all(names.count(built_in) == 1 for built_in in DEFAULT_PLUGINS)
+    assert [failure for failure in plugin_manager.load_failures if failure.plugin in DEFAULT_PLUGINS] == []
+    assert main(["devices"], plugin_manager) == 0
+    assert [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("broken") and any(built_in in line for built_in in DEFAULT_PLUGINS)] == []
 
 
 def test_unknown_device_lists_the_known_ones(capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))
     assert main(["run", "--device", "xpu", "--prompt", "hi"], plugin_manager) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1
@@ -72,7 +70,7 @@ def test_unknown_device_lists_the_known_ones(capsys):
 
 def test_known_but_unavailable_device_says_why(capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))
     assert main(["run", "--device", "npu", "--prompt", "hi"], plugin_manager) == 2
     assert capsys.readouterr().err == (
         "accelgen: error: --device npu is not available here: NPU runtime not installed (pip install npu-runtime)\n"
@@ -81,7 +79,7 @@ def test_known_but_unavailable_device_says_why(capsys):
 
 def test_devices_lists_every_accelerator_and_why_not(capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))
     assert main(["devices"], plugin_manager) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("npu") and "unavailable: NPU runtime not installed" in lines[0]
@@ -91,44 +89,48 @@ def test_devices_lists_every_accelerator_and_why_not(capsys):
 
 def test_auto_device_skips_unavailable_accelerators():
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(UnavailableAccelerator()))
+    plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))
     assert select_accelerator(plugin_manager, "auto").name == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_model_folder):
-    captured = []
+    replays_per_capture = []  # one entry per capture: how often its step was replayed since
 
-    class RecordingCpu(accelgen.Accelerator):
-        name = "cpu"
-        captures_by_default = True
-
-        def is_available(self):
-            return True
-
-        def setup(self, world):
-            return torch.device("cpu")
-
+    class RecordingCpu(CapturingCpu):
         def capture(self, step, example_inputs, run):
-            captured.append(tuple(tensor.shape for tensor in example_inputs))
-            return step
+            assert example_inputs and all(isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+                                          for tensor in example_inputs)
+            captured_addresses = [tensor.data_ptr() for tensor in example_inputs]
+            replays_per_capture.append(0)
+            capture_number = len(replays_per_capture) - 1
+
+            def replay(*inputs):
+                assert [tensor.data_ptr() for tensor in inputs] == captured_addresses  # the buffers captured on
+                replays_per_capture[capture_number] += 1
+                return step(*inputs)
+
+            return replay
 
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(RecordingCpu()))
-    generator = accelgen.load(
-        tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=4, buckets=(8, 128),
-        plugin_manager=plugin_manager,
-    )
-    generator.generate(["one", "two", "three"])
-    generator.generate(["four", "five"])
-    generator.generate(["a prompt longer than eight tokens needs the next bucket"])
-    # the decode buffers (accelgen.generation.decoding.DecodeState) for batch 2, bucket + 4 cache positions and 4 new tokens:
-    # [2, 1] tokens, [2, 1] positions, [1] cache index, [2, bucket + 4] mask, [1] step, [2, 4] new tokens,
-    # [2] finished rows, [2] prompt numbers; one capture per bucket, reused by later batches
-    def shapes(cache_length):
-        return tuple(torch.Size(shape) for shape in ([2, 1], [2, 1], [1], [2, cache_length], [1], [2, 4], [2], [2]))
+    plugin_manager.register(RegisteringPlugin(RecordingCpu()))
+    settings = dict(device="cpu", batch_size=2, max_new_tokens=4, buckets=(8, 128))
+    generator = accelgen.load(tiny_model_folder("llama"), plugin_manager=plugin_manager, **settings)
+    plain = accelgen.load(tiny_model_folder("llama"), graphs=False, **settings)  # the built-in cpu: no capture
+    long_prompt = "a prompt longer than eight tokens needs the next bucket"
 
-    assert captured == [shapes(8 + 4), shapes(128 + 4)]
-    assert generator.stats.graph_captures == 2
+    def same_as_plain(prompts):
+        completions = generator.generate(prompts)
+        expected = plain.generate(prompts)
+        return [c.completion_token_ids for c in completions] == [c.completion_token_ids for c in expected]
+
+    assert same_as_plain(["one", "two", "three"])  # two batches of bucket 8: captured once, then replayed
+    assert len(replays_per_capture) == 1 and replays_per_capture[0] > 0
+    replays_of_the_first_batches = replays_per_capture[0]
+    assert same_as_plain(["four", "five"])  # a later batch of the same bucket replays that capture
+    assert len(replays_per_capture) == 1 and replays_per_capture[0] > replays_of_the_first_batches
+    assert same_as_plain([long_prompt])  # the next bucket: its own capture
+    assert len(replays_per_capture) == 2 and replays_per_capture[1] > 0
+    assert generator.stats.graph_captures == 2 and plain.stats.graph_captures == 0
 
 
 def test_hook_tracing_switch_prints_hook_calls(monkeypatch, capsys):
@@ -204,7 +206,7 @@ class WrongDtypes(UnavailableAccelerator):
 ])
 def test_a_broken_accelerator_is_refused_at_registration_with_one_line(accelerator, device, problem, capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(Plugin(accelerator), name="my_plugin")
+    plugin_manager.register(RegisteringPlugin(accelerator), name="my_plugin")
 
     assert main(["devices"], plugin_manager) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -12,9 +12,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from accelerators import plugin_manager_with
 
 import accelgen
 from accelgen.cli import main
+from accelgen.parallel.launcher import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -161,12 +163,6 @@ def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environm
     assert "DeepSpeed cannot shard GPT2LMHeadModel with AutoTP" in line and "--world-size 1" in line
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class OneGpuAccelerator(accelgen.Accelerator):
     """A device with one card per rank and only one card here."""
 
@@ -180,11 +176,6 @@ class OneGpuAccelerator(accelgen.Accelerator):
         raise AssertionError("the launch is refused before any rank starts")
 
 
-@accelgen.hookimpl
-def accelgen_register_accelerators(register):
-    register(OneGpuAccelerator())
-
-
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -196,8 +187,7 @@ def accelgen_register_accelerators(register):
     ],
 )
 def test_bad_parallel_settings_are_one_line(tiny_model_folder, capsys, arguments, message):
-    plugin_manager = accelgen.get_plugin_manager(load_entry_points=False)
-    plugin_manager.register(sys.modules[__name__])
+    plugin_manager = plugin_manager_with(OneGpuAccelerator())
     argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "a", *arguments]
     assert main(argv, plugin_manager) == 2
     error = capsys.readouterr().err

@@ -1,0 +1,40 @@
+"""The small test accelerators and the plugin that registers them, shared by the test files.
+
+Import them as ``from accelerators import CapturingCpu, plugin_manager_with`` (conftest.py puts tests/ on
+``sys.path``). A test that needs a device to behave differently subclasses :class:`CapturingCpu` and overrides
+the one method it is about (usually ``capture``), instead of writing a whole accelerator again.
+"""
+
+import accelgen
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen_cpu import CpuAccelerator
+
+
+class CapturingCpu(CpuAccelerator):
+    """The CPU accelerator, except that it captures the decode step by default (so captures are counted) and its
+    capture is the plain step, which a replay runs: fast, and the same output as the eager run."""
+
+    captures_by_default = True
+
+    def capture(self, step, example_inputs, run):
+        return step
+
+
+class RegisteringPlugin:
+    """A plugin object registering the accelerators it is given, as an installed plugin would."""
+
+    def __init__(self, *accelerators):
+        self.accelerators = accelerators
+
+    @accelgen.hookimpl
+    def accelgen_register_accelerators(self, register):
+        for accelerator in self.accelerators:
+            register(accelerator)
+
+
+def plugin_manager_with(*accelerators):
+    """A fresh plugin manager with the built-in plugins, then a plugin registering ``accelerators``
+    (each replaces the built-in accelerator of its name, as an installed plugin would)."""
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(RegisteringPlugin(*accelerators))
+    return plugin_manager
