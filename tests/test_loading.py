@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 import accelgen
 from accelgen.cli import main
+from accelgen.common.errors import AccelgenWarning
 from accelgen.loading.pre_sharded import MANIFEST
 
 pytest.importorskip("deepspeed")
@@ -148,9 +149,13 @@ def test_a_pickle_checkpoint_still_loads_with_a_line_saying_safetensors_is_faste
     (folder / "model.safetensors").unlink()
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
     options = dict(device="cpu", max_new_tokens=MAX_NEW_TOKENS)
-    completions = accelgen.generate(PROMPTS, model=str(folder), **options)
-    assert "pickle (.bin) weights" in capsys.readouterr().err
+    with pytest.warns(AccelgenWarning, match=r"pickle \(\.bin\) weights"):  # the library warns
+        completions = accelgen.generate(PROMPTS, model=str(folder), **options)
     assert [c.completion_token_ids for c in completions] == reference_completions(str(tiny_model_folder("opt")), PROMPTS)
+    # the command line shows the warning as one line
+    assert main(["run", "--device", "cpu", "--model", str(folder), "--prompt", "Hello", "--max-new-tokens", "2"]) == 0
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "pickle" in line]
+    assert line.startswith("accelgen: warning: ") and "safetensors load faster" in line
 
 
 def run_exit(capsys, *arguments):
