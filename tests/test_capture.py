@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
+from accelgen.generation.continuous import SLOT_CHECK_INTERVAL
 from accelgen.generation.generator import EOS_CHECK_INTERVAL
 from accelgen_cuda.graph_pool import SharedGraphPool
 
@@ -32,6 +33,10 @@ def eager_token_ids(folder, prompts, **settings):
 # -- the host between replays ----------------------------------------------------------------------------
 
 
+#: The mark a replay leaves in the log as it starts.
+REPLAY_STARTS = "replay starts"
+
+
 class OperationLog(TorchDispatchMode):
     """Every aten operation, with whether it ran inside a replay of the captured step."""
 
@@ -43,10 +48,16 @@ class OperationLog(TorchDispatchMode):
         self.events.append((self.inside_step, str(func)))
         return func(*args, **(kwargs or {}))
 
+    def gaps_between_replays(self):
+        """For each two consecutive replays, the operations the host ran between them."""
+        starts = [index for index, (in_step, name) in enumerate(self.events) if name == REPLAY_STARTS]
+        return [[name for in_step, name in self.events[start:end] if in_step is False]
+                for start, end in zip(starts, starts[1:])]
+
     def between_replays(self):
         """The operations the host ran from the first replay to the last, outside them."""
         inside = [index for index, (in_step, _) in enumerate(self.events) if in_step]
-        return [name for in_step, name in self.events[inside[0] : inside[-1]] if not in_step]
+        return [name for in_step, name in self.events[inside[0] : inside[-1]] if in_step is False]
 
 
 class ReplayLoggingCpu(CapturingCpu):
@@ -57,6 +68,7 @@ class ReplayLoggingCpu(CapturingCpu):
 
     def capture(self, step, example_inputs, run):
         def replay(*inputs):
+            self.log.events.append((None, REPLAY_STARTS))
             self.log.inside_step = True
             try:
                 return step(*inputs)
@@ -73,13 +85,31 @@ def test_between_replays_the_host_only_checks_every_few_steps_whether_all_rows_f
     ignores EOS)."""
     log = OperationLog()
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS,
-                              ignore_eos=ignore_eos, plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
+                              ignore_eos=ignore_eos, batching="static", plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
     with log:
         generator.generate(PROMPTS[:2])
     [timing] = generator.stats.timings
     checks = 0 if ignore_eos else timing.decode_steps // EOS_CHECK_INTERVAL
     assert timing.decode_steps > EOS_CHECK_INTERVAL  # at least one check
     assert log.between_replays() == ["aten.all.default", "aten._local_scalar_dense.default"] * checks
+
+
+def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps(tiny_model_folder):
+    """Continuous batching: the slot step is captured once; between two replays the host launches nothing but
+    the prefill of a prompt into a slot that has freed up (its looks at the finished rows read one flag each)."""
+    log = OperationLog()
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS,
+                              ignore_eos=True, batching="continuous", plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
+    with log:
+        completions = generator.generate(PROMPTS[:3])  # the third waits for a slot
+    assert [len(completion.completion_token_ids) for completion in completions] == [NEW_TOKENS] * 3
+    assert generator.stats.graph_captures == 1
+    gaps = log.gaps_between_replays()
+    # the first two rows take NEW_TOKENS - 1 steps (their first token came from the prefill), looked at every
+    # SLOT_CHECK_INTERVAL steps or sooner; then the third is prefilled into a freed slot and takes as many
+    assert len(gaps) + 1 == 2 * (NEW_TOKENS - 1)
+    assert [number for number, gap in enumerate(gaps, start=1) if gap] == [NEW_TOKENS - 1]
+    assert NEW_TOKENS - 1 > SLOT_CHECK_INTERVAL  # so the looks in between were made, and launched nothing
 
 
 # -- a capture that fails ----------------------------------------------------------------------------------

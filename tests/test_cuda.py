@@ -158,25 +158,32 @@ def test_out_of_memory_errors_are_recognised():
 
 #: Operations that show the captured step is the whole decode step, not only the forward pass: the token choice
 #: (argmax; for sampling also the noise's logarithm), the end-of-sequence check, recording the token, the advance.
-WHOLE_STEP_OPERATIONS = {"aten.argmax.default", "aten.isin.Tensor_Tensor", "aten.index_copy_.default", "aten.add_.Tensor"}
+#: Operations of the whole step beside the forward pass: token choice, end-of-sequence bookkeeping, advances;
+#: a fixed batch records tokens at one step (index_copy_), slots each at its own (scatter_).
+WHOLE_STEP_OPERATIONS = {
+    "static": {"aten.argmax.default", "aten.isin.Tensor_Tensor", "aten.index_copy_.default", "aten.add_.Tensor"},
+    "continuous": {"aten.argmax.default", "aten.isin.Tensor_Tensor", "aten.scatter_.src", "aten.add_.Tensor",
+                   "aten.clamp_.default"},
+}
 
 
 @pytest.mark.parametrize("architecture", CAPTURABLE_ARCHITECTURES)
 @pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.8)],
                          ids=["greedy", "sampling"])
-def test_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, architecture, sampling):
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_decode_step_never_waits_for_the_host_while_captured(tiny_model_folder, architecture, sampling, batching):
     """A CUDA graph cannot hold an operation that reads a device value on the host (``.item()``, ``if tensor``,
     ``nonzero``) or copies host data in. Transformers avoids them while a CUDA stream is capturing; here the
     decode step runs on the CPU with transformers told a capture is under way, and every operation is recorded.
     The step handed to capture is the whole one: forward pass, token choice and bookkeeping."""
     recorder = HostSyncRecorder()
     generator = accelgen.load(
-        tiny_model_folder(architecture), device="cpu", batch_size=2, max_new_tokens=4,
+        tiny_model_folder(architecture), device="cpu", batch_size=2, max_new_tokens=4, batching=batching,
         plugin_manager=plugin_manager_with(CaptureEmulatingCpu(recorder)), **sampling,
     )
     generator.generate(PROMPTS[:2])
     assert generator.stats.graph_captures == 1
-    assert WHOLE_STEP_OPERATIONS <= set(recorder.operations)
+    assert WHOLE_STEP_OPERATIONS[batching] <= set(recorder.operations)
     if sampling:
         assert "aten.log.default" in recorder.operations  # the exponential noise of the draw
     assert recorder.host_syncs == []

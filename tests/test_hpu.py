@@ -78,10 +78,25 @@ def test_bfloat16_is_the_default_and_matches_hugging_face_in_bfloat16(tiny_model
     assert completions == expected
 
 
+def test_continuous_batching_replays_one_hpu_graph_whatever_rows_come_and_go(tiny_model_folder, habana_double):
+    """Prompts of two buckets through two slots: every insertion prefills in a bucketed shape, and the slot step
+    is wrapped in an HPU graph once (no new graph per insertion); each row is what it is alone."""
+    folder = tiny_model_folder("llama")
+    short, long = "Hello", "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
+    prompts = [long, short, short, long, short, long, short]
+    completions, generator = hpu_completions(folder, prompts, buckets=(4, 64), batch_size=2, batching="continuous",
+                                             dtype="float32")
+    assert generator.batching == "continuous"
+    assert habana_double["graph_wrap"] == 1 and generator.stats.graph_captures == 1
+    assert habana_double["graph_replay"] == generator.stats.timings[-1].decode_steps
+    alone = {prompt: hpu_completions(folder, [prompt], dtype="float32")[0][0] for prompt in (short, long)}
+    assert completions == [alone[prompt] for prompt in prompts]
+
+
 def test_each_bucket_gets_its_own_graph(tiny_model_folder, habana_double):
     folder = tiny_model_folder("llama")
     short, long = "Hello", "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
-    _, generator = hpu_completions(folder, [long, short, long, short], buckets=(4, 64))  # the cache never grows
+    _, generator = hpu_completions(folder, [long, short, long, short], buckets=(4, 64), batching="static")  # the cache never grows
     assert generator.stats.graph_captures == 2
     assert habana_double["graph_wrap"] == 2 and habana_double["graph_capture"] == 2
 

@@ -31,7 +31,7 @@ def test_buckets_met_in_any_order_give_what_a_fresh_generator_gives(tiny_model_f
     folder = tiny_model_folder(architecture)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     short, middle, long = (text_of_at_most(tokenizer, tokens) for tokens in (8, 30, 120))  # buckets 8, 32, 128
-    settings = dict(device="cpu", max_new_tokens=12, buckets=(8, 32, 128))
+    settings = dict(device="cpu", max_new_tokens=12, buckets=(8, 32, 128), batching="static")
     fresh = {prompt: accelgen.generate([prompt], model=folder, **settings)[0].completion_token_ids
              for prompt in (short, middle, long)}
     generator = accelgen.load(folder, plugin_manager=plugin_manager_with(CapturingCpu()), **settings)

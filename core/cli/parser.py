@@ -7,7 +7,7 @@ import argparse
 from accelgen.bench.compare import METRICS
 from accelgen.bench.protocol import PUBLISHED_PROMPT
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
+from accelgen.common.settings import BATCHING_MODES, DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
 from accelgen.common.value_ranges import RANGES
 from accelgen.plugin.registry import AUTO_DEVICE
 
@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
     run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("default 100", "max_new_tokens"))
     run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))
-    run.add_argument("--batch-size", type=_number("batch_size"), default=1, help=_with_range("fixed batch shape; the last batch is padded", "batch_size"))
+    run.add_argument("--batch-size", type=_number("batch_size"), default=1, help=_with_range("rows decoded together: the batch shape", "batch_size"))
+    run.add_argument("--batching", choices=BATCHING_MODES, default="continuous",
+                     help="continuous (default): a finished row's slot takes the next prompt at once; "
+                          "static: fixed batches, each decoded until its longest row ends")
     run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -58,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "a config.json or model folder, or a Hub id")
     bench.add_argument("--random-weights", action="store_true", help="build the model from its config, no weights read")
     bench.add_argument("--batch-sizes", type=RANGES["batch_sizes"].parse_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")
+    bench.add_argument("--batching", choices=BATCHING_MODES, default="static",
+                       help="static (default): fixed batches, as the published protocol measures; or continuous")
     bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("new tokens per run, always generated (default 100)", "max_new_tokens"))
     bench.add_argument("--runs", type=_number("runs"), default=5, help=_with_range("timed runs per batch size (default 5)", "runs"))
     bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=1, help=_with_range("untimed runs first, graph capture included (default 1)", "warmup_runs"))

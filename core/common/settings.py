@@ -21,6 +21,9 @@ def torch_dtype(name: str):
 
 #: Where ``--offload`` keeps the weights that do not fit the device: host memory, or files.
 OFFLOAD_MODES = ("cpu", "disk")
+#: How rows share the batch: "continuous" (a finished row's slot takes the next prompt at once) or "static"
+#: (fixed batches, each decoded until its longest row ends).
+BATCHING_MODES = ("continuous", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RunSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
+    batching: str = "static"
 
     @property
     def torch_dtype(self):
@@ -66,10 +70,11 @@ class RunSettings:
         return torch_dtype(self.dtype)
 
     def output_deciding(self) -> dict:
-        """The settings that decide what a run writes (graph capture and offloading do not), flat, as JSON values."""
+        """The settings that decide what a run writes (graph capture, offloading and batching do not), flat, as
+        JSON values."""
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
-        del settings["use_graphs"], settings["offload"]
+        del settings["use_graphs"], settings["offload"], settings["batching"]
         return {**settings, "buckets": list(self.buckets), **sampling}
 
 

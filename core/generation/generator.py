@@ -21,12 +21,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.common.errors import GraphCaptureWarning, UsageError, first_line
+from accelgen.common.errors import AccelgenWarning, GraphCaptureWarning, UsageError, first_line
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
+from accelgen.generation.continuous import ContinuousBatcher
 from accelgen.generation.kv_cache import CacheStorage, new_static_cache, rewind_static_cache
 from accelgen.generation.model_forward import ModelForward
 from accelgen.generation.text import Completion, PromptCodec, eos_token_ids
+from accelgen.model.architectures import architecture_of
 from accelgen.model.memory import check_cache_fits
 from accelgen.model.shape import context_limit
 from accelgen.plugin.contract import Accelerator
@@ -54,9 +56,15 @@ class BatchTiming:
 class GenerationStats:
     graph_captures: int = 0
     capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
-    batches: int = 0
-    new_tokens: int = 0
+    batches: int = 0  # fixed batches run, or looks at the slots (continuous batching)
+    new_tokens: int = 0  # tokens given out: each row's new tokens up to its end
+    slot_tokens: int = 0  # token places computed: rows of every prefill shape and every row of every step
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)
+
+    @property
+    def slot_occupancy(self) -> float | None:
+        """The share of computed token places that produced a kept token."""
+        return self.new_tokens / self.slot_tokens if self.slot_tokens else None
 
 
 @dataclasses.dataclass
@@ -104,6 +112,9 @@ class Generator:
         #: Why the accelerator could not capture the decode step (then it runs eagerly), or None.
         self.capture_failure = capture_failure
         self.text = PromptCodec(tokenizer, model.config.vocab_size, run.max_input_tokens)
+        #: "continuous" or "static": how rows share the batch (``run.batching``, unless the model cannot)
+        self.batching = self._batching_mode()
+        self._batcher: ContinuousBatcher | None = None
         self._slots: dict[tuple[int, int], DecodeSlot] = {}
         self._cache_storage: CacheStorage | None = None
         self._model_forward = ModelForward(model, world, run.torch_dtype)
@@ -135,6 +146,9 @@ class Generator:
         ``prompts`` may be any iterable (a streamed dataset): it is read one batch at a time.
         ``first_index`` numbers the prompts; a prompt's number (not its batch) decides its sampling draws,
         so a run resumed at any prompt samples what an uninterrupted run did."""
+        if self.batching == "continuous":
+            yield from self._generate_continuously(prompts, first_index)
+            return
         remaining = iter(prompts)
         index = first_index
         while batch := list(itertools.islice(remaining, self.run.batch_size)):
@@ -174,10 +188,12 @@ class Generator:
                 slot.decode_step, slot.state, run.max_new_tokens - 1, stop_when_finished=self._rules.stop_at_eos,
                 check_every=EOS_CHECK_INTERVAL, after_step=self.accelerator.mark_step,
             )
+        outputs = [self._trim(row_tokens) for row_tokens in slot.state.new_tokens[: len(prompts)].tolist()]
         self.stats.batches += 1
-        self.stats.new_tokens += len(prompts) * (steps + 1)
+        self.stats.new_tokens += sum(len(tokens) for tokens, _ in outputs)
+        self.stats.slot_tokens += run.batch_size * (steps + 1)
         self.stats.timings.append(BatchTiming(prefill.seconds, decoding_time.seconds, steps))
-        return [self._trim(row_tokens) for row_tokens in slot.state.new_tokens[: len(prompts)].tolist()]
+        return outputs
 
     @property
     def cache_length_in_use(self) -> int | None:
@@ -222,10 +238,19 @@ class Generator:
         slot.decode_step = decode_step
         if not self.run.use_graphs or self.capture_failure is not None:
             return
+        slot.decode_step = self._captured(decode_step, tuple(slot.state))
+        restart()  # the capture, or the attempt, may have run the step
+        rewind_static_cache(slot.cache, slot.bucket_length)
+
+    def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...]) -> Callable[..., object]:
+        """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else
+        ``step`` itself (after a failure other than running out of memory: with one warning)."""
+        if not self.run.use_graphs or self.capture_failure is not None:
+            return step
         started = time.perf_counter()
         try:
-            slot.decode_step = self.accelerator.capture(decode_step, tuple(slot.state), self.run)
-        except Exception as error:  # noqa: BLE001 - see the docstring
+            captured = self.accelerator.capture(step, buffers, self.run)
+        except Exception as error:  # noqa: BLE001 - see _make_decode_step's docstring
             if self.accelerator.is_out_of_memory(error):
                 raise
             self.capture_failure = first_line(error)
@@ -233,13 +258,12 @@ class Generator:
                 f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
                 f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
                 f"slower (pass --no-graphs to skip the attempt)",
-                GraphCaptureWarning, stacklevel=3,
+                GraphCaptureWarning, stacklevel=4,
             )
-        else:
-            self.stats.graph_captures += 1
-            self.stats.capture_seconds += time.perf_counter() - started
-        restart()  # the capture, or the attempt, may have run the step
-        rewind_static_cache(slot.cache, slot.bucket_length)
+            return step
+        self.stats.graph_captures += 1
+        self.stats.capture_seconds += time.perf_counter() - started
+        return captured
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[Timer]:
@@ -250,6 +274,71 @@ class Generator:
         yield timer
         self.accelerator.synchronize()
         timer.seconds = time.perf_counter() - started
+
+    # -- continuous batching ----------------------------------------------------------------------
+
+    def _batching_mode(self) -> str:
+        """``run.batching``, or "static" (with one warning) for a model whose slot step cannot be built: one
+        that does not take the core's 4D attention mask, which alone tells each row what it sees."""
+        if self.run.batching != "continuous" or architecture_of(self.model.config).takes_4d_mask:
+            return self.run.batching
+        warnings.warn(AccelgenWarning(
+            f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "
+            f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
+            stacklevel=3)
+        return "static"
+
+    def _generate_continuously(self, prompts: Iterable[str], first_index: int) -> Iterator[list[Completion]]:
+        """Completions in prompt order, through the slots of :mod:`accelgen.generation.continuous`."""
+        texts: dict[int, tuple[str, list[int], bool]] = {}  # the rows in flight: prompt, token ids, truncated
+
+        def tokenized() -> Iterator[tuple[int, list[int]]]:
+            for index, prompt in enumerate(prompts, start=first_index):
+                [ids], [truncated] = self.tokenize([prompt], first_index=index)
+                texts[index] = (prompt, ids, truncated)
+                yield index, ids
+
+        batcher = self._continuous_batcher()
+        decode_steps, prefill_seconds, decode_seconds = (batcher.stats.decode_steps, batcher.stats.prefill_seconds,
+                                                         batcher.stats.decode_seconds)
+        given = 0
+        with torch.no_grad():
+            for ready in batcher.run(tokenized()):
+                completions = []
+                for index, row_tokens in ready:
+                    prompt, ids, truncated = texts.pop(index)
+                    tokens, reason = self._trim(row_tokens)
+                    self.stats.new_tokens += len(tokens)
+                    completions.append(self.text.completion(index, prompt, ids, truncated, tokens, reason))
+                given += len(completions)
+                self.stats.batches += 1
+                yield completions
+        stats = batcher.stats
+        steps = stats.decode_steps - decode_steps
+        self.stats.slot_tokens += self.run.batch_size * steps + stats.prefill_rows
+        stats.prefill_rows = 0
+        self.stats.timings.append(BatchTiming(stats.prefill_seconds - prefill_seconds,
+                                              stats.decode_seconds - decode_seconds, steps))
+        if given == 0:
+            raise UsageError("No prompts given: pass at least one prompt.")
+
+    def _continuous_batcher(self) -> ContinuousBatcher:
+        if self._batcher is None:
+            self._batcher = ContinuousBatcher(
+                slots=self.run.batch_size, max_new_tokens=self.run.max_new_tokens, buckets=self.run.buckets,
+                context_limit=self._context_limit, pad_token_id=self.pad_token_id, device=self.device,
+                rules=self._rules, model=self.model, dtype=self.run.torch_dtype, forward=self._model_forward,
+                make_storage=self._slot_storage, capture=self._captured, mark_step=self.accelerator.mark_step,
+                synchronize=self.accelerator.synchronize,
+            )
+        return self._batcher
+
+    def _slot_storage(self, slots: int, cache_length: int) -> CacheStorage:
+        """The memory of the slot step's cache (this generator's one cache storage, checked against the device)."""
+        self._slots.clear()
+        self._cache_storage = None
+        self._make_room_for(cache_length)
+        return self._cache_storage
 
     # -- per static shape -----------------------------------------------------------------------
 

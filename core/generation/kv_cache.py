@@ -55,6 +55,7 @@ def new_static_cache(
         cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         for index, layer in enumerate(cache.layers):
             _draw_from(storage, index, layer)
+        cache.accelgen_batch_size = batch_size
         return cache
     # transformers 4.55 allocates here: one position (0 would read as "unset"), replaced by the storage's views
     cache = StaticCache(config=model.config, max_batch_size=batch_size, max_cache_len=1, device=device, dtype=dtype)
@@ -64,6 +65,7 @@ def new_static_cache(
         layer.values = storage.view(index, "values", (batch_size, heads, max_cache_len, value_dim), dtype, device)
         torch._dynamo.mark_static_address(layer.keys)
         torch._dynamo.mark_static_address(layer.values)
+    cache.accelgen_batch_size = batch_size
     return cache
 
 
@@ -108,3 +110,46 @@ def rewind_static_cache(cache: StaticCache, length: int) -> None:
             write_position.fill_(length)
         elif write_position is not None:
             layer.cumulative_length = length
+
+
+
+class RowWrites:
+    """Where the slot cache's layers write: in a decode step, each row at its own ``write_positions`` [B] (the
+    slot step's buffer); while prompts are prefilled (``prompt_slots`` [k] set), prompt k's keys and values
+    into row ``prompt_slots[k]``, positions [0, P)."""
+
+    def __init__(self, write_positions: torch.Tensor):
+        self.write_positions = write_positions
+        self.prompt_slots: torch.Tensor | None = None
+
+
+def write_rows_separately(cache: StaticCache, write_positions: torch.Tensor) -> RowWrites:
+    """Make every layer of ``cache`` (B rows, made by :func:`new_static_cache`) write each row where the
+    returned :class:`RowWrites` says, instead of at one position for the whole batch: the cache of the slot
+    step, whose rows hold prompts inserted at different times."""
+    rows = RowWrites(write_positions)
+    for layer in cache.layers:
+        layer.update = _row_update(layer, rows, cache.accelgen_batch_size)
+    return rows
+
+
+def _row_update(layer, rows: RowWrites, batch_size: int):
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """A prefill's key_states [k, heads, P, dim] -> themselves (the prompts attend within themselves);
+        a decode step's [B, heads, 1, dim] -> the layer's keys and values [B, heads, L, dim]."""
+        if not getattr(layer, "is_initialized", True):  # transformers >= 4.56: memory on first use, for B rows
+            layer.lazy_initialization(key_states[:1, :, :1].expand(batch_size, -1, -1, -1),
+                                      value_states[:1, :, :1].expand(batch_size, -1, -1, -1))
+            layer.is_initialized = True
+        key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
+        if rows.prompt_slots is not None:
+            length = key_states.shape[2]
+            layer.keys.narrow(2, 0, length).index_copy_(0, rows.prompt_slots, key_states)
+            layer.values.narrow(2, 0, length).index_copy_(0, rows.prompt_slots, value_states)
+            return key_states, value_states
+        index = rows.write_positions.view(-1, 1, 1, 1)
+        layer.keys.scatter_(2, index.expand_as(key_states), key_states)
+        layer.values.scatter_(2, index.expand_as(value_states), value_states)
+        return layer.keys, layer.values
+
+    return update

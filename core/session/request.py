@@ -15,7 +15,15 @@ import os
 from typing import Sequence
 
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import DEFAULT_BUCKETS, OFFLOAD_MODES, OffloadSettings, RunSettings, SamplingSettings, World
+from accelgen.common.settings import (
+    BATCHING_MODES,
+    DEFAULT_BUCKETS,
+    OFFLOAD_MODES,
+    OffloadSettings,
+    RunSettings,
+    SamplingSettings,
+    World,
+)
 from accelgen.common.value_ranges import check_settings, parse_memory_size
 from accelgen.loading.model_source import ModelSource
 from accelgen.loading.offload import check_offload_world
@@ -79,11 +87,15 @@ def run_settings(
     offload: str | None = None,
     max_device_memory: str | int | None = None,
     offload_folder: str | os.PathLike | None = None,
+    batching: str = "continuous",
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
-    has free) off the device, in host memory or in files (in ``offload_folder`` when given)."""
+    has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
+    "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches."""
+    if batching not in BATCHING_MODES:
+        raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
@@ -99,6 +111,7 @@ def run_settings(
         buckets=tuple(buckets),
         sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
         offload=offload_settings(offload, max_device_memory, offload_folder),
+        batching=batching,
     )
     _check(run)
     return run

@@ -1,0 +1,223 @@
+"""Continuous batching inside one static shape: a finished row's slot takes the next prompt at once.
+
+The decode step keeps one shape (B slots over a cache of L positions per row), captured once and replayed;
+the rows inside it change. Every few steps the host reads which rows have finished (the one wait for the
+device), collects their tokens, and prefills the next prompts straight into the freed slots' rows of the
+cache, in a bucketed static shape (a few row counts times the prompt buckets), while the other rows carry
+on. Each row's text is what a fixed batch would give it: its attention sees its own row only, its sampling
+draws depend on (seed, prompt number, step) alone.
+
+Results come out in prompt order: a row that finishes early waits in memory for the rows before it. A prompt
+is inserted only while it is fewer than ``READ_AHEAD_ROWS`` (a few times B) rows ahead of the oldest row
+not yet given out, which bounds the rows held: a slot stays free rather than run further ahead.
+
+The cache holds the largest prompt bucket met so far plus ``max_new_tokens`` positions per row. A prompt
+that needs a larger bucket waits until the rows in flight have finished; the cache and the step are then
+made anew for it (at most once per bucket).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from accelgen.generation import decoding, slot_decoding
+from accelgen.generation.kv_cache import RowWrites, new_static_cache, write_rows_separately
+
+#: Slot steps between two looks at which rows have finished (each look waits for the device); a finished
+#: row's slot idles until the next look.
+SLOT_CHECK_INTERVAL = 4
+#: How many rows ahead of the oldest unfinished row a prompt may start, in multiples of the slot count.
+READ_AHEAD_SLOTS = 4
+
+
+@dataclasses.dataclass
+class SlotBatch:
+    """The slot step's static shape: B slots of ``cache_length`` positions, their buffers and cache."""
+
+    bucket_capacity: int  # the largest prompt bucket its rows can hold
+    cache: object
+    rows: RowWrites
+    state: slot_decoding.SlotState
+    forward: decoding.Forward  # the model called on this cache
+    step: Callable[..., object]  # step(*state): captured, or plain
+
+
+@dataclasses.dataclass
+class SlotStats:
+    """What the slots did: decode steps taken, rows of prefill shapes run (padding rows included), and the
+    device-synchronised time of each phase."""
+
+    decode_steps: int = 0
+    prefill_rows: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class ContinuousBatcher:
+    """Runs prompts through B slots of one static shape. The caller gives it what a generator has: the
+    model called on a cache (``forward``), the token rules, how to make a cache storage and how to capture
+    a step."""
+
+    def __init__(self, *, slots: int, max_new_tokens: int, buckets: tuple[int, ...], context_limit: int | None,
+                 pad_token_id: int, device: torch.device, rules: decoding.TokenRules, model, dtype: torch.dtype,
+                 forward: Callable, make_storage: Callable, capture: Callable, mark_step: Callable[[], None],
+                 synchronize: Callable[[], None]):
+        self.slots, self.max_new_tokens, self.buckets = slots, max_new_tokens, tuple(sorted(buckets))
+        self.context_limit, self.pad_token_id, self.device, self.rules = context_limit, pad_token_id, device, rules
+        self.model, self.dtype, self.forward = model, dtype, forward
+        self.make_storage, self.capture = make_storage, capture
+        self.mark_step, self.synchronize = mark_step, synchronize
+        self.batch: SlotBatch | None = None
+        self.stats = SlotStats()
+
+    def run(self, prompts: Iterable[tuple[int, list[int]]]) -> Iterator[list[tuple[int, list[int]]]]:
+        """For (prompt number, token ids) in order, yield (prompt number, new token ids) in the same order,
+        a list at a time (the rows that became ready at one look at the slots)."""
+        incoming = iter(prompts)
+        waiting: collections.deque[tuple[int, list[int], int]] = collections.deque()  # (number, ids, bucket)
+        in_slot: list[int | None] = [None] * self.slots  # the prompt number each slot holds
+        steps_left = [0] * self.slots  # decode steps each slot's row may still take (its token budget)
+        done: dict[int, list[int]] = {}
+        next_out: int | None = None
+        read_ahead = READ_AHEAD_SLOTS * self.slots
+        source_error: Exception | None = None  # raised once the rows read before it are given out
+        while True:
+            try:
+                for number, ids in itertools.islice(incoming, max(0, read_ahead - len(waiting))):
+                    waiting.append((number, ids, self._bucket_for(len(ids))))
+                    next_out = number if next_out is None else next_out
+            except Exception as error:  # noqa: BLE001 - a prompt that cannot be read or used: finish the ones before
+                source_error, incoming = error, iter(())
+            if next_out is None:
+                if source_error is not None:
+                    raise source_error
+                return  # no prompts at all
+            self.synchronize()
+            started = time.perf_counter()
+            for slot in self._insert(waiting, in_slot, limit=next_out + read_ahead):
+                steps_left[slot] = self.max_new_tokens - 1
+            self.synchronize()
+            self.stats.prefill_seconds += time.perf_counter() - started
+            if all(number is None for number in in_slot):
+                if not waiting:
+                    if source_error is not None:
+                        raise source_error
+                    return
+                self.batch = None  # the next prompt needs a larger bucket: the slots are empty, make them anew
+                continue
+            started = time.perf_counter()
+            # no more steps than the longest budget left: rows that end by length end together with the steps
+            steps = min(SLOT_CHECK_INTERVAL, max(steps_left[slot] for slot, number in enumerate(in_slot) if number is not None))
+            for _ in range(steps):
+                self.batch.step(*self.batch.state)
+                self.mark_step()
+            steps_left = [max(0, left - steps) for left in steps_left]
+            self.stats.decode_steps += steps
+            self._collect(in_slot, done)  # reads the device: the steps have run
+            self.stats.decode_seconds += time.perf_counter() - started
+            ready = []
+            while next_out in done:
+                ready.append((next_out, done.pop(next_out)))
+                next_out += 1
+            if ready:
+                yield ready
+
+    # -- the steps ----------------------------------------------------------------------------------
+
+    def _bucket_for(self, length: int) -> int:
+        return decoding.choose_bucket(length, self.buckets, self.context_limit, self.max_new_tokens)
+
+    def _insert(self, waiting: collections.deque, in_slot: list[int | None], limit: int) -> list[int]:
+        """Prefill the waiting prompts that fit into the free slots, in one bucketed shape; the slots filled."""
+        free = [slot for slot, number in enumerate(in_slot) if number is None]
+        group = []
+        while waiting and len(group) < len(free) and waiting[0][0] < limit:
+            if self.batch is None:
+                self.batch = self._new_batch(max(bucket for _, _, bucket in list(waiting)[: self.slots]))
+            if waiting[0][2] > self.batch.bucket_capacity:
+                break  # wait for the slots to empty, then grow
+            group.append(waiting.popleft())
+        if not group:
+            return []
+        slots = free[: len(group)]
+        for slot, (number, _, _) in zip(slots, group):
+            in_slot[slot] = number
+        self._prefill(slots, group)
+        return slots
+
+    def _prefill(self, slots: list[int], group: list[tuple[int, list[int], int]]) -> None:
+        """Run ``group``'s prompts through the model in one bucketed shape, their keys and values written into
+        the rows ``slots`` of the cache, and insert them (the first token chosen)."""
+        batch = self.batch
+        rows = _prefill_rows(len(group), self.slots)
+        bucket_length = max(bucket for _, _, bucket in group)
+        input_ids, prompt_mask = decoding.left_pad([ids for _, ids, _ in group], bucket_length, rows, self.pad_token_id)
+        input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
+        padded_slots = slots + [slots[0]] * (rows - len(slots))  # padding rows repeat the first: same values
+        row_numbers = [number for number, _, _ in group] + [group[0][0]] * (rows - len(group))
+        prefill_state = decoding.DecodeState.allocate(rows, bucket_length, 1, self.device)
+        prefill_state.attention_mask.copy_(prompt_mask)
+        prefill_state.row_indices.copy_(torch.tensor(row_numbers))
+        batch.rows.prompt_slots = torch.tensor(padded_slots, device=self.device)
+        try:
+            first_tokens = decoding.prefill(batch.forward, prefill_state, input_ids, prompt_mask, self.rules)
+        finally:
+            batch.rows.prompt_slots = None
+        count = len(group)
+        slot_ids = torch.tensor(slots, device=self.device)
+        slot_decoding.insert_rows(batch.state, slot_ids, first_tokens[:count], prompt_mask[:count],
+                                  prefill_state.row_indices[:count], self.rules)
+        self.mark_step()
+        self.stats.prefill_rows += rows
+
+    def _collect(self, in_slot: list[int | None], done: dict[int, list[int]]) -> None:
+        """Take the tokens of every row that has finished, and free its slot."""
+        state = self.batch.state
+        finished = state.finished.tolist()
+        ended = [slot for slot, number in enumerate(in_slot) if number is not None and finished[slot]]
+        if not ended:
+            return
+        tokens = state.new_tokens[ended, : self.max_new_tokens].tolist()
+        for slot, row_tokens in zip(ended, tokens):
+            done[in_slot[slot]] = row_tokens
+            in_slot[slot] = None
+
+    def _new_batch(self, bucket_capacity: int) -> SlotBatch:
+        """The slot step's cache, buffers and step for rows of prompts up to ``bucket_capacity`` tokens."""
+        self.batch = None  # the old cache's memory goes first
+        cache_length = bucket_capacity + self.max_new_tokens
+        storage = self.make_storage(self.slots, cache_length)
+        cache = new_static_cache(self.model, cache_length, self.dtype, self.device, storage)
+        self.mark_step()
+        state = slot_decoding.SlotState.allocate(self.slots, cache_length, self.max_new_tokens, self.device)
+        rows = write_rows_separately(cache, state.write_positions)
+        forward = _on_cache(self.forward, cache)
+        rules = self.rules
+
+        def slot_step(*buffers: torch.Tensor) -> torch.Tensor:
+            return slot_decoding.decode_one_slot_token(forward, slot_decoding.SlotState(*buffers), rules)
+
+        batch = SlotBatch(bucket_capacity, cache, rows, state, forward, slot_step)
+        batch.step = self.capture(slot_step, tuple(state))  # before any row is in it: a warm-up run harms nothing
+        return batch
+
+
+def _prefill_rows(prompts: int, slots: int) -> int:
+    """The row count of the prefill shape for ``prompts`` prompts: the next power of two, at most ``slots``."""
+    rows = 1
+    while rows < prompts:
+        rows *= 2
+    return min(rows, slots)
+
+
+def _on_cache(forward: Callable, cache) -> Callable:
+    def on_cache(input_ids, attention_mask, position_ids, cache_position):
+        return forward(input_ids, attention_mask, position_ids, cache_position, cache=cache)
+
+    return on_cache
