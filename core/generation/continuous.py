@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from accelgen.common.errors import UsageError
 from accelgen.generation import decoding, slot_decoding
 from accelgen.generation.kv_cache import RowWrites, new_static_cache, write_rows_separately
 
@@ -90,7 +91,7 @@ class ContinuousBatcher:
         while True:
             try:
                 for number, ids in itertools.islice(incoming, max(0, read_ahead - len(waiting))):
-                    waiting.append((number, ids, self._bucket_for(len(ids))))
+                    waiting.append((number, ids, self._bucket_for(number, len(ids))))
                     next_out = number if next_out is None else next_out
             except Exception as error:  # noqa: BLE001 - a prompt that cannot be read or used: finish the ones before
                 source_error, incoming = error, iter(())
@@ -130,8 +131,11 @@ class ContinuousBatcher:
 
     # -- the steps ----------------------------------------------------------------------------------
 
-    def _bucket_for(self, length: int) -> int:
-        return decoding.choose_bucket(length, self.buckets, self.context_limit, self.max_new_tokens)
+    def _bucket_for(self, number: int, length: int) -> int:
+        try:
+            return decoding.choose_bucket(length, self.buckets, self.context_limit, self.max_new_tokens)
+        except UsageError as error:
+            raise UsageError(f"Prompt {number}: {error}") from None
 
     def _insert(self, waiting: collections.deque, in_slot: list[int | None], limit: int) -> list[int]:
         """Prefill the waiting prompts that fit into the free slots, in one bucketed shape; the slots filled."""

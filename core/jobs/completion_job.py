@@ -57,7 +57,7 @@ class CompletionJob:
 class RunReport:
     """What a finished run did, for its summary: the same on every rank (figures of every rank gathered)."""
 
-    new_tokens: int
+    new_tokens: int  # kept: each row's tokens up to its end
     load_seconds: float
     generate_seconds: float
     decode_seconds: float  # in decode steps (after each batch's first token)
@@ -68,6 +68,8 @@ class RunReport:
     graph_captures: int
     capture_seconds: float
     capture_failure: str | None  # why the decode step ran eagerly, when it could not be captured
+    batching: str  # "continuous" or "static"
+    slot_occupancy: float | None  # kept tokens / token places computed
     offload: str | None  # where an offloaded model's weights sat, as a sentence
     unsharded_parameter_bytes: int
     rank_memory: list[dict]  # per rank: parameter_bytes, host memory while loading, the device's memory_stats()
@@ -94,7 +96,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         decode_steps=sum(timing.decode_steps for timing in stats.timings),
         device=generator.accelerator.name, dtype=generator.run.dtype, world_size=generator.world.size,
         graph_captures=stats.graph_captures, capture_seconds=stats.capture_seconds,
-        capture_failure=generator.capture_failure,
+        capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.placement is None else generator.placement.describe(),
         unsharded_parameter_bytes=generator.unsharded_parameter_bytes or parameter_bytes(generator.model),
         rank_memory=rank_memory,
