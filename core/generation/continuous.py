@@ -207,9 +207,22 @@ class ContinuousBatcher:
         def slot_step(*buffers: torch.Tensor) -> torch.Tensor:
             return slot_decoding.decode_one_slot_token(forward, slot_decoding.SlotState(*buffers), rules)
 
+        _give_memory(forward, rows, self.pad_token_id, self.device)
+        self.mark_step()
         batch = SlotBatch(bucket_capacity, cache, rows, state, forward, slot_step)
         batch.step = self.capture(slot_step, tuple(state))  # before any row is in it: a warm-up run harms nothing
         return batch
+
+
+def _give_memory(forward: Callable, rows: RowWrites, pad_token_id: int, device: torch.device) -> None:
+    """Run one padding token into slot 0 (which holds no row), so that a cache whose layers take memory on
+    first use (transformers >= 4.56) has it before the slot step is captured: a capture cannot allocate."""
+    one = torch.ones((1, 1), dtype=torch.long, device=device)
+    rows.prompt_slots = torch.zeros(1, dtype=torch.long, device=device)
+    try:
+        forward(one * pad_token_id, one, one * 0, torch.zeros(1, dtype=torch.long, device=device))
+    finally:
+        rows.prompt_slots = None
 
 
 def _prefill_rows(prompts: int, slots: int) -> int:

@@ -1,0 +1,167 @@
+"""Dataset completion throughput: fixed batches against continuous batching, and Hugging Face's two ways.
+
+The workload is what dataset completion meets: prompts of 3 to 40 words, sampled completions that end at
+very different lengths. The model is a random-weight Llama (a shape whose decode step takes a few ms at
+batch 16 on a 2-core CPU); its generation config ends a row at any token of an "ending set" of
+``vocab / mean_length`` tokens, so that a row sampled from the nearly flat distribution of random weights
+ends after about ``--mean-length`` tokens: lengths are spread geometrically (median about 0.7 of the mean,
+a few percent reaching ``--max-new-tokens``), and every contender meets the same distribution. The lengths
+each contender actually produced are printed with its figures.
+
+Contenders, in one process, interleaved round by round (machine noise hits all alike), medians reported:
+
+    accelgen_static      accelgen run's fixed batches (--batching static)
+    accelgen_continuous  accelgen's continuous batching inside static shapes (--batching continuous)
+    hf_generate          Hugging Face generate() over padded batches of the same size
+    hf_generate_batch    Hugging Face generate_batch() (transformers 5.x continuous batching, paged attention)
+
+Kept tokens are each row's new tokens up to its end; slot occupancy (accelgen) is kept tokens over the token
+places computed. accelgen's two modes write the same text (same seed); Hugging Face draws its own samples.
+
+    python benchmarks/dataset_throughput.py                            # 192 prompts, batch 16, 128-token cap
+    python benchmarks/dataset_throughput.py --prompts 64 --rounds 1    # quick look
+    python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+import accelgen
+from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
+
+CONTENDERS = ("accelgen_static", "accelgen_continuous", "hf_generate", "hf_generate_batch")
+
+
+def build_workload(arguments, folder: Path) -> tuple[list[str], list[int]]:
+    """The model folder (random Llama, the built-in tokenizer, an ending set in its generation config), and the
+    prompts: 3 to 40 words of the tokenizer's vocabulary, seeded."""
+    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    vocab = len(tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=arguments.hidden, intermediate_size=arguments.hidden * 8 // 3,
+                         num_hidden_layers=arguments.layers, num_attention_heads=arguments.heads,
+                         num_key_value_heads=arguments.heads, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    draw = random.Random(0)
+    ending = sorted(draw.sample(range(3, vocab), max(1, vocab // arguments.mean_length)))
+    GenerationConfig(eos_token_id=ending, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+                     ).save_pretrained(folder)
+    words = [word for word in (tokenizer.decode([token]).strip() for token in range(vocab)) if word.isalpha()]
+    prompts = [" ".join(draw.choice(words) for _ in range(draw.randint(3, 40))) for _ in range(arguments.prompts)]
+    return prompts, ending
+
+
+def kept_length(row: list[int], ending: set[int]) -> int:
+    for position, token in enumerate(row):
+        if token in ending:
+            return position + 1
+    return len(row)
+
+
+def accelgen_contender(folder, arguments, batching):
+    generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
+                              max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching)
+
+    def run(prompts):
+        before = (generator.stats.new_tokens, generator.stats.slot_tokens)
+        completions = generator.generate(prompts)
+        kept, places = generator.stats.new_tokens - before[0], generator.stats.slot_tokens - before[1]
+        return [len(completion.completion_token_ids) for completion in completions], kept / places
+
+    return run
+
+
+def hugging_face_contender(folder, arguments, ending, continuous: bool):
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.padding_side = "left"
+    dtype = getattr(torch, arguments.dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(arguments.device).eval()
+    config = GenerationConfig(max_new_tokens=arguments.max_new_tokens, do_sample=True, top_k=0, eos_token_id=ending,
+                              pad_token_id=tokenizer.pad_token_id)
+    ending_set = set(ending)
+
+    def run_padded(prompts):
+        lengths = []
+        for start in range(0, len(prompts), arguments.batch_size):
+            inputs = tokenizer(prompts[start : start + arguments.batch_size], return_tensors="pt", padding=True,
+                               return_token_type_ids=False).to(arguments.device)
+            with torch.no_grad():
+                output = model.generate(**inputs, generation_config=config)
+            lengths += [kept_length(row, ending_set) for row in output[:, inputs.input_ids.shape[1] :].tolist()]
+        return lengths, None
+
+    def run_continuous(prompts):
+        inputs = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+        with torch.no_grad():
+            outputs = model.generate_batch(inputs=inputs, generation_config=config)
+        return [kept_length(output.generated_tokens, ending_set) for output in outputs.values()], None
+
+    return run_continuous if continuous else run_padded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=192)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--mean-length", type=int, default=40, help="about how many tokens a completion has")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    arguments = parser.parse_args()
+    names = arguments.contenders.split(",")
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "model"
+        prompts, ending = build_workload(arguments, folder)
+        contenders = {}
+        for name in names:
+            if name.startswith("accelgen"):
+                contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
+            else:
+                contenders[name] = hugging_face_contender(folder, arguments, ending, continuous=name == "hf_generate_batch")
+        for run in contenders.values():  # warm-up: captures, compilation, allocator
+            run(prompts[: arguments.batch_size])
+        results = {name: [] for name in names}
+        for _ in range(arguments.rounds):
+            for name, run in contenders.items():
+                started = time.perf_counter()
+                lengths, occupancy = run(prompts)
+                seconds = time.perf_counter() - started
+                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy))
+
+    print(f"workload: {len(prompts)} prompts of 3-40 words, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
+          f"new tokens, ending set of {len(ending)} tokens; Llama {arguments.layers} layers, hidden {arguments.hidden}, "
+          f"{arguments.dtype} on {arguments.device}, {torch.get_num_threads()} threads; medians of {arguments.rounds} round(s)")
+    print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | vs static |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    static_rate = statistics.median(rate for rate, *_ in results["accelgen_static"]) if "accelgen_static" in results else None
+    for name, rows in results.items():
+        rate = statistics.median(row[0] for row in rows)
+        seconds = statistics.median(row[1] for row in rows)
+        lengths = rows[-1][2]
+        occupancy = rows[-1][3]
+        at_cap = sum(length == arguments.max_new_tokens for length in lengths) / len(lengths)
+        print(f"| {name} | {rate:.0f} | {seconds:.2f} | {sum(lengths)} | {statistics.mean(lengths):.1f} / "
+              f"{statistics.median(lengths):.0f} | {100 * at_cap:.0f}% | "
+              f"{'' if occupancy is None else f'{100 * occupancy:.0f}%'} | "
+              f"{'' if not static_rate else f'{rate / static_rate:.2f}x'} |")
+
+
+if __name__ == "__main__":
+    main()
