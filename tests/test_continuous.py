@@ -187,3 +187,15 @@ def test_two_ranks_batch_continuously_as_one_process_does(ending_model, tmp_path
                                 text=True, timeout=300)
         assert result.returncode == 0, result.stderr
     assert outputs[2].read_text() == outputs[1].read_text()
+
+
+@pytest.mark.parametrize("batching", [None, "continuous"])
+def test_bench_keeps_fixed_batches_unless_asked_and_records_the_occupancy(tiny_model_folder, batching, capsys):
+    chosen = [] if batching is None else ["--batching", batching]
+    assert main(["bench", "--device", "cpu", "--model", str(tiny_model_folder("gpt2")), "--batch-sizes", "1,3",
+                 "--max-new-tokens", "6", "--runs", "1", "--json", *chosen]) == 0
+    [measurement] = json.loads(capsys.readouterr().out)["measurements"]
+    assert measurement["batching"] == (batching or "static")
+    for row in measurement["results"]:
+        assert row["kept_tokens_per_second"] > 0
+        assert row["slot_occupancy"] == 1.0  # the protocol ignores EOS: every token place is kept

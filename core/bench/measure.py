@@ -51,6 +51,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     try:
         for _ in range(protocol.warmup_runs):
             sized.generate(prompts)
+        kept_before, places_before = sized.stats.new_tokens, sized.stats.slot_tokens
         for _ in range(protocol.runs):
             accelerator.synchronize()
             started = time.perf_counter()
@@ -79,6 +80,9 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "roofline_percent": roofline_percent(
             step_bytes, accelerator.describe().get("peak_memory_bandwidth_gbps"), statistics.median(decode_seconds_per_token)
         ),
+        # tokens kept (each row's up to its end: all of them, as the protocol ignores EOS) over the timed runs
+        "kept_tokens_per_second": (sized.stats.new_tokens - kept_before) / sum(end_to_end_seconds),
+        "slot_occupancy": (sized.stats.new_tokens - kept_before) / max(sized.stats.slot_tokens - places_before, 1),
         "graph_captures": sized.stats.graph_captures,
         "capture_seconds": sized.stats.capture_seconds,
         "memory": accelerator.memory_stats(),
@@ -146,6 +150,7 @@ def measurement_record(
         "world_size": generator.world.size,
         "dtype": generator.run.dtype,
         "graphs": generator.run.use_graphs and generator.capture_failure is None,
+        "batching": generator.batching,
         "capture_failure": generator.capture_failure,
         "offload": None if generator.placement is None else generator.placement.record(),
         "model": {
