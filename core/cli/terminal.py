@@ -42,9 +42,9 @@ def print_summary(report: "RunReport") -> None:
         f"model loaded in {report.load_seconds:.2f} s, device {report.device}, dtype {report.dtype}, "
         f"world size {report.world_size}, graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
-        + f", {report.batching} batching"
-        + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
-        + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else ""),
+        + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
+        + f"; {report.batching} batching"
+        + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%"),
         file=sys.stderr,
     )
     if report.offload is not None:
