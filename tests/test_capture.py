@@ -48,9 +48,12 @@ class OperationLog(TorchDispatchMode):
         self.events.append((self.inside_step, str(func)))
         return func(*args, **(kwargs or {}))
 
-    def gaps_between_replays(self):
-        """For each two consecutive replays, the operations the host ran between them."""
-        starts = [index for index, (in_step, name) in enumerate(self.events) if name == REPLAY_STARTS]
+    def gaps_between_replays(self, inputs: int | None = None):
+        """For each two consecutive replays (of the step taking ``inputs`` buffers; None: of any step), the
+        operations the host ran between them, outside any step."""
+        starts = [index for index, (in_step, name) in enumerate(self.events)
+                  if name == REPLAY_STARTS or (inputs is None and str(name).startswith(REPLAY_STARTS))
+                  or name == f"{REPLAY_STARTS} {inputs}"]
         return [[name for in_step, name in self.events[start:end] if in_step is False]
                 for start, end in zip(starts, starts[1:])]
 
@@ -68,7 +71,7 @@ class ReplayLoggingCpu(CapturingCpu):
 
     def capture(self, step, example_inputs, run):
         def replay(*inputs):
-            self.log.events.append((None, REPLAY_STARTS))
+            self.log.events.append((None, f"{REPLAY_STARTS} {len(inputs)}"))
             self.log.inside_step = True
             try:
                 return step(*inputs)
@@ -95,8 +98,8 @@ def test_between_replays_the_host_only_checks_every_few_steps_whether_all_rows_f
 
 
 def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps(tiny_model_folder):
-    """Continuous batching: the slot step is captured once; between two replays the host launches nothing but
-    the prefill of a prompt into a slot that has freed up (its looks at the finished rows read one flag each)."""
+    """Continuous batching: the slot step is captured once; between two of its replays the host launches nothing
+    but the prefill of a prompt into a slot that has freed up (its looks at the finished rows read one flag each)."""
     log = OperationLog()
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS,
                               ignore_eos=True, batching="continuous", plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
@@ -104,11 +107,13 @@ def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps
         completions = generator.generate(PROMPTS[:3])  # the third waits for a slot
     assert [len(completion.completion_token_ids) for completion in completions] == [NEW_TOKENS] * 3
     assert generator.stats.graph_captures == 1
-    gaps = log.gaps_between_replays()
+    slot_step_inputs = 8  # the slot step's buffers (its prefill steps take others)
+    gaps = log.gaps_between_replays(slot_step_inputs)
     # the first two rows take NEW_TOKENS - 1 steps (their first token came from the prefill), looked at every
     # SLOT_CHECK_INTERVAL steps or sooner; then the third is prefilled into a freed slot and takes as many
     assert len(gaps) + 1 == 2 * (NEW_TOKENS - 1)
     assert [number for number, gap in enumerate(gaps, start=1) if gap] == [NEW_TOKENS - 1]
+    assert generator.stats.prefill_captures == 2  # shapes of 2 rows and of 1 row, each captured once
     assert NEW_TOKENS - 1 > SLOT_CHECK_INTERVAL  # so the looks in between were made, and launched nothing
 
 
@@ -261,7 +266,7 @@ def test_two_live_generators_share_one_pool(tiny_model_folder):
     folder = tiny_model_folder("llama")
     allocator = FakeCachingAllocator()
     plugin_manager = plugin_manager_with(PoolCountingCpu(SharedGraphPool(allocator.new_pool), allocator))
-    first = accelgen.load(folder, device="cpu", max_new_tokens=NEW_TOKENS, plugin_manager=plugin_manager)
+    first = accelgen.load(folder, device="cpu", max_new_tokens=NEW_TOKENS, plugin_manager=plugin_manager, batching="static")
     second = first.with_batch_size(2)
     assert token_ids(first.generate(PROMPTS)) == token_ids(second.generate(PROMPTS)) == eager_token_ids(folder, PROMPTS)
     assert allocator.use_counts == {("pool", 1): 2}

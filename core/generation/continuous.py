@@ -47,6 +47,30 @@ class SlotBatch:
     state: slot_decoding.SlotState
     forward: decoding.Forward  # the model called on this cache
     step: Callable[..., object]  # step(*state): captured, or plain
+    prefill_shapes: dict[tuple[int, int], "PrefillShape"] = dataclasses.field(default_factory=dict)
+
+
+class PrefillShape:
+    """The fixed-address buffers of one prefill shape (k rows, a bucket of P tokens), and its step. Iterating
+    gives the buffers in the order the step takes them."""
+
+    def __init__(self, input_ids: torch.Tensor, state: decoding.DecodeState, slots: torch.Tensor, first_tokens: torch.Tensor):
+        self.input_ids = input_ids  # [k, P] left-padded prompts
+        self.state = state  # its attention mask [k, P] holds the prompt mask; row_indices [k] the prompt numbers
+        self.slots = slots  # [k] the cache rows the prompts go to
+        self.first_tokens = first_tokens  # [k] each prompt's first new token
+        self.step: Callable[..., object] | None = None
+
+    @classmethod
+    def allocate(cls, rows: int, bucket_length: int, device: torch.device) -> "PrefillShape":
+        longs = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros((rows, bucket_length), **longs), decoding.DecodeState.allocate(rows, bucket_length, 1, device),
+                   torch.zeros(rows, **longs), torch.zeros(rows, **longs))
+
+    def __iter__(self):
+        state = self.state
+        return iter((self.input_ids, state.attention_mask, state.position_ids, state.cache_position, state.step,
+                     state.new_tokens, state.finished, state.row_indices, self.slots, self.first_tokens))
 
 
 @dataclasses.dataclass
@@ -55,6 +79,7 @@ class SlotStats:
     device-synchronised time of each phase."""
 
     decode_steps: int = 0
+    prefills: int = 0
     prefill_rows: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -67,12 +92,12 @@ class ContinuousBatcher:
 
     def __init__(self, *, slots: int, max_new_tokens: int, buckets: tuple[int, ...], context_limit: int | None,
                  pad_token_id: int, device: torch.device, rules: decoding.TokenRules, model, dtype: torch.dtype,
-                 forward: Callable, make_storage: Callable, capture: Callable, mark_step: Callable[[], None],
-                 synchronize: Callable[[], None]):
+                 forward: Callable, make_storage: Callable, capture: Callable, capture_prefill: Callable,
+                 mark_step: Callable[[], None], synchronize: Callable[[], None]):
         self.slots, self.max_new_tokens, self.buckets = slots, max_new_tokens, tuple(sorted(buckets))
         self.context_limit, self.pad_token_id, self.device, self.rules = context_limit, pad_token_id, device, rules
         self.model, self.dtype, self.forward = model, dtype, forward
-        self.make_storage, self.capture = make_storage, capture
+        self.make_storage, self.capture, self.capture_prefill = make_storage, capture, capture_prefill
         self.mark_step, self.synchronize = mark_step, synchronize
         self.batch: SlotBatch | None = None
         self.stats = SlotStats()
@@ -156,29 +181,49 @@ class ContinuousBatcher:
         return slots
 
     def _prefill(self, slots: list[int], group: list[tuple[int, list[int], int]]) -> None:
-        """Run ``group``'s prompts through the model in one bucketed shape, their keys and values written into
-        the rows ``slots`` of the cache, and insert them (the first token chosen)."""
+        """Run ``group``'s prompts through the model in one bucketed shape (its step captured the first time the
+        shape is met, as the slot step is), their keys and values written into the rows ``slots`` of the cache,
+        and insert them (the first token chosen)."""
         batch = self.batch
         rows = _prefill_rows(len(group), self.slots)
         bucket_length = max(bucket for _, _, bucket in group)
+        shape = batch.prefill_shapes.get((rows, bucket_length))
+        fresh = shape is None
+        if fresh:
+            shape = batch.prefill_shapes[rows, bucket_length] = PrefillShape.allocate(rows, bucket_length, self.device)
         input_ids, prompt_mask = decoding.left_pad([ids for _, ids, _ in group], bucket_length, rows, self.pad_token_id)
-        input_ids, prompt_mask = input_ids.to(self.device), prompt_mask.to(self.device)
-        padded_slots = slots + [slots[0]] * (rows - len(slots))  # padding rows repeat the first: same values
-        row_numbers = [number for number, _, _ in group] + [group[0][0]] * (rows - len(group))
-        prefill_state = decoding.DecodeState.allocate(rows, bucket_length, 1, self.device)
-        prefill_state.attention_mask.copy_(prompt_mask)
-        prefill_state.row_indices.copy_(torch.tensor(row_numbers))
-        batch.rows.prompt_slots = torch.tensor(padded_slots, device=self.device)
-        try:
-            first_tokens = decoding.prefill(batch.forward, prefill_state, input_ids, prompt_mask, self.rules)
-        finally:
-            batch.rows.prompt_slots = None
+        shape.input_ids.copy_(input_ids)
+        shape.state.attention_mask.copy_(prompt_mask)
+        # padding rows repeat the first prompt into the first slot: the same values, written twice
+        shape.slots.copy_(torch.tensor(slots + [slots[0]] * (rows - len(slots))))
+        shape.state.row_indices.copy_(torch.tensor([number for number, _, _ in group] + [group[0][0]] * (rows - len(group))))
+        if fresh:
+            shape.step = self.capture_prefill(self._prefill_step(shape), tuple(shape))  # a run writes what a replay does
+        shape.step(*shape)
         count = len(group)
-        slot_ids = torch.tensor(slots, device=self.device)
-        slot_decoding.insert_rows(batch.state, slot_ids, first_tokens[:count], prompt_mask[:count],
-                                  prefill_state.row_indices[:count], self.rules)
+        slot_decoding.insert_rows(batch.state, shape.slots[:count], shape.first_tokens[:count],
+                                  shape.state.attention_mask[:count], shape.state.row_indices[:count], self.rules)
         self.mark_step()
+        self.stats.prefills += 1
         self.stats.prefill_rows += rows
+
+    def _prefill_step(self, shape: "PrefillShape") -> Callable[..., torch.Tensor]:
+        """The prefill of one shape as a step over its buffers: the prompts' keys and values into the rows named
+        by ``shape.slots``, each row's first token into ``shape.first_tokens``."""
+        batch, rules = self.batch, self.rules
+
+        def prefill_step(input_ids, attention_mask, position_ids, cache_position, step, new_tokens, finished,
+                         row_indices, slots, first_tokens):
+            state = decoding.DecodeState(input_ids[:, -1:], position_ids, cache_position, attention_mask, step,
+                                         new_tokens, finished, row_indices)
+            batch.rows.prompt_slots = slots
+            try:
+                first_tokens.copy_(decoding.prefill(batch.forward, state, input_ids, attention_mask, rules))
+            finally:
+                batch.rows.prompt_slots = None
+            return first_tokens
+
+        return prefill_step
 
     def _collect(self, in_slot: list[int | None], done: dict[int, list[int]]) -> None:
         """Take the tokens of every row that has finished, and free its slot."""

@@ -54,9 +54,11 @@ class BatchTiming:
 
 @dataclasses.dataclass
 class GenerationStats:
-    graph_captures: int = 0
+    graph_captures: int = 0  # of decode steps (one per static shape, or the one slot step)
+    prefill_captures: int = 0  # of prefill shapes (continuous batching: a few row counts times the buckets)
     capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
-    batches: int = 0  # fixed batches run, or looks at the slots (continuous batching)
+    batches: int = 0  # fixed batches run, or looks at the slots that gave out rows (continuous batching)
+    prefills: int = 0  # prefill forward passes (one per fixed batch; one per insertion into slots)
     new_tokens: int = 0  # tokens given out: each row's new tokens up to its end
     slot_tokens: int = 0  # token places computed: rows of every prefill shape and every row of every step
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)
@@ -190,6 +192,7 @@ class Generator:
             )
         outputs = [self._trim(row_tokens) for row_tokens in slot.state.new_tokens[: len(prompts)].tolist()]
         self.stats.batches += 1
+        self.stats.prefills += 1
         self.stats.new_tokens += sum(len(tokens) for tokens, _ in outputs)
         self.stats.slot_tokens += run.batch_size * (steps + 1)
         self.stats.timings.append(BatchTiming(prefill.seconds, decoding_time.seconds, steps))
@@ -242,9 +245,11 @@ class Generator:
         restart()  # the capture, or the attempt, may have run the step
         rewind_static_cache(slot.cache, slot.bucket_length)
 
-    def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...]) -> Callable[..., object]:
+    def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...],
+                  counter: str = "graph_captures") -> Callable[..., object]:
         """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else
-        ``step`` itself (after a failure other than running out of memory: with one warning)."""
+        ``step`` itself (after a failure other than running out of memory: with one warning). A capture
+        counts in ``stats.<counter>``."""
         if not self.run.use_graphs or self.capture_failure is not None:
             return step
         started = time.perf_counter()
@@ -261,7 +266,7 @@ class Generator:
                 GraphCaptureWarning, stacklevel=4,
             )
             return step
-        self.stats.graph_captures += 1
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         self.stats.capture_seconds += time.perf_counter() - started
         return captured
 
@@ -299,8 +304,8 @@ class Generator:
                 yield index, ids
 
         batcher = self._continuous_batcher()
-        decode_steps, prefill_seconds, decode_seconds = (batcher.stats.decode_steps, batcher.stats.prefill_seconds,
-                                                         batcher.stats.decode_seconds)
+        decode_steps, prefill_seconds, decode_seconds, prefills = (
+            batcher.stats.decode_steps, batcher.stats.prefill_seconds, batcher.stats.decode_seconds, batcher.stats.prefills)
         given = 0
         with torch.no_grad():
             for ready in batcher.run(tokenized()):
@@ -316,6 +321,7 @@ class Generator:
         stats = batcher.stats
         steps = stats.decode_steps - decode_steps
         self.stats.slot_tokens += self.run.batch_size * steps + stats.prefill_rows
+        self.stats.prefills += stats.prefills - prefills
         stats.prefill_rows = 0
         self.stats.timings.append(BatchTiming(stats.prefill_seconds - prefill_seconds,
                                               stats.decode_seconds - decode_seconds, steps))
@@ -328,7 +334,9 @@ class Generator:
                 slots=self.run.batch_size, max_new_tokens=self.run.max_new_tokens, buckets=self.run.buckets,
                 context_limit=self._context_limit, pad_token_id=self.pad_token_id, device=self.device,
                 rules=self._rules, model=self.model, dtype=self.run.torch_dtype, forward=self._model_forward,
-                make_storage=self._slot_storage, capture=self._captured, mark_step=self.accelerator.mark_step,
+                make_storage=self._slot_storage, capture=self._captured,
+                capture_prefill=functools.partial(self._captured, counter="prefill_captures"),
+                mark_step=self.accelerator.mark_step,
                 synchronize=self.accelerator.synchronize,
             )
         return self._batcher
