@@ -20,7 +20,7 @@ from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
 from accelgen.model.empty_model import DTYPE_KEYWORD
-from accelgen.parallel.launcher import free_port
+from accelgen.parallel.launcher import end_worker_process, free_port
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.session.request import build_request
@@ -464,4 +464,6 @@ if __name__ == "__main__":
                      f"collectives {'yes' if collectives else 'no'}\n")
     sys.stdout.flush()
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # ends as accelgen's own ranks do: a gloo thread still releasing a collective's tensors when the interpreter
+    # finalizes aborts the process (see end_worker_process)
+    end_worker_process(0)

@@ -241,7 +241,9 @@ def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generat
     for record in ranks:
         assert record["lazy_mode"] == "1" and record["hccl_process_group"] >= 1
         assert record["lazy_collectives"] == "true"  # set by the launching side, which Habana requires for HPU graphs under TP
-        assert record["graph_capture"] == 1 and record["graph_replay"] > 0
+        assert record["graph_capture"] >= 1 and record["graph_replay"] > 0
+    # every rank took the same slot decisions: the same graphs, replayed as often, the same flushes
+    assert all(ranks[0][name] == ranks[1][name] for name in ("graph_capture", "graph_replay", "mark_step"))
 
 
 @pytest.mark.slow

@@ -113,7 +113,7 @@ def test_a_later_plugin_replaces_a_built_in_accelerator_of_the_same_name(tiny_mo
 
     plugin_manager = get_plugin_manager(load_entry_points=False)
     plugin_manager.register(RegisteringPlugin(RecordingCpu()))
-    settings = dict(device="cpu", batch_size=2, max_new_tokens=4, buckets=(8, 128))
+    settings = dict(device="cpu", batch_size=2, max_new_tokens=4, buckets=(8, 128), batching="static")
     generator = accelgen.load(tiny_model_folder("llama"), plugin_manager=plugin_manager, **settings)
     plain = accelgen.load(tiny_model_folder("llama"), graphs=False, **settings)  # the built-in cpu: no capture
     long_prompt = "a prompt longer than eight tokens needs the next bucket"
@@ -164,7 +164,8 @@ def test_third_party_plugin_package_runs_the_whole_pipeline(tmp_path, tiny_model
     assert result.returncode == 0, result.stderr
     assert "fake-device: setup rank 0 of 1" in result.stderr
     assert "fake-device: prepare_model GPT2LMHeadModel as float32" in result.stderr
-    assert result.stderr.count("fake-device: capture decode step") == 1
+    # the slot step once, and the one prefill shape met (two prompts into two slots) once
+    assert result.stderr.count("fake-device: capture decode step") == 2
     assert "graph captures: 1" in result.stderr
     expected = accelgen.generate(["Hello", "DeepSpeed is"], model=tiny_model_folder("gpt2"), device="cpu",
                                  batch_size=2, max_new_tokens=6)
