@@ -41,14 +41,17 @@ class DecodeState(NamedTuple):
 
     @classmethod
     def allocate(cls, batch_size: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
-        def longs(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
+        longs = long_zeros(device)
         return cls(
             input_ids=longs(batch_size, 1), position_ids=longs(batch_size, 1), cache_position=longs(1),
             attention_mask=longs(batch_size, cache_length), step=longs(1), new_tokens=longs(batch_size, new_tokens),
             finished=torch.zeros(batch_size, dtype=torch.bool, device=device), row_indices=longs(batch_size),
         )
+
+
+def long_zeros(device: torch.device) -> Callable[..., torch.Tensor]:
+    """``longs(*shape)``: a new int64 buffer of zeros on ``device``."""
+    return lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from accelgen.generation.decoding import Forward, TokenRules
+from accelgen.generation.decoding import Forward, TokenRules, long_zeros
 from accelgen.generation.sampling import choose_tokens
 
 
@@ -40,9 +40,7 @@ class SlotState(NamedTuple):
 
     @classmethod
     def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device) -> "SlotState":
-        def longs(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
+        longs = long_zeros(device)
         return cls(
             input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
             attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
