@@ -31,7 +31,7 @@ PROMPTS = [
 def hugging_face_alone(folder, prompts, eos_token_id):
     """Each prompt's greedy completion by Hugging Face ``generate`` on that prompt alone, cut after its EOS."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder)  # float32, as the runs it is compared with
     completions = []
     for prompt in prompts:
         inputs = tokenizer([prompt], return_tensors="pt", return_token_type_ids=False)
