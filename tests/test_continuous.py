@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import ARCHITECTURES
 from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
