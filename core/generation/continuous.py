@@ -252,8 +252,9 @@ class ContinuousBatcher:
         def slot_step(*buffers: torch.Tensor) -> torch.Tensor:
             return slot_decoding.decode_one_slot_token(forward, slot_decoding.SlotState(*buffers), rules)
 
-        _give_memory(forward, rows, self.pad_token_id, self.device)
-        self.mark_step()
+        if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+            _give_memory(forward, rows, self.pad_token_id, self.device)
+            self.mark_step()
         batch = SlotBatch(bucket_capacity, cache, rows, state, forward, slot_step)
         batch.step = self.capture(slot_step, tuple(state))  # before any row is in it: a warm-up run harms nothing
         return batch
