@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ARCHITECTURES
+from killed_runs import kill_after_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
 import accelgen
@@ -204,9 +205,6 @@ def test_bench_keeps_fixed_batches_unless_asked_and_records_the_occupancy(tiny_m
 def test_a_sampled_continuous_run_killed_mid_way_resumes_to_the_uninterrupted_file(ending_model, tmp_path, cli_environment):
     """SIGKILL while slots hold rows at every stage: the rows written are a prefix in dataset order, and the
     same command writes the rest, equal to a run that was never stopped."""
-    import signal
-    import time
-
     folder, _ = ending_model("llama")
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text("".join(json.dumps({"text": PROMPTS[number % len(PROMPTS)] + f" {number}"}) + "\n"
@@ -217,14 +215,7 @@ def test_a_sampled_continuous_run_killed_mid_way_resumes_to_the_uninterrupted_fi
     reference = tmp_path / "reference.jsonl"
     subprocess.run([*command, "--output", str(reference)], env=cli_environment, check=True, capture_output=True)
     output = tmp_path / "out.jsonl"
-    run = subprocess.Popen([*command, "--output", str(output)], env=cli_environment,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 5):
-        time.sleep(0.01)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
-    kept = output.read_text().count("\n")
+    kept = kill_after_rows([*command, "--output", str(output)], output, cli_environment)
     assert 5 <= kept < 400, "the run should have been killed mid-way"
     resumed = subprocess.run([*command, "--output", str(output)], env=cli_environment, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr

@@ -1,13 +1,12 @@
 """Dataset completion: any local source `datasets` reads, resumable output, progress, and bad input."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import datasets
 import pytest
+from killed_runs import kill_after_rows
 
 import accelgen
 from accelgen.cli import main
@@ -122,14 +121,7 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_row(tmp_path, cli_en
     subprocess.run([*command, "--output", str(reference)], env=cli_environment, check=True, capture_output=True)
 
     output = tmp_path / "out.jsonl"
-    run = subprocess.Popen([*command, "--output", str(output)], env=cli_environment,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 5):
-        time.sleep(0.05)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
-    kept = output.read_text().count("\n")
+    kept = kill_after_rows([*command, "--output", str(output)], output, cli_environment)
     assert 5 <= kept < len(rows), "the run should have been killed mid-way"
     with output.open("a") as torn:  # as if killed in the middle of a write
         torn.write('{"index": 99, "prompt": "Chapter')
