@@ -75,8 +75,8 @@ class PrefillShape:
 
 @dataclasses.dataclass
 class SlotStats:
-    """What the slots did: decode steps taken, rows of prefill shapes run (padding rows included), and the
-    device-synchronised time of each phase."""
+    """What the slots did in one run: decode steps taken, rows of prefill shapes run (padding rows included),
+    and the device-synchronised time of each phase."""
 
     decode_steps: int = 0
     prefills: int = 0
@@ -104,7 +104,8 @@ class ContinuousBatcher:
 
     def run(self, prompts: Iterable[tuple[int, list[int]]]) -> Iterator[list[tuple[int, list[int]]]]:
         """For (prompt number, token ids) in order, yield (prompt number, new token ids) in the same order,
-        a list at a time (the rows that became ready at one look at the slots)."""
+        a list at a time (the rows that became ready at one look at the slots). ``stats`` start afresh."""
+        self.stats = SlotStats()
         incoming = iter(prompts)
         waiting: collections.deque[tuple[int, list[int], int]] = collections.deque()  # (number, ids, bucket)
         in_slot: list[int | None] = [None] * self.slots  # the prompt number each slot holds

@@ -304,8 +304,6 @@ class Generator:
                 yield index, ids
 
         batcher = self._continuous_batcher()
-        decode_steps, prefill_seconds, decode_seconds, prefills = (
-            batcher.stats.decode_steps, batcher.stats.prefill_seconds, batcher.stats.decode_seconds, batcher.stats.prefills)
         given = 0
         with torch.no_grad():
             for ready in batcher.run(tokenized()):
@@ -318,13 +316,10 @@ class Generator:
                 given += len(completions)
                 self.stats.batches += 1
                 yield completions
-        stats = batcher.stats
-        steps = stats.decode_steps - decode_steps
-        self.stats.slot_tokens += self.run.batch_size * steps + stats.prefill_rows
-        self.stats.prefills += stats.prefills - prefills
-        stats.prefill_rows = 0
-        self.stats.timings.append(BatchTiming(stats.prefill_seconds - prefill_seconds,
-                                              stats.decode_seconds - decode_seconds, steps))
+        run = batcher.stats  # this run's
+        self.stats.slot_tokens += self.run.batch_size * run.decode_steps + run.prefill_rows
+        self.stats.prefills += run.prefills
+        self.stats.timings.append(BatchTiming(run.prefill_seconds, run.decode_seconds, run.decode_steps))
         if given == 0:
             raise UsageError("No prompts given: pass at least one prompt.")
 
