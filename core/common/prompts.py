@@ -30,7 +30,7 @@ def prompt_problem(text: object) -> str | None:
 def check_prompts(prompts: Sequence[object], first_index: int = 0) -> None:
     """Raise UsageError when there are no ``prompts``, or naming the first (numbered from ``first_index``) that
     cannot be one."""
-    if not prompts and first_index == 0:
+    if not prompts:
         raise UsageError("No prompts given: pass at least one prompt.")
     for index, prompt in enumerate(prompts, start=first_index):
         problem = prompt_problem(prompt)
