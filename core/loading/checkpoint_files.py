@@ -8,6 +8,7 @@ The safetensors layout: 8 bytes (little-endian header length N), N bytes of JSON
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -59,13 +60,19 @@ class CheckpointFolder:
             self._headers[path] = read_safetensors_header(path)
         return self._headers[path]
 
+    @functools.cached_property
+    def _indexed_names(self) -> list[str] | None:
+        """The files the folder's shard index names, read once; None when it has no index."""
+        index = os.path.join(self.folder, SAFETENSORS_INDEX)
+        if not os.path.isfile(index):
+            return None
+        with open(index, encoding="utf-8") as index_file:
+            return sorted(set(json.load(index_file)["weight_map"].values()))
+
     def weight_files(self) -> tuple[list[str], bool]:
         """(the model's weight files, whether they are safetensors); safetensors preferred."""
-        index = os.path.join(self.folder, SAFETENSORS_INDEX)
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as index_file:
-                names = sorted(set(json.load(index_file)["weight_map"].values()))
-            return [os.path.join(self.folder, name) for name in names], True
+        if self._indexed_names is not None:
+            return [os.path.join(self.folder, name) for name in self._indexed_names], True
         safetensors = sorted(glob.glob(os.path.join(self.folder, "*.safetensors")))
         if safetensors:
             return safetensors, True
@@ -79,15 +86,13 @@ class CheckpointFolder:
     def problem(self, names: list[str] | None = None) -> str | None:
         """The first damaged or missing weight file, as "file: what is wrong", or None: of the files ``names``
         (a pre-sharded folder's, by the manifest), else of the folder's safetensors files and shard index."""
-        index_path = os.path.join(self.folder, SAFETENSORS_INDEX)
         if names is None:
             names = sorted(name for name in os.listdir(self.folder) if name.endswith(".safetensors"))
-            if os.path.isfile(index_path):
-                try:
-                    with open(index_path, encoding="utf-8") as index_file:
-                        names_in_index = sorted(set(json.load(index_file)["weight_map"].values()))
-                except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-                    return f"{SAFETENSORS_INDEX}: not a readable shard index ({type(error).__name__}: {error})"
+            try:
+                names_in_index = self._indexed_names
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                return f"{SAFETENSORS_INDEX}: not a readable shard index ({type(error).__name__}: {error})"
+            if names_in_index is not None:
                 missing = [name for name in names_in_index if name not in names]
                 if missing:
                     return f"{missing[0]}: named by {SAFETENSORS_INDEX} but missing from the folder ({len(missing)} shard(s) missing)"
