@@ -100,7 +100,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
-    request = _request(arguments, plugin_manager)
+    request = _request(arguments, plugin_manager, world=_replica_world(invocation))
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming,
@@ -114,6 +114,18 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
+
+
+def _replica_world(invocation: Invocation) -> World | None:
+    """A worker's place in the job, in its replica (``--data-parallel``), once the split is checked; None in
+    the user's own process (which launches the ranks, or is the whole job)."""
+    from accelgen.parallel.launcher import check_data_parallel
+
+    if not invocation.worker:
+        return None
+    job = World.from_environment()
+    check_data_parallel(job.size, invocation.arguments.data_parallel, job.local_size)
+    return World.from_environment(invocation.arguments.data_parallel)
 
 
 def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
@@ -227,15 +239,18 @@ def compare_command(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, **fixed_settings) -> Request:
-    """The request the command's arguments make (``fixed_settings`` are not the user's to choose)."""
+def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world: World | None = None,
+             **fixed_settings) -> Request:
+    """The request the command's arguments make (``fixed_settings`` are not the user's to choose); ``world``:
+    default, the launcher's environment."""
     from accelgen.session.request import SETTING_NAMES, build_request
 
     settings = {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
     return build_request(
         getattr(arguments, "model_config", None) or arguments.model,
         random_weights=getattr(arguments, "random_weights", False), device=arguments.device,
-        trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager, **settings | fixed_settings,
+        trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager, world=world,
+        **settings | fixed_settings,
     )
 
 
@@ -243,15 +258,17 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
     """Run ``command`` in this process (one rank of a launched job, or a one-rank job), or launch the
     job's ranks when several are asked for; each rank then runs the same command line."""
     arguments = invocation.arguments
+    data_parallel = getattr(arguments, "data_parallel", 1)
     if invocation.worker:
-        if arguments.world_size not in (None, request.world.size):
-            raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {request.world.size} ranks.")
-    elif arguments.world_size not in (None, 1):
+        job_size = request.world.size * request.world.replicas
+        if arguments.world_size not in (None, job_size):
+            raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {job_size} ranks.")
+    elif arguments.world_size not in (None, 1) or data_parallel > 1:
         from accelgen.parallel.launcher import launch_job, plan_launch
 
-        plan = plan_launch(arguments.world_size, arguments.nnodes, arguments.node_rank, arguments.master_addr,
-                           arguments.master_port)
-        request.check_world_size(plan.world_size)
+        plan = plan_launch(arguments.world_size or 1, arguments.nnodes, arguments.node_rank, arguments.master_addr,
+                           arguments.master_port, data_parallel)
+        request.check_world_size(plan.world_size, data_parallel)
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)
         if ended.line is not None:

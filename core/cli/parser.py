@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
     _add_offload_arguments(run)
-    _add_parallel_arguments(run)
+    parallel = _add_parallel_arguments(run)
+    parallel.add_argument("--data-parallel", type=_number("data_parallel"), default=1, metavar="R",
+                          help=_with_range("model replicas sharing the rows, each tensor-parallel over world-size / R "
+                                           "ranks of one node (default 1: one copy over all the ranks)", "data_parallel"))
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)
@@ -116,13 +119,15 @@ def _add_offload_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "(default: read them in place from the checkpoint's safetensors files)")
 
 
-def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    parallel = parser.add_argument_group("tensor parallelism (started with the device's launcher, torchrun by default)")
+def _add_parallel_arguments(parser: argparse.ArgumentParser):
+    """The options of a job of several ranks; returns their group."""
+    parallel = parser.add_argument_group("parallelism (started with the device's launcher, torchrun by default)")
     parallel.add_argument("--world-size", type=_number("world_size"), help=_with_range("ranks in the whole job, all nodes together (default 1)", "world_size"))
     parallel.add_argument("--nnodes", type=_number("nnodes"), default=1, help=_with_range("machines taking part (run accelgen on each)", "nnodes"))
     parallel.add_argument("--node-rank", type=_number("node_rank"), default=0, help=_with_range("this machine's index, 0 to nnodes-1", "node_rank"))
     parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
     parallel.add_argument("--master-port", type=_number("master_port"), help=_with_range("free port on node 0 (default: any free port on one node, 29500 on several)", "master_port"))
+    return parallel
 
 
 def _number(setting: str):

@@ -35,21 +35,34 @@ def describe_plugin(accelerator: Accelerator) -> str:
 
 def print_summary(report: "RunReport") -> None:
     """On stderr: one line of tokens, speed, load time, device, dtype, world size and graph captures; one of
-    where offloaded weights sat, when they were; one of each rank's parameter bytes and memory."""
+    each replica's rows and tokens and the job's rows/s, with --data-parallel; one of where offloaded weights
+    sat, when they were; one of each rank's parameter bytes and memory (the writer's replica's ranks)."""
     print(
         f"accelgen: {report.new_tokens} new tokens in {report.generate_seconds:.2f} s "
         f"({report.tokens_per_second:.1f} tokens/s, decode {report.ms_per_decode_step:.2f} ms/step), "
         f"model loaded in {report.load_seconds:.2f} s, device {report.device}, dtype {report.dtype}, "
-        f"world size {report.world_size}, graph captures: {report.graph_captures}"
+        f"world size {_world_size(report)}, graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%"),
         file=sys.stderr,
     )
+    if report.replicas:
+        print("accelgen: " + "; ".join(
+            f"replica {replica.replica}: {replica.rows} rows, {replica.new_tokens} kept tokens in {replica.seconds:.2f} s"
+            for replica in report.replicas) + f"; the job: {report.rows} rows in {report.generate_seconds:.2f} s "
+            f"({report.rows_per_second:.2f} rows/s)", file=sys.stderr)
     if report.offload is not None:
         print(f"accelgen: {report.offload}", file=sys.stderr)
     print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)
+
+
+def _world_size(report: "RunReport") -> str:
+    if not report.replicas:
+        return str(report.world_size)
+    replicas = len(report.replicas)
+    return f"{report.world_size * replicas} ({replicas} replicas of {report.world_size})"
 
 
 def print_rank_memory(rank_memory: list[dict], unsharded_parameter_bytes: int) -> None:

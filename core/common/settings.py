@@ -80,32 +80,56 @@ class RunSettings:
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """Where this process sits among the ranks of a tensor-parallel job."""
+    """Where this process sits among the ranks of its model replica, and among the job's replicas.
+
+    ``rank`` and ``size`` are the replica's: the tensor-parallel ranks that hold one copy of the model. A job
+    of N ranks with ``--data-parallel R`` runs R replicas of N / R ranks each (replica ``replica`` holds the
+    job's ranks ``replica * size`` to ``replica * size + size - 1``, all on one node); with R = 1 (the
+    default) the replica is the whole job. ``local_rank`` and ``local_size`` are the node's: the device this
+    process uses and how many ranks the node runs."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1  # ranks on this node
+    replica: int = 0
+    replicas: int = 1
 
     @classmethod
-    def from_environment(cls) -> "World":
+    def from_environment(cls, data_parallel: int = 1) -> "World":
         """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher: the only
-        place that reads them; everything else is handed this object."""
+        place that reads them; everything else is handed this object. ``data_parallel``: the job's replicas
+        (``--data-parallel``), which must divide its ranks (``accelgen.parallel.launcher.check_data_parallel``)."""
+        job_rank, job_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        size = max(job_size // data_parallel, 1)
         return cls(
-            rank=int(os.environ.get("RANK", 0)),
-            size=int(os.environ.get("WORLD_SIZE", 1)),
+            rank=job_rank % size,
+            size=size,
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             local_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))),
+            replica=job_rank // size,
+            replicas=data_parallel,
         )
 
     @property
+    def job_rank(self) -> int:
+        """This process's rank among all the job's ranks."""
+        return self.replica * self.size + self.rank
+
+    @property
     def is_main(self) -> bool:
+        """The job's first rank: the one that prints and writes."""
+        return self.job_rank == 0
+
+    @property
+    def leads_replica(self) -> bool:
+        """The first rank of its replica: the one that takes rows for the replica and hands in its results."""
         return self.rank == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
-    """How the ranks of a tensor-parallel job are spread over machines; one launch per node."""
+    """How the ranks of a job are spread over machines; one launch per node."""
 
     world_size: int
     nnodes: int

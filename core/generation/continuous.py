@@ -7,9 +7,9 @@ cache, in a bucketed static shape (a few row counts times the prompt buckets), w
 on. Each row's text is what a fixed batch would give it: its attention sees its own row only, its sampling
 draws depend on (seed, prompt number, step) alone.
 
-Results come out in prompt order: a row that finishes early waits in memory for the rows before it. A prompt
-is inserted only while it is fewer than ``READ_AHEAD_ROWS`` (a few times B) rows ahead of the oldest row
-not yet given out, which bounds the rows held: a slot stays free rather than run further ahead.
+Results come out in the order the prompts came in: a row that finishes early waits in memory for the rows
+before it. A prompt is inserted only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the
+oldest row not yet given out, which bounds the rows held: a slot stays free rather than run further ahead.
 
 The cache holds the largest prompt bucket met so far plus ``max_new_tokens`` positions per row. A prompt
 that needs a larger bucket waits until the rows in flight have finished; the cache and the step are then
@@ -103,22 +103,23 @@ class ContinuousBatcher:
         self.stats = SlotStats()
 
     def run(self, prompts: Iterable[tuple[int, list[int]]]) -> Iterator[list[tuple[int, list[int]]]]:
-        """For (prompt number, token ids) in order, yield (prompt number, new token ids) in the same order,
-        a list at a time (the rows that became ready at one look at the slots). ``stats`` start afresh."""
+        """For (prompt number, token ids), yield (prompt number, new token ids) in the order given, a list at a
+        time (the rows that became ready at one look at the slots). The numbers (which key each row's sampling
+        draws) need not follow each other. ``stats`` start afresh."""
         self.stats = SlotStats()
-        incoming = iter(prompts)
-        waiting: collections.deque[tuple[int, list[int], int]] = collections.deque()  # (number, ids, bucket)
-        in_slot: list[int | None] = [None] * self.slots  # the prompt number each slot holds
+        incoming = enumerate(prompts)  # rows are kept apart and ordered by their place in ``prompts``
+        waiting: collections.deque[tuple[int, int, list[int], int]] = collections.deque()  # (place, number, ids, bucket)
+        in_slot: list[tuple[int, int] | None] = [None] * self.slots  # the (place, number) of the row each slot holds
         steps_left = [0] * self.slots  # decode steps each slot's row may still take (its token budget)
-        done: dict[int, list[int]] = {}
-        next_out: int | None = None
+        done: dict[int, tuple[int, list[int]]] = {}  # by place: number, new token ids
+        next_out: int | None = None  # the place of the next row to give out
         read_ahead = READ_AHEAD_SLOTS * self.slots
         source_error: Exception | None = None  # raised once the rows read before it are given out
         while True:
             try:
-                for number, ids in itertools.islice(incoming, max(0, read_ahead - len(waiting))):
-                    waiting.append((number, ids, self._bucket_for(number, len(ids))))
-                    next_out = number if next_out is None else next_out
+                for place, (number, ids) in itertools.islice(incoming, max(0, read_ahead - len(waiting))):
+                    waiting.append((place, number, ids, self._bucket_for(number, len(ids))))
+                    next_out = place if next_out is None else next_out
             except Exception as error:  # noqa: BLE001 - a prompt that cannot be read or used: finish the ones before
                 source_error, incoming = error, iter(())
             if next_out is None:
@@ -131,7 +132,7 @@ class ContinuousBatcher:
                 steps_left[slot] = self.max_new_tokens - 1
             self.synchronize()
             self.stats.prefill_seconds += time.perf_counter() - started
-            if all(number is None for number in in_slot):
+            if all(held is None for held in in_slot):
                 if not waiting:
                     if source_error is not None:
                         raise source_error
@@ -140,7 +141,7 @@ class ContinuousBatcher:
                 continue
             started = time.perf_counter()
             # no more steps than the longest budget left: rows that end by length end together with the steps
-            steps = min(SLOT_CHECK_INTERVAL, max(steps_left[slot] for slot, number in enumerate(in_slot) if number is not None))
+            steps = min(SLOT_CHECK_INTERVAL, max(steps_left[slot] for slot, held in enumerate(in_slot) if held is not None))
             for _ in range(steps):
                 self.batch.step(*self.batch.state)
                 self.mark_step()
@@ -150,7 +151,7 @@ class ContinuousBatcher:
             self.stats.decode_seconds += time.perf_counter() - started
             ready = []
             while next_out in done:
-                ready.append((next_out, done.pop(next_out)))
+                ready.append(done.pop(next_out))
                 next_out += 1
             if ready:
                 yield ready
@@ -163,22 +164,22 @@ class ContinuousBatcher:
         except UsageError as error:
             raise UsageError(f"Prompt {number}: {error}") from None
 
-    def _insert(self, waiting: collections.deque, in_slot: list[int | None], limit: int) -> list[int]:
+    def _insert(self, waiting: collections.deque, in_slot: list, limit: int) -> list[int]:
         """Prefill the waiting prompts that fit into the free slots, in one bucketed shape; the slots filled."""
-        free = [slot for slot, number in enumerate(in_slot) if number is None]
+        free = [slot for slot, held in enumerate(in_slot) if held is None]
         group = []
         while waiting and len(group) < len(free) and waiting[0][0] < limit:
             if self.batch is None:
-                self.batch = self._new_batch(max(bucket for _, _, bucket in list(waiting)[: self.slots]))
-            if waiting[0][2] > self.batch.bucket_capacity:
+                self.batch = self._new_batch(max(bucket for *_, bucket in list(waiting)[: self.slots]))
+            if waiting[0][3] > self.batch.bucket_capacity:
                 break  # wait for the slots to empty, then grow
             group.append(waiting.popleft())
         if not group:
             return []
         slots = free[: len(group)]
-        for slot, (number, _, _) in zip(slots, group):
-            in_slot[slot] = number
-        self._prefill(slots, group)
+        for slot, (place, number, _, _) in zip(slots, group):
+            in_slot[slot] = (place, number)
+        self._prefill(slots, [(number, ids, bucket) for _, number, ids, bucket in group])
         return slots
 
     def _prefill(self, slots: list[int], group: list[tuple[int, list[int], int]]) -> None:
@@ -226,16 +227,17 @@ class ContinuousBatcher:
 
         return prefill_step
 
-    def _collect(self, in_slot: list[int | None], done: dict[int, list[int]]) -> None:
+    def _collect(self, in_slot: list, done: dict) -> None:
         """Take the tokens of every row that has finished, and free its slot."""
         state = self.batch.state
         finished = state.finished.tolist()
-        ended = [slot for slot, number in enumerate(in_slot) if number is not None and finished[slot]]
+        ended = [slot for slot, held in enumerate(in_slot) if held is not None and finished[slot]]
         if not ended:
             return
         tokens = state.new_tokens[ended, : self.max_new_tokens].tolist()
         for slot, row_tokens in zip(ended, tokens):
-            done[in_slot[slot]] = row_tokens
+            place, number = in_slot[slot]
+            done[place] = (number, row_tokens)
             in_slot[slot] = None
 
     def _new_batch(self, bucket_capacity: int) -> SlotBatch:

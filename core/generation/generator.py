@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.common.errors import AccelgenWarning, GraphCaptureWarning, UsageError, first_line
+from accelgen.common.errors import AccelgenWarning, GraphCaptureWarning, first_line
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.continuous import ContinuousBatcher
@@ -148,21 +148,26 @@ class Generator:
         ``prompts`` may be any iterable (a streamed dataset): it is read one batch at a time.
         ``first_index`` numbers the prompts; a prompt's number (not its batch) decides its sampling draws,
         so a run resumed at any prompt samples what an uninterrupted run did."""
+        yield from self.generate_numbered(enumerate(prompts, start=first_index))
+
+    def generate_numbered(self, numbered_prompts: Iterable[tuple[int, str]]) -> Iterator[list[Completion]]:
+        """Completions of (number, prompt) pairs, in the order given, a batch at a time (none for no prompts:
+        the command line and the Python API refuse an empty list before loading). The numbers need not
+        follow each other (a data-parallel replica gets the rows it is handed): a prompt's number alone, not
+        its place among the others, decides its sampling draws and names it in errors."""
         if self.batching == "continuous":
-            yield from self._generate_continuously(prompts, first_index)
+            yield from self._generate_continuously(numbered_prompts)
             return
-        remaining = iter(prompts)
-        index = first_index
+        remaining = iter(numbered_prompts)
         while batch := list(itertools.islice(remaining, self.run.batch_size)):
-            token_ids, truncated = self.tokenize(batch, first_index=index)
-            outputs = self.generate_token_ids(token_ids, first_index=index)
+            numbers = [number for number, _ in batch]
+            encoded = [self.tokenize([prompt], first_index=number) for number, prompt in batch]
+            token_ids = [ids for [ids], _ in encoded]
+            outputs = self._generate_rows(token_ids, numbers)
             yield [
-                self.text.completion(index + row, batch[row], token_ids[row], truncated[row], *outputs[row])
-                for row in range(len(batch))
+                self.text.completion(number, prompt, ids, truncated, *output)
+                for (number, prompt), ids, (_, [truncated]), output in zip(batch, token_ids, encoded, outputs)
             ]
-            index += len(batch)
-        if index == 0:
-            raise UsageError("No prompts given: pass at least one prompt.")
 
     def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
         """Token ids per prompt (truncated to ``run.max_input_tokens``), and which prompts were truncated."""
@@ -170,10 +175,14 @@ class Generator:
 
     # -- token ids in, token ids out ------------------------------------------------------------
 
-    @torch.no_grad()
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per prompt, for at most ``run.batch_size`` tokenized prompts
         numbered from ``first_index``: prefill, capture the decode step if this shape has none yet, decode."""
+        return self._generate_rows(prompts, list(range(first_index, first_index + len(prompts))))
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: Sequence[Sequence[int]], numbers: list[int]) -> list[tuple[list[int], str]]:
+        """:meth:`generate_token_ids` for prompts with any ``numbers``."""
         run = self.run
         if not 0 < len(prompts) <= run.batch_size:
             raise ValueError(f"expected 1 to {run.batch_size} prompts, got {len(prompts)}")
@@ -182,7 +191,7 @@ class Generator:
         )
         slot = self._slot(bucket_length)
         with self._timed() as prefill:
-            restart = self._prefill(slot, prompts, first_index)
+            restart = self._prefill(slot, prompts, numbers)
         if slot.decode_step is None and run.max_new_tokens > 1:
             self._make_decode_step(slot, restart)
         with self._timed() as decoding_time:
@@ -205,7 +214,7 @@ class Generator:
 
     # -- the steps of a batch -------------------------------------------------------------------
 
-    def _prefill(self, slot: DecodeSlot, prompts: Sequence[Sequence[int]], first_index: int) -> Callable[[], None]:
+    def _prefill(self, slot: DecodeSlot, prompts: Sequence[Sequence[int]], numbers: list[int]) -> Callable[[], None]:
         """Start a batch in ``slot``: run the padded prompts through the model (filling the cache), choose each
         row's first token and set the decode buffers from it. Returns what sets them again (after a capture
         that ran the step)."""
@@ -215,7 +224,8 @@ class Generator:
         slot.cache.reset()
         state.attention_mask.zero_()
         state.attention_mask[:, :bucket_length].copy_(prompt_mask)
-        state.row_indices.copy_(torch.arange(first_index, first_index + self.run.batch_size))
+        padding_numbers = range(numbers[-1] + 1, numbers[-1] + 1 + self.run.batch_size - len(numbers))
+        state.row_indices.copy_(torch.tensor([*numbers, *padding_numbers]))
         first_tokens = decoding.prefill(slot.forward, state, input_ids, prompt_mask, self._rules)
         prompt_lengths = prompt_mask.sum(-1, keepdim=True)
 
@@ -293,18 +303,17 @@ class Generator:
             stacklevel=3)
         return "static"
 
-    def _generate_continuously(self, prompts: Iterable[str], first_index: int) -> Iterator[list[Completion]]:
-        """Completions in prompt order, through the slots of :mod:`accelgen.generation.continuous`."""
+    def _generate_continuously(self, numbered_prompts: Iterable[tuple[int, str]]) -> Iterator[list[Completion]]:
+        """Completions in the order given, through the slots of :mod:`accelgen.generation.continuous`."""
         texts: dict[int, tuple[str, list[int], bool]] = {}  # the rows in flight: prompt, token ids, truncated
 
         def tokenized() -> Iterator[tuple[int, list[int]]]:
-            for index, prompt in enumerate(prompts, start=first_index):
+            for index, prompt in numbered_prompts:
                 [ids], [truncated] = self.tokenize([prompt], first_index=index)
                 texts[index] = (prompt, ids, truncated)
                 yield index, ids
 
         batcher = self._continuous_batcher()
-        given = 0
         with torch.no_grad():
             for ready in batcher.run(tokenized()):
                 completions = []
@@ -313,15 +322,12 @@ class Generator:
                     tokens, reason = self._trim(row_tokens)
                     self.stats.new_tokens += len(tokens)
                     completions.append(self.text.completion(index, prompt, ids, truncated, tokens, reason))
-                given += len(completions)
                 self.stats.batches += 1
                 yield completions
         run = batcher.stats  # this run's
         self.stats.slot_tokens += self.run.batch_size * run.decode_steps + run.prefill_rows
         self.stats.prefills += run.prefills
         self.stats.timings.append(BatchTiming(run.prefill_seconds, run.decode_seconds, run.decode_steps))
-        if given == 0:
-            raise UsageError("No prompts given: pass at least one prompt.")
 
     def _continuous_batcher(self) -> ContinuousBatcher:
         if self._batcher is None:

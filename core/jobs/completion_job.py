@@ -14,17 +14,20 @@ import itertools
 import json
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import check_prompts
+from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
 from accelgen.jobs.completion_file import CompletionFile
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.jobs.progress import Progress
+from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
 from accelgen.loading.model_files import BUILT_IN_NAME
 from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.job_store import job_store
 from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.session.api import load_request
 from accelgen.session.out_of_memory import out_of_memory_line
@@ -55,8 +58,10 @@ class CompletionJob:
 
 @dataclasses.dataclass(frozen=True)
 class RunReport:
-    """What a finished run did, for its summary: the same on every rank (figures of every rank gathered)."""
+    """What a finished run did, for its summary: the same on every rank of a replica (figures of its ranks
+    gathered); the job's rows and tokens, and each replica's, on the writer of a data-parallel job."""
 
+    rows: int  # completed by this run (the job's, on the writer of a data-parallel job)
     new_tokens: int  # kept: each row's tokens up to its end
     load_seconds: float
     generate_seconds: float
@@ -73,6 +78,11 @@ class RunReport:
     offload: str | None  # where an offloaded model's weights sat, as a sentence
     unsharded_parameter_bytes: int
     rank_memory: list[dict]  # per rank: parameter_bytes, host memory while loading, the device's memory_stats()
+    replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / max(self.generate_seconds, 1e-9)
 
     @property
     def tokens_per_second(self) -> float:
@@ -83,15 +93,18 @@ class RunReport:
         return 1000 * self.decode_seconds / max(self.decode_steps, 1)
 
 
-def run_report(generator: Generator, load_seconds: float, generate_seconds: float) -> RunReport:
-    """The report of a run by ``generator`` (every rank must call this: the ranks' memory figures are gathered)."""
+def run_report(generator: Generator, load_seconds: float, generate_seconds: float, rows: int,
+               replicas: list[ReplicaReport] | None = None) -> RunReport:
+    """The report of a run by ``generator`` that completed ``rows`` (every rank of a replica must call this:
+    the ranks' memory figures are gathered). ``replicas``: each replica's figures, which then make the job's."""
     stats = generator.stats
     rank_memory = gather_from_ranks(
         {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
          **generator.accelerator.memory_stats()}, generator.world
     )
     return RunReport(
-        new_tokens=stats.new_tokens, load_seconds=load_seconds, generate_seconds=generate_seconds,
+        rows=sum(replica.rows for replica in replicas) if replicas else rows,
+        new_tokens=sum(replica.new_tokens for replica in replicas) if replicas else stats.new_tokens, load_seconds=load_seconds, generate_seconds=generate_seconds,
         decode_seconds=sum(timing.decode_seconds for timing in stats.timings),
         decode_steps=sum(timing.decode_steps for timing in stats.timings),
         device=generator.accelerator.name, dtype=generator.run.dtype, world_size=generator.world.size,
@@ -99,7 +112,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.placement is None else generator.placement.describe(),
         unsharded_parameter_bytes=generator.unsharded_parameter_bytes or parameter_bytes(generator.model),
-        rank_memory=rank_memory,
+        rank_memory=rank_memory, replicas=replicas,
     )
 
 
@@ -158,11 +171,13 @@ def complete(
         generator = load_request(request)
         loaded = time.perf_counter()
         progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
-        texts = itertools.islice(job.rows.texts, job.done, None)
         first_batch = job.done // request.run.batch_size + 1
         completed = False
+        written = RowCount()
+        batches = (_replicas_batches(request.world, job, generator, written, loaded) if request.world.replicas > 1
+                   else _batches(job, generator, written))
         try:
-            for number, completions in enumerate(generator.generate_batches(texts, job.done), start=first_batch):
+            for number, completions in enumerate(batches, start=first_batch):
                 if is_main and job.writer:
                     job.writer.write(completions)
                 if is_main and on_batch:
@@ -179,4 +194,43 @@ def complete(
         if request.accelerator.is_out_of_memory(error):
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None
         raise
-    return run_report(generator, loaded - started, time.perf_counter() - loaded)
+    return run_report(generator, loaded - started, time.perf_counter() - loaded, written.rows, written.replicas)
+
+
+@dataclasses.dataclass
+class RowCount:
+    """The rows this process's replica completed, and tokens it kept; the replicas' reports on the writer."""
+
+    rows: int = 0
+    new_tokens: int = 0
+    replicas: list[ReplicaReport] | None = None
+
+    def add(self, completions: list[Completion]) -> None:
+        self.rows += len(completions)
+        self.new_tokens += sum(len(completion.completion_token_ids) for completion in completions)
+
+
+def _batches(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[list[Completion]]:
+    """The job's rows not yet written, completed by this process's model (split over the job's ranks)."""
+    texts = itertools.islice(job.rows.texts, job.done, None)
+    for completions in generator.generate_batches(texts, job.done):
+        count.add(completions)
+        yield completions
+
+
+def _replicas_batches(world: World, job: CompletionJob, generator: Generator, count: RowCount,
+                      started: float) -> Iterator[list[Completion]]:
+    """The job's rows not yet written, completed by the job's replicas (``accelgen.jobs.row_exchange``): this
+    replica completes the rows it takes; on the writer, every replica's rows in order, the last ones once all
+    have finished (then ``count.replicas`` holds their reports). Other ranks yield nothing."""
+    store = job_store()
+    results = ReplicaResults(store, world, job.done)
+    for completions in generator.generate_numbered(RowTaking(store, world, job.done).numbered_texts(job.rows.texts)):
+        count.add(completions)
+        if world.leads_replica and (ready := results.hand_in(completions)):
+            yield ready
+    if world.leads_replica:
+        results.finish(ReplicaReport(world.replica, count.rows, count.new_tokens, time.perf_counter() - started))
+    if world.is_main:
+        yield from results.rest()
+        count.replicas = results.reports()

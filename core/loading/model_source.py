@@ -145,7 +145,7 @@ class ModelSource:
         (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
         ``device_is_host``: the device computes in host memory."""
         self.check_runs_on(world.size, run.dtype)
-        check_offload_world(run, world.size)
+        check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
         placement = None

@@ -53,17 +53,33 @@ def check_port_free(address: str, port: int) -> None:
             ) from None
 
 
-def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> LaunchPlan:
-    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank`` (each
-    number already in its range: ``accelgen.common.value_ranges``)."""
+def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None,
+                data_parallel: int = 1) -> LaunchPlan:
+    """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank``, in
+    ``data_parallel`` replicas (each number already in its range: ``accelgen.common.value_ranges``)."""
     if world_size % nnodes:
         raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank}).")
+    check_data_parallel(world_size, data_parallel, world_size // nnodes)
     port = master_port or (free_port() if nnodes == 1 else 29500)
     if node_rank == 0:
         check_port_free(master_addr, port)
     return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
+
+
+def check_data_parallel(world_size: int, data_parallel: int, ranks_per_node: int) -> None:
+    """Raise UsageError unless ``data_parallel`` replicas split a job of ``world_size`` ranks evenly, each
+    replica on one node (its all-reduces stay on the node's links; a replica across nodes would make every
+    layer wait for the network)."""
+    if world_size % data_parallel:
+        raise UsageError(f"--data-parallel {data_parallel} must divide --world-size {world_size} (each replica runs "
+                         f"on world-size / data-parallel ranks): pass a --world-size that it divides.")
+    replica_size = world_size // data_parallel
+    if data_parallel > 1 and ranks_per_node % replica_size:
+        raise UsageError(f"--data-parallel {data_parallel} makes replicas of {replica_size} ranks, which would span "
+                         f"nodes of {ranks_per_node} ranks each: choose --data-parallel so that a replica's ranks "
+                         f"({world_size} / data-parallel) divide the ranks of a node.")
 
 
 @dataclasses.dataclass(frozen=True)

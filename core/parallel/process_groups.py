@@ -1,5 +1,6 @@
-"""The process group of a tensor-parallel job: joining it, leaving it, and what the ranks exchange outside
-the model (results gathered for rank 0 to print, a turn to download taken by one process per node)."""
+"""The process group of a tensor-parallel job (or of one replica of a data-parallel job): joining it, leaving
+it, and what the ranks exchange outside the model (results gathered for rank 0 to print, a turn to download
+taken by one process per node)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import contextlib
 import torch
 
 from accelgen.common.settings import World
+from accelgen.parallel.job_store import join_replicas
 
 
 def init_process_group(world: World, backend: str) -> None:
-    """Join this process to the job's process group (a no-op for a single process or when already joined)."""
-    if world.size > 1 and not torch.distributed.is_initialized():
+    """Join this process to its replica's process group: the job's, unless the job runs several replicas
+    (``accelgen.parallel.job_store``). A no-op for a single process or when already joined."""
+    if world.replicas > 1:
+        join_replicas(world, backend)
+    elif world.size > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=backend, rank=world.rank, world_size=world.size)
 
 

@@ -41,10 +41,11 @@ class Request:
     accelerator: Accelerator
     world: World
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise UsageError when the run cannot go over ``world_size`` ranks (heads that do not split, a
-        pre-sharded folder made for another world size or dtype, offloading): before any rank starts."""
-        self.model.check_runs_on(world_size, self.run.dtype)
+    def check_world_size(self, world_size: int, data_parallel: int = 1) -> None:
+        """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
+        (heads that do not split over a replica's ranks, a pre-sharded folder made for another split or dtype,
+        offloading): before any rank starts."""
+        self.model.check_runs_on(world_size // data_parallel, self.run.dtype)
         check_offload_world(self.run, world_size)
 
 
