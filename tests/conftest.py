@@ -1,5 +1,6 @@
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,10 @@ def cli_environment():
     """Environment for running the ``accelgen`` script in a subprocess."""
     environment = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
     return environment
+
+
+@pytest.fixture
+def job_environment(cli_environment):
+    """Environment of a job whose processes can be found afterwards by a unique marker
+    (``test_tensor_parallel.processes_of``)."""
+    return dict(cli_environment, ACCELGEN_TEST_JOB=uuid.uuid4().hex)

@@ -247,6 +247,37 @@ def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generat
 
 
 @pytest.mark.slow
+def test_two_replicas_started_by_deepspeeds_launcher_write_what_one_rank_writes(tiny_model_folder, habana_double, tmp_path):
+    """--data-parallel 2 on hpu: DeepSpeed's launcher starts the ranks (rank 0 then hosts the store the replicas
+    share), each replica one card with its own HPU graphs and no process group."""
+    folder = str(tiny_model_folder("llama"))
+    output, records = tmp_path / "out.jsonl", tmp_path / "records"
+    records.mkdir()
+    environment = dict(os.environ, HABANA_DOUBLE_RECORD_DIR=str(records), HF_HUB_OFFLINE="1",
+                       TRANSFORMERS_VERBOSITY="error")
+    prompts = [f"{prompt} {number}" for number in range(4) for prompt in PROMPTS]
+    prompt_arguments = [argument for prompt in prompts for argument in ("--prompt", prompt)]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--data-parallel", "2",
+         "--dtype", "float32", "--model", folder, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10",
+         "--output", str(output)],
+        env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "deepspeed.launcher.launch" in result.stdout + result.stderr
+    assert "world size 2 (2 replicas of 1)" in result.stderr
+
+    expected = accelgen.generate(prompts, model=folder, device="hpu", dtype="float32", batch_size=2, max_new_tokens=10)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["completion_token_ids"] for row in rows] == [c.completion_token_ids for c in expected]
+    ranks = [json.loads(path.read_text()) for path in records.iterdir()]
+    ranks = sorted((record for record in ranks if record.get("mark_step")), key=lambda record: record["rank"])
+    assert [record["rank"] for record in ranks] == [0, 1]
+    assert all(record.get("hccl_process_group", 0) == 0 for record in ranks)  # one card per replica: no all-reduce
+    assert all(record["graph_capture"] >= 1 for record in ranks if record.get("graph_replay"))
+
+
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_deepspeed_job(tiny_model_folder, habana_double):
     environment = dict(os.environ, ACCELGEN_FAULT_RANK="1", HF_HUB_OFFLINE="1")
     result = subprocess.run(

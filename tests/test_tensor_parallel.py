@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,6 @@ MAX_NEW_TOKENS = 10
 
 def accelgen_command(*arguments):
     return [sys.executable, "-m", "accelgen.cli", *arguments]
-
-
-@pytest.fixture
-def job_environment(cli_environment):
-    """Environment of a job whose processes can be found afterwards by a unique marker."""
-    marker = uuid.uuid4().hex
-    return dict(cli_environment, ACCELGEN_TEST_JOB=marker)
 
 
 def processes_of(environment) -> list[int]:
