@@ -144,11 +144,12 @@ def measurement_record(
     dtype_bytes = DTYPE_BYTES[generator.run.dtype]
     unsharded_bytes = generator.unsharded_parameter_bytes or parameter_bytes(generator.model)
     return {
-        "label": label or hardware.get("device_name") or generator.accelerator.name,
+        "label": label or _default_label(hardware.get("device_name") or generator.accelerator.name, generator.run.quantize),
         "accelerator": generator.accelerator.name,
         "hardware": hardware,
         "world_size": generator.world.size,
         "dtype": generator.run.dtype,
+        "quantize": generator.run.quantize,  # the weights' scheme (None: the weights are in dtype)
         "graphs": generator.run.use_graphs and generator.capture_failure is None,
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,
@@ -167,3 +168,9 @@ def measurement_record(
         "load_seconds": load_seconds,
         "results": rows,
     }
+
+
+def _default_label(device_name: str, quantize: str | None) -> str:
+    """The column of a result in ``accelgen compare``: the device, and the weights' scheme when quantized (so
+    int8 stands beside bfloat16 on the same hardware)."""
+    return device_name if quantize is None else f"{device_name} {quantize}"

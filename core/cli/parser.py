@@ -7,7 +7,7 @@ import argparse
 from accelgen.bench.compare import METRICS
 from accelgen.bench.protocol import PUBLISHED_PROMPT
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import BATCHING_MODES, DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES
+from accelgen.common.settings import BATCHING_MODES, DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES, QUANTIZATION_SCHEMES
 from accelgen.common.value_ranges import RANGES
 from accelgen.plugin.registry import AUTO_DEVICE
 
@@ -103,6 +103,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
     parser.add_argument("--model", help="Hub id or local folder (default: the built-in demo model)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: the device's (float32 on cpu)")
+    parser.add_argument("--quantize", choices=QUANTIZATION_SCHEMES,
+                        help="store the linear layers' weights as int8 (one scale per output channel) or the device's "
+                             "8-bit float; activations stay in --dtype (see 'accelgen devices' for what a device runs)")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="capture the decode step as a graph (default: the device decides)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")

@@ -19,6 +19,9 @@ def torch_dtype(name: str):
 
     return getattr(torch, name)
 
+#: Weight quantization schemes (``--quantize``): weight-only int8 with one scale per output channel, and the
+#: device's 8-bit float. Which ones a device runs is its plugin's answer (``Accelerator.quantization_schemes``).
+QUANTIZATION_SCHEMES = ("int8", "fp8")
 #: Where ``--offload`` keeps the weights that do not fit the device: host memory, or files.
 OFFLOAD_MODES = ("cpu", "disk")
 #: How rows share the batch: "continuous" (a finished row's slot takes the next prompt at once) or "static"
@@ -63,6 +66,7 @@ class RunSettings:
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
     batching: str = "static"
+    quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
 
     @property
     def torch_dtype(self):
@@ -75,6 +79,8 @@ class RunSettings:
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
         del settings["use_graphs"], settings["offload"], settings["batching"]
+        if self.quantize is None:
+            del settings["quantize"]  # so that records written before quantization existed still match
         return {**settings, "buckets": list(self.buckets), **sampling}
 
 

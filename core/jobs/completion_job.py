@@ -69,6 +69,7 @@ class RunReport:
     decode_steps: int
     device: str
     dtype: str
+    quantize: str | None  # the weights' scheme, None when they are in dtype
     world_size: int
     graph_captures: int
     capture_seconds: float
@@ -107,7 +108,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         new_tokens=sum(replica.new_tokens for replica in replicas) if replicas else stats.new_tokens, load_seconds=load_seconds, generate_seconds=generate_seconds,
         decode_seconds=sum(timing.decode_seconds for timing in stats.timings),
         decode_steps=sum(timing.decode_steps for timing in stats.timings),
-        device=generator.accelerator.name, dtype=generator.run.dtype, world_size=generator.world.size,
+        device=generator.accelerator.name, dtype=generator.run.dtype, quantize=generator.run.quantize, world_size=generator.world.size,
         graph_captures=stats.graph_captures, capture_seconds=stats.capture_seconds,
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.placement is None else generator.placement.describe(),

@@ -14,6 +14,8 @@ given to DeepSpeed as its injection policy, so the split it makes is the one the
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from accelgen.common.errors import UsageError
@@ -64,3 +66,28 @@ def _injection_policy(model: torch.nn.Module) -> dict:
     layer_class = next(type(module) for module in model.modules() if type(module).__name__ == architecture.decoder_layer)
     return {"injection_policy": {layer_class: architecture.row_parallel}}
 
+
+def split_linear_kind(module: torch.nn.Module) -> str | None:
+    """"column" for a DeepSpeed AutoTP column-parallel linear layer (whole output rows: a plain linear on this
+    rank's rows), "row" for a row-parallel one (a slice of every row; the partial outputs summed over the
+    ranks), None for any other module (DeepSpeed's fused and head layers included)."""
+    if type(module).__name__ not in ("LinearLayer", "LinearAllreduce"):
+        return None
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    kinds = {LinearLayer: "column", LinearAllreduce: "row"}
+    return kinds.get(type(module))
+
+
+def row_parallel_sum(module: torch.nn.Module) -> Callable[[torch.Tensor], None]:
+    """What a row-parallel layer does to its partial output: sum it in place over its ranks, as DeepSpeed does
+    (its shared-memory kernel where it uses one)."""
+    import deepspeed.comm
+
+    group = module.mp_group
+    return lambda output: deepspeed.comm.inference_all_reduce(output, group=group)
+
+
+def row_parallel_largest(module: torch.nn.Module, largest: torch.Tensor) -> None:
+    """Replace ``largest`` (per output row, of this rank's slice) by the largest over the layer's ranks, in place."""
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=module.mp_group)

@@ -75,6 +75,9 @@ class Accelerator(abc.ABC):
     #: True when the device computes in the host's own memory (the CPU): ``--offload cpu`` would make no
     #: room there, so only ``--offload disk`` is offered and accepted.
     shares_host_memory: bool = False
+    #: Weight quantization schemes this device runs (``--quantize``), by their names in
+    #: ``accelgen.common.settings.QUANTIZATION_SCHEMES``; asking for another is refused in one line.
+    quantization_schemes: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -115,6 +118,16 @@ class Accelerator(abc.ABC):
         from accelgen.common.errors import UsageError
 
         raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
+
+    def quantize(self, model: "torch.nn.Module", scheme: str, run: "RunSettings") -> "torch.nn.Module":
+        """Return the model with its weights quantized to ``scheme`` (one of ``quantization_schemes``), for this
+        device's kernels. Called after ``prepare_model``: the model is this rank's part, its weights in
+        ``run.dtype`` on the device, which the activations keep. ``accelgen.parallel.quantized_layers`` quantizes
+        every linear layer, split by tensor parallelism or not, given the device's product. Default: refused
+        (no scheme is declared by default, so the core refuses ``--quantize`` before loading)."""
+        from accelgen.common.errors import UsageError
+
+        raise UsageError(f"--quantize {scheme} is not supported on {self.name}.")
 
     def capture(
         self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"

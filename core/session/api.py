@@ -44,6 +44,8 @@ def load_request(request: Request) -> Generator:
     restart_peak()
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory)
     model = accelerator.prepare_model(loaded.model, device, run, world)
+    if run.quantize is not None:
+        model = accelerator.quantize(model, run.quantize, run)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     inject_fault_if_asked(world)

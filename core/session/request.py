@@ -19,6 +19,7 @@ from accelgen.common.settings import (
     BATCHING_MODES,
     DEFAULT_BUCKETS,
     OFFLOAD_MODES,
+    QUANTIZATION_SCHEMES,
     OffloadSettings,
     RunSettings,
     SamplingSettings,
@@ -89,14 +90,17 @@ def run_settings(
     max_device_memory: str | int | None = None,
     offload_folder: str | os.PathLike | None = None,
     batching: str = "continuous",
+    quantize: str | None = None,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
-    "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches."""
+    "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
+    ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
+    check_quantization(accelerator, quantize)
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
@@ -113,9 +117,23 @@ def run_settings(
         sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
         offload=offload_settings(offload, max_device_memory, offload_folder),
         batching=batching,
+        quantize=quantize,
     )
     _check(run)
     return run
+
+
+def check_quantization(accelerator: Accelerator, scheme: str | None) -> None:
+    """Raise UsageError for a quantization scheme that does not exist or that the device does not run."""
+    if scheme is None:
+        return
+    if scheme not in QUANTIZATION_SCHEMES:
+        raise UsageError(f"--quantize must be one of {', '.join(QUANTIZATION_SCHEMES)} (got {scheme!r}).")
+    if scheme not in accelerator.quantization_schemes:
+        runs = (f"it runs --quantize {' and '.join(accelerator.quantization_schemes)}" if accelerator.quantization_schemes
+                else "it runs no quantized weights")
+        raise UsageError(f"--quantize {scheme} is not supported on {accelerator.name}: {runs}; "
+                         f"drop --quantize or pick another device.")
 
 
 def offload_settings(

@@ -1,4 +1,5 @@
-"""The built-in CPU accelerator: runs everywhere, captures the decode step with ``torch.compile``."""
+"""The built-in CPU accelerator: runs everywhere, captures the decode step with ``torch.compile``, runs
+weight-only int8 with torch's fused kernel."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class CpuAccelerator(Accelerator):
     name = "cpu"
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
+    quantization_schemes = ("int8",)
 
     def is_available(self) -> bool:
         return True
@@ -38,6 +40,11 @@ class CpuAccelerator(Accelerator):
         model = shard_with_deepspeed(model, world, run.dtype)
         unlink_shared_memory_buffer(world)
         return model
+
+    def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings) -> torch.nn.Module:
+        from accelgen.parallel.quantized_layers import quantize_linear_layers
+
+        return quantize_linear_layers(model, int8_product_on_cpu)
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
@@ -68,6 +75,16 @@ class CpuAccelerator(Accelerator):
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
         }
+
+
+def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's fused weight-only int8 kernel (``_weight_int8pack_mm``), which needs input rows of a multiple
+    of 16 values (others give wrong values or crash); the plain product for other layers."""
+    from accelgen.model.int8_weights import int8_product
+
+    if x.shape[-1] % 16:
+        return int8_product(x, weight, scales)
+    return torch._weight_int8pack_mm(x.contiguous(), weight, scales)
 
 
 def _cpu_model_name() -> str:

@@ -1,0 +1,61 @@
+"""Weight-only int8: each output channel's weights stored as int8 with one scale (its largest magnitude / 127),
+the input and output kept in the run's dtype. Half the bytes of bfloat16 weights, and decoding (which reads
+every weight once per token) reads half as much.
+
+The product of an input and an int8 weight is the accelerator's (``Accelerator.quantize`` passes it): a fused
+kernel where the device has one. :func:`int8_product` is the plain one any device can run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+#: ``product(x [rows, in], weight int8 [out, in], scales [out]) -> [rows, out]`` in x's dtype.
+Int8Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: Largest int8 magnitude used: symmetric, so -127..127 (-128 is never written).
+INT8_LIMIT = 127
+
+
+def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` times the int8 ``weight`` scaled per output channel, by plain operations (the weight converted to
+    x's dtype for the product)."""
+    return (x @ weight.to(x.dtype).t()) * scales
+
+
+def quantize_rows(weight: torch.Tensor, largest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as int8 values and one scale per output row (in the weight's dtype). ``largest``: each
+    row's largest magnitude when the row is longer than ``weight`` holds (a row-parallel slice: the whole row's,
+    so that every rank quantizes its slice as one process quantizes the whole)."""
+    if largest is None:
+        largest = weight.abs().amax(dim=1).float()
+    scales = (largest / INT8_LIMIT).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+    values = torch.round(weight.float() / scales.float()[:, None]).clamp(-INT8_LIMIT, INT8_LIMIT).to(torch.int8)
+    return values, scales
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with weight-only int8 weights. ``all_reduce`` (in place) sums a row-parallel layer's
+    partial outputs over its ranks, before the bias, as the layer it replaces did."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, product: Int8Product,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scales, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.product, self.all_reduce = product, all_reduce
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = self.product(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        output = output.reshape(*x.shape[:-1], self.out_features)
+        if self.all_reduce is not None:
+            self.all_reduce(output)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"

@@ -1,0 +1,156 @@
+"""Weight-only int8 (`--quantize int8`): the linear layers' weights as int8 with one scale per output channel,
+through the CPU plugin's fused kernel (torch's `_weight_int8pack_mm`)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerators import CapturingCpu, plugin_manager_with
+from conftest import PROMPTS
+from tiny_models import build_model, build_tokenizer
+from transformers import LlamaConfig
+
+import accelgen
+from accelgen.cli import main
+from accelgen.model.int8_weights import Int8Linear, int8_product, quantize_rows
+from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.launcher import free_port
+from accelgen_cpu import int8_product_on_cpu
+
+MAX_NEW_TOKENS = 8
+
+
+def completions(folder, **settings):
+    generator = accelgen.load(str(folder), device="cpu", max_new_tokens=MAX_NEW_TOKENS, **settings)
+    return [completion.completion_token_ids for completion in generator.generate(PROMPTS)], generator
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
+def test_int8_runs_through_the_command_line(tiny_model_folder, tmp_path, capsys, architecture):
+    folder = tiny_model_folder(architecture)
+    output = tmp_path / "out.jsonl"
+    arguments = ["run", "--device", "cpu", "--dtype", "bfloat16", "--model", str(folder), "--max-new-tokens",
+                 str(MAX_NEW_TOKENS), "--output", str(output), "--quiet"]
+    assert main([*arguments, *(argument for prompt in PROMPTS for argument in ("--prompt", prompt)),
+                 "--quantize", "int8"]) == 0
+    summary = capsys.readouterr().err
+    assert "dtype bfloat16 (int8 weights)" in summary
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    expected, generator = completions(folder, dtype="bfloat16", quantize="int8")
+    assert [row["completion_token_ids"] for row in rows] == expected
+    linears = [module for module in generator.model.modules() if isinstance(module, Int8Linear)]
+    assert linears and all(module.weight.dtype == torch.int8 for module in linears)
+    # the output head keeps the run's dtype
+    assert generator.model.get_output_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
+    """A shape whose linear layers hold most of the weights, as in any large model (in the tiny test models the
+    embeddings, which stay in bfloat16, are a third of the weights)."""
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    folder = build_model(tmp_path / "llama", config)
+    tokenizer.save_pretrained(folder)
+    sizes = {quantize: parameter_bytes(accelgen.load(str(folder), device="cpu", dtype="bfloat16", quantize=quantize).model)
+             for quantize in (None, "int8")}
+    assert sizes["int8"] <= 0.55 * sizes[None]
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
+def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architecture):
+    """Rounding a weight to the nearest of 255 levels per row moves it by at most half a step, absmax / 254;
+    for uniform rounding the error's spread is step / sqrt(12), about 0.23% of the row's absmax. The test
+    models' weights are normal with absmax about 3.5 standard deviations over their rows, so each layer's
+    output moves by about 0.8% of its spread; over the tiny models' two decoder layers (each adding to the
+    residual) the logits move by a few percent at most: 5% of their norm bounds it, where a wrong scale
+    (twice the step, say) or a transposed weight gives tens of percent. Activations in float32, so that only
+    the weights' rounding differs."""
+    folder = str(tiny_model_folder(architecture))
+    tokens = torch.tensor([[3, 17, 42, 9, 120, 7, 64, 5]])
+    logits = {}
+    for quantize in (None, "int8"):
+        generator = accelgen.load(folder, device="cpu", dtype="float32", quantize=quantize)
+        with torch.no_grad():
+            logits[quantize] = generator.model(tokens).logits
+    error = (logits["int8"] - logits[None]).norm() / logits[None].norm()
+    assert 0 < error < 0.05
+
+
+def test_a_layer_of_rows_that_do_not_fit_the_fused_kernel_gives_the_same_product():
+    """torch's fused kernel takes rows of a multiple of 16 values; other layers take the plain product."""
+    torch.manual_seed(0)
+    for inputs in (16, 48, 17, 24):
+        values, scales = quantize_rows(torch.randn(8, inputs, dtype=torch.bfloat16))
+        x = torch.randn(3, inputs, dtype=torch.bfloat16)
+        assert torch.allclose(int8_product_on_cpu(x, values, scales).float(), int8_product(x, values, scales).float(),
+                              rtol=0.02, atol=0.02)
+
+
+def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):
+    folder = str(tiny_model_folder("llama"))
+    eager, _ = completions(folder, dtype="bfloat16", quantize="int8", batch_size=2, graphs=False)
+    captured, generator = completions(folder, dtype="bfloat16", quantize="int8", batch_size=2, graphs=True,
+                                      plugin_manager=plugin_manager_with(CapturingCpu()))
+    assert captured == eager
+    assert generator.stats.graph_captures == 1 and generator.capture_failure is None
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--quantize", "fp8"], "--quantize fp8 is not supported on cpu: it runs --quantize int8; drop --quantize"),
+    (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+])
+def test_a_scheme_the_device_does_not_run_is_one_line(tiny_model_folder, capsys, arguments, message):
+    assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello",
+                 *arguments]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("accelgen: error: ") and message in error and error.count("\n") == 1
+
+
+def test_an_output_written_with_int8_weights_is_not_resumed_without_them(tiny_model_folder, tmp_path, capsys):
+    folder = str(tiny_model_folder("llama"))
+    output = tmp_path / "out.jsonl"
+    common = ["run", "--device", "cpu", "--model", folder, "--prompt", "Hello", "--prompt", "World",
+              "--max-new-tokens", "4", "--output", str(output), "--quiet"]
+    assert main([*common, "--quantize", "int8"]) == 0
+    before = output.read_text()
+    assert main(common) == 2
+    assert "holds completions of another run (different quantize)" in capsys.readouterr().err
+    assert output.read_text() == before
+
+
+def test_bench_records_the_scheme_and_labels_the_column_with_it(tiny_model_folder, tmp_path, capsys):
+    output = tmp_path / "int8.json"
+    assert main(["bench", "--device", "cpu", "--dtype", "bfloat16", "--quantize", "int8", "--model",
+                 str(tiny_model_folder("bloom")), "--max-new-tokens", "4", "--runs", "1", "--output", str(output)]) == 0
+    [record] = json.loads(output.read_text())["measurements"]
+    assert record["quantize"] == "int8" and record["dtype"] == "bfloat16"
+    assert record["label"].endswith(" int8")
+    assert record["model"]["parameter_bytes_per_rank"] < record["model"]["parameter_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["bloom", "llama"])
+def test_two_ranks_quantizing_their_own_slices_write_what_one_process_writes(tiny_model_folder, tmp_path,
+                                                                            cli_environment, architecture):
+    """Each rank quantizes its slices after the split; a row-parallel layer's ranks agree on each row's scale
+    first. Float32 activations, as in the unquantized tensor-parallel tests: in bfloat16 the all-reduce's
+    order of additions alone already changes a token now and then, quantized or not."""
+    folder = str(tiny_model_folder(architecture))
+    output = tmp_path / "out.jsonl"
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", "2", "--master-port",
+         str(free_port()), "--dtype", "float32", "--quantize", "int8", "--model", folder, *prompt_arguments,
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet"],
+        env=cli_environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    expected, _ = completions(folder, dtype="float32", quantize="int8")
+    assert [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()] == expected
+    assert "(int8 weights)" in result.stderr
