@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
     shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
     shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
+    shard.add_argument("--quantize", choices=QUANTIZATION_SCHEMES,
+                       help="write the linear layers' weights in this scheme (each rank quantizes its slices): runs then "
+                            "read no full-precision weights and pass the same --quantize")
     shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=DEFAULT_FILE_MIB,
                        help=_with_range(f"largest file each rank writes, in MiB (default {DEFAULT_FILE_MIB})", "max_file_mib"))
     shard.add_argument("--device", default=AUTO_DEVICE, help="accelerator the ranks load on (see 'accelgen devices'); the split does not depend on it")

@@ -23,6 +23,7 @@ from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parame
 from accelgen.model.memory import parameter_bytes
 from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
+from accelgen.parallel.quantized_layers import int8_layers, quantize_layer
 from accelgen.session.request import Request
 
 
@@ -58,7 +59,8 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     shard = (lambda model: accelerator.shard(model, world, request.run)) if world.size > 1 else None
     model = allocate(opened.skeleton, device, shard)
     plan = plan_loading(model, opened.weights, world)
-    written = _write_in_files(model, opened.weights, plan, staging, world, max_file_bytes)
+    quantized = int8_layers(model) if request.run.quantize else {}
+    written = _write_in_files(model, opened.weights, plan, staging, world, max_file_bytes, quantized)
     inject_fault_if_asked(world)
     files_by_rank = gather_from_ranks(written, world)
     if world.is_main:
@@ -67,15 +69,19 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
         opened.skeleton.generation_config.save_pretrained(staging)
         source = {"model": request.model.report_name, "identity": request.model.identity(),
                   "unsharded_parameter_bytes": unsharded_bytes}
-        write_manifest(staging, world.size, dtype, files_by_rank, source)
+        write_manifest(staging, world.size, dtype, files_by_rank, source, request.run.quantize)
         _move_into_place(staging, output)
     wait_for_every_rank()
     return sum(len(files) for files in files_by_rank)
 
 
-def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], folder: str, world, max_file_bytes: int) -> list[str]:
+def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], folder: str, world, max_file_bytes: int,
+                    quantized: dict[str, str]) -> list[str]:
     """Fill, write and let go of this rank's parameters, a file of at most ``max_file_bytes`` at a time
-    (a parameter larger than that gets a file of its own); the names of the files written."""
+    (a parameter larger than that gets a file of its own); the names of the files written. The weights of the
+    ``quantized`` layers (name: kind, ``accelgen.parallel.quantized_layers.int8_layers``) are written as int8
+    values and their scales (``<layer>.weight_scale``), quantized in plan order on every rank (a row-parallel
+    layer's ranks agree on its scales as they go)."""
     from safetensors.torch import save_file
 
     parameters = dict(model.named_parameters())
@@ -86,10 +92,18 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
 
     for group in groups_by_bytes(plan, size_of, max_file_bytes):
         fill_parameters(model, weights, group)
-        name = rank_file_name(world.rank, world.size, len(names))
-        save_file({load.name: parameters[load.name].data.contiguous().cpu() for load in group}, os.path.join(folder, name))
+        tensors = {}
         for load in group:
-            parameters[load.name].data = parameters[load.name].data.new_empty(0)  # its memory goes back
+            layer, _, kind_of_tensor = load.name.rpartition(".")
+            if kind_of_tensor == "weight" and layer in quantized:
+                int8_layer = quantize_layer(model, layer, quantized[layer])
+                tensors[load.name], tensors[f"{layer}.weight_scale"] = int8_layer.weight, int8_layer.weight_scale
+            else:
+                tensors[load.name] = parameters[load.name]
+        name = rank_file_name(world.rank, world.size, len(names))
+        save_file({key: tensor.data.contiguous().cpu() for key, tensor in tensors.items()}, os.path.join(folder, name))
+        for tensor in tensors.values():
+            tensor.data = tensor.data.new_empty(0)  # its memory goes back
         names.append(name)
     return names
 

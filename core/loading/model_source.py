@@ -36,6 +36,7 @@ from accelgen.loading.weight_sources import PickleWeights, RandomWeights, Safete
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
+from accelgen.parallel.quantized_layers import empty_int8_layers
 
 
 @dataclasses.dataclass
@@ -125,12 +126,12 @@ class ModelSource:
         """The model's config (cheap: for checks made before any weights load)."""
         return self._resolved[1]
 
-    def check_runs_on(self, world_size: int, dtype: str) -> None:
+    def check_runs_on(self, world_size: int, dtype: str, quantize: str | None = None) -> None:
         """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (heads that do not
         split; a pre-sharded folder made for another world size or dtype): before any rank starts."""
         manifest = self.pre_sharded_manifest
         if manifest is not None:
-            check_sharded_for(self.location, manifest, world_size, dtype)
+            check_sharded_for(self.location, manifest, world_size, dtype, quantize)
         if world_size > 1:
             check_shardable(self.config(), world_size)
 
@@ -144,7 +145,7 @@ class ModelSource:
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
         (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
         ``device_is_host``: the device computes in host memory."""
-        self.check_runs_on(world.size, run.dtype)
+        self.check_runs_on(world.size, run.dtype, run.quantize)
         check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
@@ -158,7 +159,9 @@ class ModelSource:
                     f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
-            model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors)
+            pre_quantized = opened.whole_tensors and run.quantize is not None  # checked: the folder's scheme
+            model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors,
+                                 before_filling=empty_int8_layers if pre_quantized else None)
         return LoadedModel(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
     def open(self, dtype: str, world: World) -> OpenedModel:

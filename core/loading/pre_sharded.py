@@ -2,7 +2,8 @@
 each rank's tensors (exactly the parameters that rank holds) are in files of their own, so that a rank
 opens only its files and reads them whole: no slicing, no bytes of other ranks' parts.
 
-    accelgen-shards.json                    the manifest: format version, world size, dtype, source model,
+    accelgen-shards.json                    the manifest: format version, world size, dtype, weight scheme
+                                            (``quantize``: int8 layers hold ``weight`` in int8 and ``weight_scale``), source model,
                                             accelgen and DeepSpeed versions, each rank's files
     config.json, tokenizer files            as save_pretrained writes them (the model loads by its folder)
     rank-00000-of-00008-part-00000.safetensors ...
@@ -58,15 +59,22 @@ def missing_rank_file(folder: str, manifest: dict) -> str | None:
     return None
 
 
-def check_sharded_for(folder: str, manifest: dict, world_size: int, dtype: str) -> None:
-    """Raise UsageError when the folder was sharded for another world size or dtype than the run's."""
-    sharded_for = f"--world-size {manifest['world_size']} --dtype {manifest['dtype']}"
+def check_sharded_for(folder: str, manifest: dict, world_size: int, dtype: str, quantize: str | None = None) -> None:
+    """Raise UsageError when the folder was sharded for another world size, dtype or weight scheme than the run's."""
+    sharded_quantize = manifest.get("quantize")  # absent from folders sharded before quantization existed
+    sharded_for = f"--world-size {manifest['world_size']} --dtype {manifest['dtype']}" + (
+        f" --quantize {sharded_quantize}" if sharded_quantize else "")
     if manifest["world_size"] != world_size:
         raise UsageError(f"{folder!r} is sharded for {sharded_for}, not --world-size {world_size}: run it with "
                          f"--world-size {manifest['world_size']}, or shard the original model for {world_size} rank(s).")
     if manifest["dtype"] != dtype:
         raise UsageError(f"{folder!r} is sharded for {sharded_for}, not --dtype {dtype}: run it with "
                          f"--dtype {manifest['dtype']}, or shard the original model in {dtype}.")
+    if sharded_quantize != quantize:
+        asked = f"--quantize {quantize}" if quantize else "full-precision weights"
+        fix = f"add --quantize {sharded_quantize}" if sharded_quantize else "drop --quantize"
+        raise UsageError(f"{folder!r} is sharded for {sharded_for}, not {asked}: {fix}, or shard the original "
+                         f"model {'with --quantize ' + quantize if quantize else 'without --quantize'}.")
 
 
 def rank_files(folder: str, manifest: dict, rank: int) -> list[str]:
@@ -74,11 +82,13 @@ def rank_files(folder: str, manifest: dict, rank: int) -> list[str]:
     return [os.path.join(folder, name) for name in manifest["rank_files"][rank]]
 
 
-def write_manifest(folder: str, world_size: int, dtype: str, rank_files_by_rank: list[list[str]], source: dict) -> None:
+def write_manifest(folder: str, world_size: int, dtype: str, rank_files_by_rank: list[list[str]], source: dict,
+                   quantize: str | None = None) -> None:
     """Write the manifest (the last file a complete folder gets). ``source``: the model sharded (its name,
-    identity and parameter bytes), recorded for people and reports."""
+    identity and parameter bytes), recorded for people and reports; ``quantize``: the linear layers' scheme."""
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size, "dtype": dtype,
+        "quantize": quantize,
         "source": source, "accelgen_version": _version("accelgen"), "deepspeed_version": _version("deepspeed"),
         "rank_files": rank_files_by_rank,
     }

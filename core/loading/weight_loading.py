@@ -44,11 +44,15 @@ class ParameterLoad:
 def load_weights(
     skeleton: torch.nn.Module, source, world: World, device: torch.device,
     shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, whole_tensors: bool = False,
+    before_filling: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """The model with its weights from ``source``: the empty ``skeleton`` split by ``shard`` (tensor
     parallelism) or put whole on ``device``, then filled. ``whole_tensors``: the source holds exactly this
-    rank's tensors (a pre-sharded checkpoint)."""
+    rank's tensors (a pre-sharded checkpoint). ``before_filling``: what gives the allocated model the form of
+    the source's tensors (int8 layers for a pre-quantized checkpoint)."""
     model = allocate(skeleton, device, shard)
+    if before_filling is not None:
+        before_filling(model)
     fill_parameters(model, source, plan_loading(model, source, world, whole_tensors))
     return model
 

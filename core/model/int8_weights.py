@@ -44,7 +44,9 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.weight_scale = torch.nn.Parameter(scales, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        if bias is not None and not isinstance(bias, torch.nn.Parameter):
+            bias = torch.nn.Parameter(bias, requires_grad=False)
+        self.bias = bias  # the replaced layer's own parameter (so that who holds it still holds the model's)
         self.product, self.all_reduce = product, all_reduce
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 

@@ -69,14 +69,20 @@ def _injection_policy(model: torch.nn.Module) -> dict:
 
 def split_linear_kind(module: torch.nn.Module) -> str | None:
     """"column" for a DeepSpeed AutoTP column-parallel linear layer (whole output rows: a plain linear on this
-    rank's rows), "row" for a row-parallel one (a slice of every row; the partial outputs summed over the
-    ranks), None for any other module (DeepSpeed's fused and head layers included)."""
-    if type(module).__name__ not in ("LinearLayer", "LinearAllreduce"):
+    rank's rows, fused query-key-value layers included), "row" for a row-parallel one (a slice of every row;
+    the partial outputs summed over the ranks), None for any other module (DeepSpeed's head layers, and any
+    layer whose forward does more than that, included)."""
+    if "deepspeed" not in type(module).__module__:
         return None
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
 
-    kinds = {LinearLayer: "column", LinearAllreduce: "row"}
-    return kinds.get(type(module))
+    forward = type(module).forward
+    if isinstance(module, LinearAllreduce) and forward is LinearAllreduce.forward:
+        return "row"
+    if (isinstance(module, LinearLayer) and forward is LinearLayer.forward and not module.gather_output
+            and not type(module).tp_overlap_comm):
+        return "column"
+    return None
 
 
 def row_parallel_sum(module: torch.nn.Module) -> Callable[[torch.Tensor], None]:

@@ -7,34 +7,65 @@ values and scales are the ones a single process gives that slice, and the output
 the single process's up to the order of the all-reduce's additions (as unquantized tensor parallelism does).
 The output head and the embeddings keep the run's dtype, as bitsandbytes' and DeepSpeed's int8 do by default:
 they are a small share of a large model and the logits are the most sensitive to rounding.
+
+A pre-quantized checkpoint (``accelgen shard --quantize int8``) is loaded into :func:`empty_int8_layers`, whose
+int8 weights and scales are then filled from its files: the full-precision weights are never read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from accelgen.model.int8_weights import Int8Linear, Int8Product, quantize_rows
+from accelgen.model.int8_weights import Int8Linear, Int8Product, int8_product, quantize_rows
 from accelgen.parallel.deepspeed_adapter import row_parallel_largest, row_parallel_sum, split_linear_kind
+
+
+def int8_layers(model: torch.nn.Module) -> dict[str, str]:
+    """The layers int8 applies to, by name: their kind ("whole", "column" or "row"), in the model's order."""
+    head = model.get_output_embeddings()
+    return {name: kind for name, module in model.named_modules() if module is not head and (kind := _kind(module))}
 
 
 def quantize_linear_layers(model: torch.nn.Module, product: Int8Product) -> torch.nn.Module:
     """``model`` with every linear layer but the output head replaced by an :class:`Int8Linear` computing with
-    ``product``, one layer at a time (the memory of one layer's weight is all it adds while it works)."""
-    head = model.get_output_embeddings()
-    layers = [(name, module, _kind(module)) for name, module in model.named_modules() if module is not head]
-    for name, module, kind in layers:
-        if kind is None:
-            continue
-        weight = module.weight.detach()
-        largest, all_reduce = None, None
-        if kind == "row":
-            largest = weight.abs().amax(dim=1).float()
-            row_parallel_largest(module, largest)
-            all_reduce = row_parallel_sum(module)
-        values, scales = quantize_rows(weight, largest)
-        model.set_submodule(name, Int8Linear(values, scales, module.bias, product, all_reduce))
-        del module.weight
+    ``product``, one layer at a time (the memory of one layer's weight is all it adds while it works); layers
+    already int8 (a pre-quantized checkpoint) are given ``product``."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.product = product
+    for name, kind in int8_layers(model).items():
+        quantize_layer(model, name, kind, product)
     return model
+
+
+def quantize_layer(model: torch.nn.Module, name: str, kind: str, product: Int8Product = int8_product) -> Int8Linear:
+    """Replace the linear layer ``name`` (of ``kind``, see :func:`int8_layers`) by its int8 form; its
+    full-precision weight is let go. A row-parallel layer's ranks must call this together."""
+    module = model.get_submodule(name)
+    weight = module.weight.detach()
+    largest, all_reduce = None, None
+    if kind == "row":
+        largest = weight.abs().amax(dim=1).float()
+        row_parallel_largest(module, largest)
+        all_reduce = row_parallel_sum(module)
+    values, scales = quantize_rows(weight, largest)
+    quantized = Int8Linear(values, scales, module.bias, product, all_reduce)
+    model.set_submodule(name, quantized)
+    del module.weight
+    return quantized
+
+
+def empty_int8_layers(model: torch.nn.Module) -> None:
+    """Replace every layer int8 applies to by an :class:`Int8Linear` of the same shape whose weights and scales
+    are allocated, not filled (the layer's full-precision weight is let go), for a pre-quantized checkpoint."""
+    for name, kind in int8_layers(model).items():
+        module = model.get_submodule(name)
+        weight = module.weight
+        values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        all_reduce = row_parallel_sum(module) if kind == "row" else None
+        model.set_submodule(name, Int8Linear(values, scales, module.bias, int8_product, all_reduce))
+        del module.weight
 
 
 def _kind(module: torch.nn.Module) -> str | None:

@@ -46,7 +46,7 @@ class Request:
         """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
         (heads that do not split over a replica's ranks, a pre-sharded folder made for another split or dtype,
         offloading): before any rank starts."""
-        self.model.check_runs_on(world_size // data_parallel, self.run.dtype)
+        self.model.check_runs_on(world_size // data_parallel, self.run.dtype, self.run.quantize)
         check_offload_world(self.run, world_size)
 
 
