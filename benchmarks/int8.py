@@ -11,7 +11,11 @@ Quality (``--part quality``): the built-in default model (a BLOOM trained on the
 of greedy tokens over 100-token completions of each line's first words that int8 chooses as bfloat16 does
 (position by position).
 
-    python benchmarks/int8.py                      # both parts
+Load (``--part load``): seconds to load the same model from pre-sharded folders written by ``accelgen shard`` in
+bfloat16 and with ``--quantize int8`` (target: int8 within 0.6x of bfloat16), from a cold page cache (dropped
+before each load: run as root) and a warm one.
+
+    python benchmarks/int8.py                      # every part
     python benchmarks/int8.py --part quality       # seconds
     python benchmarks/int8.py --part speed --rounds 1 --layers 4
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +36,7 @@ import torch
 from transformers import LlamaConfig
 
 import accelgen
+import accelgen.loading.model_files
 from accelgen.loading.model_files import DEFAULT_MODEL
 
 TEXT = Path(__file__).parent / "text" / "psalms.txt"
@@ -74,6 +80,62 @@ def speed(arguments) -> None:
           f"(target <= 0.5x)")
 
 
+def load_time(arguments) -> None:
+    """Seconds to load pre-sharded folders (one rank) of the same random model written by ``accelgen shard`` in
+    bfloat16 and with --quantize int8 (:data:`TIMED_LOAD`); interleaved, medians; each load from a cold page
+    cache (dropped: needs root), then again warm."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(dir=arguments.scratch) as scratch:
+        original = Path(scratch, "original")
+        config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=arguments.layers,
+                             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(original)
+        accelgen.loading.model_files.load_tokenizer(str(DEFAULT_MODEL)).save_pretrained(original)
+        folders = {"bfloat16": (Path(scratch, "bf16"), []), "int8": (Path(scratch, "int8"), ["--quantize", "int8"])}
+        for folder, options in folders.values():
+            subprocess.run([sys.executable, "-m", "accelgen.cli", "shard", "--device", "cpu", "--model", str(original),
+                            "--world-size", "1", "--dtype", "bfloat16", *options, "--output", str(folder)],
+                           check=True, capture_output=True)
+        seconds: dict[tuple[str, str], list[float]] = {}
+        for _ in range(arguments.rounds):
+            for name, (folder, _) in folders.items():
+                for cache in ("cold", "warm"):  # dropped first (as after a reboot), then as the cold load left it
+                    if cache == "cold":
+                        drop_page_cache()
+                    result = subprocess.run([sys.executable, "-c", TIMED_LOAD, str(folder), "int8" if name == "int8" else ""],
+                                            capture_output=True, text=True, check=True)
+                    seconds.setdefault((name, cache), []).append(float(result.stdout.split()[-1]))
+    print(f"\nLoading a pre-sharded folder (one rank, {arguments.layers}-layer Llama), median of {arguments.rounds}:")
+    for cache in ("cold", "warm"):
+        bf16, int8 = (statistics.median(seconds[name, cache]) for name in ("bfloat16", "int8"))
+        print(f"page cache {cache}: bfloat16 {bf16:.2f} s, int8 {int8:.2f} s ({int8 / bf16:.2f}x; target <= 0.6x)")
+
+
+#: Seconds ``accelgen.load`` of a folder takes in a fresh process, its modules (torch, transformers' model code)
+#: imported first: a run's "model loaded in" also holds a second or so of imports, the same for every folder.
+TIMED_LOAD = """
+import sys, time
+from accelgen.session.api import load_request
+from accelgen.session.request import build_request
+import transformers.models.llama.modeling_llama
+request = build_request(sys.argv[1], device="cpu", dtype="bfloat16", quantize=sys.argv[2] or None)
+started = time.perf_counter()
+load_request(request)
+print(time.perf_counter() - started)
+"""
+
+
+def drop_page_cache() -> None:
+    """Empty the kernel's page cache, so the next load reads its files from the disk (needs root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as error:
+        sys.exit(f"cannot drop the page cache ({error}): run the load part as root")
+
+
 def perplexity(generator, lines: list[str]) -> float:
     """exp of the mean negative log-likelihood of every token after the first, line by line."""
     total, count = 0.0, 0
@@ -113,14 +175,17 @@ def quality(arguments) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["speed", "quality", "both"], default="both")
+    parser.add_argument("--part", choices=["speed", "quality", "load", "all"], default="all")
+    parser.add_argument("--scratch", help="folder for the load part's checkpoints (default: the system's temporary folder)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     arguments = parser.parse_args()
-    if arguments.part in ("quality", "both"):
+    if arguments.part in ("quality", "all"):
         quality(arguments)
-    if arguments.part in ("speed", "both"):
+    if arguments.part in ("load", "all"):
+        load_time(arguments)
+    if arguments.part in ("speed", "all"):
         speed(arguments)
 
 

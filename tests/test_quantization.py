@@ -104,12 +104,21 @@ def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_on
 @pytest.mark.parametrize("arguments, message", [
     (["--quantize", "fp8"], "--quantize fp8 is not supported on cpu: it runs --quantize int8; drop --quantize"),
     (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+    (["--quantize", "int8", "--offload", "disk"], "--quantize int8 cannot go with --offload yet"),
 ])
 def test_a_scheme_the_device_does_not_run_is_one_line(tiny_model_folder, capsys, arguments, message):
     assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello",
                  *arguments]) == 2
     error = capsys.readouterr().err
     assert error.startswith("accelgen: error: ") and message in error and error.count("\n") == 1
+
+
+def test_a_model_without_linear_layers_to_quantize_is_one_line(tiny_model_folder, capsys):
+    """GPT-2's layers are transformers' Conv1D, not linear layers: int8 would change nothing."""
+    assert main(["run", "--device", "cpu", "--quantize", "int8", "--model", str(tiny_model_folder("gpt2")), "--prompt",
+                 "Hello"]) == 2
+    error = capsys.readouterr().err
+    assert "--quantize int8 finds no linear layers to quantize in this gpt2 model" in error and error.count("\n") == 1
 
 
 def test_an_output_written_with_int8_weights_is_not_resumed_without_them(tiny_model_folder, tmp_path, capsys):
@@ -154,3 +163,54 @@ def test_two_ranks_quantizing_their_own_slices_write_what_one_process_writes(tin
     expected, _ = completions(folder, dtype="float32", quantize="int8")
     assert [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()] == expected
     assert "(int8 weights)" in result.stderr
+
+
+def linear_weight_dtypes(folder) -> set[str]:
+    """The dtypes of the linear layers' weights in a pre-sharded folder's files (those with a scale beside)."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in folder.glob("rank-*.safetensors"):
+        with safe_open(str(path), "pt") as tensors:
+            names = set(tensors.keys())
+            dtypes |= {tensors.get_slice(name.removesuffix("_scale")).get_dtype() for name in names if name.endswith("_scale")}
+            assert not any(name.endswith("dense.weight") and f"{name}_scale" not in names for name in names)
+    return dtypes
+
+
+def test_pre_quantized_shards_hold_int8_weights_and_generate_what_quantizing_while_loading_does(
+        tiny_model_folder, tmp_path, capsys):
+    folder = str(tiny_model_folder("llama"))
+    shards = tmp_path / "llama-int8"
+    assert main(["shard", "--device", "cpu", "--model", folder, "--world-size", "1", "--dtype", "bfloat16",
+                 "--quantize", "int8", "--output", str(shards)]) == 0
+    assert linear_weight_dtypes(shards) == {"I8"}
+    loaded, generator = completions(shards, dtype="bfloat16", quantize="int8")
+    quantized_while_loading, on_the_fly = completions(folder, dtype="bfloat16", quantize="int8")
+    assert loaded == quantized_while_loading
+    assert parameter_bytes(generator.model) == parameter_bytes(on_the_fly.model)
+
+    capsys.readouterr()
+    assert main(["run", "--device", "cpu", "--dtype", "bfloat16", "--model", str(shards), "--prompt", "Hello"]) == 2
+    assert "is sharded for --world-size 1 --dtype bfloat16 --quantize int8, not full-precision weights: add " \
+           "--quantize int8" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pre_quantized_shards_of_two_ranks_generate_what_one_process_quantizing_generates(tiny_model_folder, tmp_path,
+                                                                                          cli_environment):
+    folder = str(tiny_model_folder("bloom"))
+    shards, output = tmp_path / "bloom-tp2-int8", tmp_path / "out.jsonl"
+    common = ["--device", "cpu", "--world-size", "2", "--dtype", "float32", "--quantize", "int8"]
+    subprocess.run([sys.executable, "-m", "accelgen.cli", "shard", *common, "--model", folder, "--output", str(shards)],
+                   env=cli_environment, check=True, capture_output=True, timeout=300)
+    assert linear_weight_dtypes(shards) == {"I8"}
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", *common, "--model", str(shards), *prompt_arguments,
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet"],
+        env=cli_environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    expected, _ = completions(folder, dtype="float32", quantize="int8")
+    assert [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()] == expected

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.common.errors import UsageError
 from accelgen.model.int8_weights import Int8Linear, Int8Product, int8_product, quantize_rows
 from accelgen.parallel.deepspeed_adapter import row_parallel_largest, row_parallel_sum, split_linear_kind
 
@@ -30,10 +31,14 @@ def quantize_linear_layers(model: torch.nn.Module, product: Int8Product) -> torc
     """``model`` with every linear layer but the output head replaced by an :class:`Int8Linear` computing with
     ``product``, one layer at a time (the memory of one layer's weight is all it adds while it works); layers
     already int8 (a pre-quantized checkpoint) are given ``product``."""
-    for module in model.modules():
-        if isinstance(module, Int8Linear):
-            module.product = product
-    for name, kind in int8_layers(model).items():
+    already = [module for module in model.modules() if isinstance(module, Int8Linear)]
+    for module in already:
+        module.product = product
+    layers = int8_layers(model)
+    if not layers and not already:
+        raise UsageError(f"--quantize int8 finds no linear layers to quantize in this {model.config.model_type} model "
+                         f"(its layers are of another kind): drop --quantize.")
+    for name, kind in layers.items():
         quantize_layer(model, name, kind, product)
     return model
 

@@ -101,6 +101,9 @@ def run_settings(
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
+    if quantize is not None and offload is not None:
+        raise UsageError(f"--quantize {quantize} cannot go with --offload yet: offloaded weights are brought to the device "
+                         f"in --dtype by Accelerate's hooks, which int8 layers do not have; drop one of them.")
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
