@@ -84,7 +84,7 @@ def test_devices_lists_every_accelerator_and_why_not(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("npu") and "unavailable: NPU runtime not installed" in lines[0]
     [cpu_line] = [line for line in lines if line.startswith("cpu")]
-    assert "available, 1 device(s)" in cpu_line and "accelgen_cpu" in cpu_line
+    assert "available, 1 device(s), --quantize int8" in cpu_line and "accelgen_cpu" in cpu_line
 
 
 def test_auto_device_skips_unavailable_accelerators():
@@ -201,9 +201,15 @@ class WrongDtypes(UnavailableAccelerator):
     default_dtype = "float16"
 
 
+class UnknownScheme(UnavailableAccelerator):
+    name = "ipu"
+    quantization_schemes = ("int8", "int3")
+
+
 @pytest.mark.parametrize("accelerator, device, problem", [
     (OldStyleAccelerator(), "tpu", "registers OldStyleAccelerator, which lacks dist_backend, supported_dtypes, "),
     (WrongDtypes(), "xpu", "registers 'xpu' with supported_dtypes ('bfloat16', 'float8') and default_dtype 'float16'"),
+    (UnknownScheme(), "ipu", "registers 'ipu' with quantization_schemes ('int8', 'int3'): each must be one of int8, fp8"),
 ])
 def test_a_broken_accelerator_is_refused_at_registration_with_one_line(accelerator, device, problem, capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)

@@ -82,7 +82,8 @@ def devices_command(plugin_manager: PluginManager) -> int:
     registry = accelerator_registry(plugin_manager)
     for accelerator in registry.accelerators.values():
         if accelerator.is_available():
-            status = f"available, {accelerator.device_count()} device(s)"
+            status = f"available, {accelerator.device_count()} device(s)" + "".join(
+                f", --quantize {scheme}" for scheme in accelerator.quantization_schemes)
         else:
             status = f"unavailable: {accelerator.unavailable_reason()}"
         print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from accelgen.common.errors import UsageError, first_line
-from accelgen.common.settings import DTYPES
+from accelgen.common.settings import DTYPES, QUANTIZATION_SCHEMES
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import BrokenPlugin, PluginManager, package_of
 
@@ -76,6 +76,10 @@ def accelerator_problem(accelerator: object) -> str | None:
     if unknown_dtypes or accelerator.default_dtype not in accelerator.supported_dtypes:
         return (f"registers {name!r} with supported_dtypes {tuple(accelerator.supported_dtypes)!r} and default_dtype "
                 f"{accelerator.default_dtype!r}: the default must be one of them, each one of {', '.join(DTYPES)}")
+    schemes = accelerator.quantization_schemes
+    if not isinstance(schemes, (tuple, list)) or any(scheme not in QUANTIZATION_SCHEMES for scheme in schemes):
+        return (f"registers {name!r} with quantization_schemes {schemes!r}: each must be one of "
+                f"{', '.join(QUANTIZATION_SCHEMES)}")
     if not isinstance(accelerator.priority, int):
         return f"registers {name!r} with the priority {accelerator.priority!r}: it must be a whole number"
     return None
