@@ -270,11 +270,11 @@ def test_two_replicas_started_by_deepspeeds_launcher_write_what_one_rank_writes(
     expected = accelgen.generate(prompts, model=folder, device="hpu", dtype="float32", batch_size=2, max_new_tokens=10)
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert [row["completion_token_ids"] for row in rows] == [c.completion_token_ids for c in expected]
-    ranks = [json.loads(path.read_text()) for path in records.iterdir()]
-    ranks = sorted((record for record in ranks if record.get("mark_step")), key=lambda record: record["rank"])
-    assert [record["rank"] for record in ranks] == [0, 1]
-    assert all(record.get("hccl_process_group", 0) == 0 for record in ranks)  # one card per replica: no all-reduce
-    assert all(record["graph_capture"] >= 1 for record in ranks if record.get("graph_replay"))
+    records = [json.loads(path.read_text()) for path in records.iterdir()]
+    assert all(record.get("hccl_process_group", 0) == 0 for record in records)  # one card per replica: no all-reduce
+    # the replicas that got rows (which ones, and how many each, depends on who asked first) ran HPU graphs
+    decoding = [record for record in records if record.get("graph_replay")]
+    assert decoding and all(record["graph_capture"] >= 1 for record in decoding)
 
 
 @pytest.mark.slow
