@@ -7,8 +7,9 @@ cache, in a bucketed static shape (a few row counts times the prompt buckets), w
 on. Each row's text is what a fixed batch would give it: its attention sees its own row only, its sampling
 draws depend on (seed, prompt number, step) alone.
 
-Results come out in the order the prompts came in: a row that finishes early waits in memory for the rows
-before it. A prompt is inserted only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the
+Prompts are read as slots free up, never further ahead (for a data-parallel replica, reading a prompt is
+taking a row from the others). Results come out in the order the prompts came in: a row that finishes early
+waits in memory for the rows before it. A prompt is inserted only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the
 oldest row not yet given out, which bounds the rows held: a slot stays free rather than run further ahead.
 
 The cache holds the largest prompt bucket met so far plus ``max_new_tokens`` positions per row. A prompt
@@ -117,7 +118,9 @@ class ContinuousBatcher:
         source_error: Exception | None = None  # raised once the rows read before it are given out
         while True:
             try:
-                for place, (number, ids) in itertools.islice(incoming, max(0, read_ahead - len(waiting))):
+                # read only what the free slots can start (a data-parallel replica takes a row by reading it)
+                free = sum(held is None for held in in_slot)
+                for place, (number, ids) in itertools.islice(incoming, max(0, free - len(waiting))):
                     waiting.append((place, number, ids, self._bucket_for(number, len(ids))))
                     next_out = place if next_out is None else next_out
             except Exception as error:  # noqa: BLE001 - a prompt that cannot be read or used: finish the ones before
