@@ -108,13 +108,15 @@ def run_job(environment, *arguments, timeout=300):
     dict(batching="continuous"),
     dict(batching="static"),
     dict(batching="continuous", do_sample=True, seed=7, top_k=20),
-], ids=["greedy", "greedy-static", "sampled"])
+    dict(batching="continuous", dtype="bfloat16", quantize="int8"),
+], ids=["greedy", "greedy-static", "sampled", "int8"])
 def test_two_single_rank_replicas_write_what_one_process_writes(tiny_model_folder, dataset, tmp_path, job_environment,
                                                                 settings):
     folder = str(tiny_model_folder("llama"))
     output = tmp_path / "out.jsonl"
     options = ["--batching", settings["batching"]] + (
-        ["--do-sample", "--seed", "7", "--top-k", "20"] if settings.get("do_sample") else [])
+        ["--do-sample", "--seed", "7", "--top-k", "20"] if settings.get("do_sample") else []) + (
+        ["--dtype", "bfloat16", "--quantize", "int8"] if settings.get("quantize") else [])
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--data-parallel", "2", "--model", folder,
                      "--dataset", str(dataset), "--batch-size", "3", "--max-new-tokens", str(MAX_NEW_TOKENS), *options,
                      "--output", str(output), "--quiet")
