@@ -9,8 +9,9 @@ draws depend on (seed, prompt number, step) alone.
 
 Prompts are read as slots free up, never further ahead (for a data-parallel replica, reading a prompt is
 taking a row from the others). Results come out in the order the prompts came in: a row that finishes early
-waits in memory for the rows before it. A prompt is inserted only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the
-oldest row not yet given out, which bounds the rows held: a slot stays free rather than run further ahead.
+waits in memory for the rows before it. A prompt is inserted only while it is fewer than ``READ_AHEAD_SLOTS``
+times B rows ahead of the oldest row not yet given out, which bounds the rows held: a slot stays free rather
+than run further ahead.
 
 The cache holds the largest prompt bucket met so far plus ``max_new_tokens`` positions per row. A prompt
 that needs a larger bucket waits until the rows in flight have finished; the cache and the step are then

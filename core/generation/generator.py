@@ -160,18 +160,21 @@ class Generator:
             return
         remaining = iter(numbered_prompts)
         while batch := list(itertools.islice(remaining, self.run.batch_size)):
-            numbers = [number for number, _ in batch]
-            encoded = [self.tokenize([prompt], first_index=number) for number, prompt in batch]
-            token_ids = [ids for [ids], _ in encoded]
-            outputs = self._generate_rows(token_ids, numbers)
+            encoded = [self._encode(number, prompt) for number, prompt in batch]
+            outputs = self._generate_rows([ids for ids, _ in encoded], [number for number, _ in batch])
             yield [
                 self.text.completion(number, prompt, ids, truncated, *output)
-                for (number, prompt), ids, (_, [truncated]), output in zip(batch, token_ids, encoded, outputs)
+                for (number, prompt), (ids, truncated), output in zip(batch, encoded, outputs)
             ]
 
     def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
         """Token ids per prompt (truncated to ``run.max_input_tokens``), and which prompts were truncated."""
         return self.text.encode(prompts, first_index)
+
+    def _encode(self, number: int, prompt: str) -> tuple[list[int], bool]:
+        """Prompt ``number``'s token ids, and whether they were truncated."""
+        [ids], [truncated] = self.tokenize([prompt], first_index=number)
+        return ids, truncated
 
     # -- token ids in, token ids out ------------------------------------------------------------
 
@@ -309,7 +312,7 @@ class Generator:
 
         def tokenized() -> Iterator[tuple[int, list[int]]]:
             for index, prompt in numbered_prompts:
-                [ids], [truncated] = self.tokenize([prompt], first_index=index)
+                ids, truncated = self._encode(index, prompt)
                 texts[index] = (prompt, ids, truncated)
                 yield index, ids
 

@@ -200,15 +200,14 @@ def complete(
 
 @dataclasses.dataclass
 class RowCount:
-    """The rows this process's replica completed, and tokens it kept; the replicas' reports on the writer."""
+    """The rows this process's replica completed (its kept tokens are its generator's ``stats.new_tokens``); the
+    replicas' reports on the writer."""
 
     rows: int = 0
-    new_tokens: int = 0
     replicas: list[ReplicaReport] | None = None
 
     def add(self, completions: list[Completion]) -> None:
         self.rows += len(completions)
-        self.new_tokens += sum(len(completion.completion_token_ids) for completion in completions)
 
 
 def _batches(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[list[Completion]]:
@@ -231,7 +230,7 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         if world.leads_replica and (ready := results.hand_in(completions)):
             yield ready
     if world.leads_replica:
-        results.finish(ReplicaReport(world.replica, count.rows, count.new_tokens, time.perf_counter() - started))
+        results.finish(ReplicaReport(world.replica, count.rows, generator.stats.new_tokens, time.perf_counter() - started))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

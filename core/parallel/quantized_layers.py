@@ -48,29 +48,34 @@ def quantize_layer(model: torch.nn.Module, name: str, kind: str, product: Int8Pr
     full-precision weight is let go. A row-parallel layer's ranks must call this together."""
     module = model.get_submodule(name)
     weight = module.weight.detach()
-    largest, all_reduce = None, None
+    largest = None
     if kind == "row":
         largest = weight.abs().amax(dim=1).float()
         row_parallel_largest(module, largest)
-        all_reduce = row_parallel_sum(module)
     values, scales = quantize_rows(weight, largest)
-    quantized = Int8Linear(values, scales, module.bias, product, all_reduce)
-    model.set_submodule(name, quantized)
-    del module.weight
-    return quantized
+    return _replace(model, name, kind, values, scales, product)
 
 
 def empty_int8_layers(model: torch.nn.Module) -> None:
     """Replace every layer int8 applies to by an :class:`Int8Linear` of the same shape whose weights and scales
     are allocated, not filled (the layer's full-precision weight is let go), for a pre-quantized checkpoint."""
     for name, kind in int8_layers(model).items():
-        module = model.get_submodule(name)
-        weight = module.weight
+        weight = model.get_submodule(name).weight
         values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
         scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
-        all_reduce = row_parallel_sum(module) if kind == "row" else None
-        model.set_submodule(name, Int8Linear(values, scales, module.bias, int8_product, all_reduce))
-        del module.weight
+        _replace(model, name, kind, values, scales, int8_product)
+
+
+def _replace(model: torch.nn.Module, name: str, kind: str, values: torch.Tensor, scales: torch.Tensor,
+             product: Int8Product) -> Int8Linear:
+    """Put an :class:`Int8Linear` of ``values`` and ``scales`` in the stead of the layer ``name`` (keeping its
+    bias, and a row-parallel layer's sum over its ranks); the layer's full-precision weight is let go."""
+    module = model.get_submodule(name)
+    all_reduce = row_parallel_sum(module) if kind == "row" else None
+    layer = Int8Linear(values, scales, module.bias, product, all_reduce)
+    model.set_submodule(name, layer)
+    del module.weight
+    return layer
 
 
 def _kind(module: torch.nn.Module) -> str | None:
