@@ -17,8 +17,10 @@ from conftest import PROMPTS
 from test_parity import MAX_NEW_TOKENS, reference_completions
 
 import accelgen
+from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan
+from accelgen.model.memory import parameter_bytes
 from accelgen_hpu import HpuAccelerator, bridge
 
 HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
@@ -288,3 +290,135 @@ def test_a_failing_rank_ends_the_deepspeed_job(tiny_model_folder, habana_double)
     assert result.returncode == 1
     assert "RuntimeError: injected fault on rank 1" in result.stderr
     assert "accelgen: error: the job's launcher" in result.stderr
+
+
+# -- --quantize fp8: Intel Neural Compressor's FP8 route, against its test double (tests/inc_double) -------------
+
+INC_DOUBLE = str(Path(__file__).parent / "inc_double")
+
+
+@pytest.fixture
+def inc_double(habana_double, monkeypatch):
+    """Intel Neural Compressor's double beside Habana's (see tests/inc_double/README.md): its calls are counted
+    in the Habana double's record."""
+    monkeypatch.syspath_prepend(INC_DOUBLE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([INC_DOUBLE, os.environ["PYTHONPATH"]]))
+    yield habana_double
+    for module_name in [name for name in sys.modules if name.split(".")[0] == "neural_compressor"]:
+        del sys.modules[module_name]
+
+
+def linear_layers(model) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama"])
+def test_fp8_measures_then_converts_every_linear_layer_but_the_head_before_the_graph_is_captured(
+    tiny_model_folder, inc_double, architecture
+):
+    """INC's one-process flow: prepare (measure), the core's calibration passes, finalize_calibration, convert;
+    then the decode step is captured with the fp8 layers in it."""
+    folder = str(tiny_model_folder(architecture))
+    plain_layers = linear_layers(accelgen.load(folder, device="hpu", dtype="bfloat16").model)
+    inc_double.clear()
+    tokens, generator = hpu_completions(folder, PROMPTS, dtype="bfloat16", quantize="fp8")
+    assert inc_double["inc_prepare"] == inc_double["inc_finalize_calibration"] == inc_double["inc_convert"] == 1
+    assert inc_double["inc_calibration_inputs"] > 0
+    assert inc_double["inc_fp8_layers"] == len(plain_layers) - 1  # all but the head
+    assert linear_layers(generator.model) == [name for name in plain_layers if "lm_head" in name]
+    fp8_weights = [parameter for parameter in generator.model.parameters() if parameter.dtype == torch.float8_e4m3fn]
+    assert len(fp8_weights) == len(plain_layers) - 1
+    # captured after converting: one decode graph, and the prefill graphs
+    assert generator.stats.graph_captures == 1
+    assert inc_double["graph_capture"] == 1 + generator.stats.prefill_captures
+    assert all(len(row) == MAX_NEW_TOKENS for row in tokens)
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
+def test_fp8_logits_stay_within_e4m3s_rounding_bound(tiny_model_folder, inc_double, architecture):
+    """E4M3 keeps 3 mantissa bits: rounding moves a value by at most 1/16 of itself, and for values spread over
+    a binade the error's spread is about 1/16 / sqrt(3), 3.6%; a product of fp8 inputs and fp8 weights adds two
+    such errors per term (about 5%), which average over a row's terms only as far as they are independent.
+    Through the tiny models' two decoder layers (residual additions keep the unquantized stream) the logits move
+    by several percent: 15% of their norm bounds it, where a wrong scale (a factor of 2) or a layer left
+    unmeasured gives tens of percent or more. Float32 activations, so that only fp8 rounding differs."""
+    folder = str(tiny_model_folder(architecture))
+    tokens = torch.tensor([[3, 17, 42, 9, 120, 7, 64, 5]])
+    logits = {}
+    for quantize in (None, "fp8"):
+        generator = accelgen.load(folder, device="hpu", dtype="float32", quantize=quantize)
+        with torch.no_grad():
+            logits[quantize] = generator.model(tokens).logits
+    error = (logits["fp8"] - logits[None]).norm() / logits[None].norm()
+    assert 0 < error < 0.15, error
+
+
+def test_fp8_parameters_take_at_most_0_55_of_bfloat16s(inc_double, tmp_path):
+    """On a shape whose linear layers hold most of the weights (see test_quantization)."""
+    from test_quantization import linear_heavy_llama
+
+    folder = str(linear_heavy_llama(tmp_path))
+    sizes = {quantize: parameter_bytes(accelgen.load(folder, device="hpu", dtype="bfloat16", quantize=quantize).model)
+             for quantize in (None, "fp8")}
+    assert sizes["fp8"] <= 0.55 * sizes[None]
+
+
+def test_fp8_runs_through_the_command_line(tiny_model_folder, inc_double, tmp_path):
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--quantize", "fp8", "--model",
+         str(tiny_model_folder("llama")), "--prompt", "Hello", "--prompt", "World", "--max-new-tokens", "4",
+         "--output", str(output)],
+        env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(output.read_text().splitlines()) == 2
+    assert "dtype bfloat16 (fp8 weights)" in result.stderr
+
+
+@pytest.mark.parametrize("device_name, with_inc, message", [
+    ("GAUDI", True, "--quantize fp8 needs Gaudi2 or later; this card is GAUDI (first-generation Gaudi, no fp8)"),
+    ("GAUDI2", False, "--quantize fp8 on hpu needs Intel Neural Compressor"),
+])
+def test_fp8_where_it_cannot_run_is_one_line(tiny_model_folder, habana_double, device_name, with_inc, message):
+    environment = dict(os.environ, HABANA_DOUBLE_DEVICE_NAME=device_name, HF_HUB_OFFLINE="1")
+    if with_inc:
+        environment["PYTHONPATH"] = os.pathsep.join([INC_DOUBLE, environment["PYTHONPATH"]])
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--quantize", "fp8", "--model",
+         str(tiny_model_folder("llama")), "--prompt", "Hello", "--max-new-tokens", "2"],
+        env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("accelgen: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_int8_on_hpu_is_one_line_naming_fp8(tiny_model_folder, habana_double, capsys):
+    assert main(["run", "--device", "hpu", "--quantize", "int8", "--model", str(tiny_model_folder("llama")),
+                 "--prompt", "Hello"]) == 2
+    error = capsys.readouterr().err
+    assert "--quantize int8 is not supported on hpu: it runs --quantize fp8" in error and error.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_each_measure_and_convert_their_own_slices(tiny_model_folder, inc_double, tmp_path):
+    """Under DeepSpeed's launcher each rank measures its slices (its own measurement file) and converts its
+    column- and row-parallel layers; the job writes its completions. (fp8 scales are per rank, so the tokens
+    need not equal one rank's: no parity is claimed.)"""
+    output, records = tmp_path / "out.jsonl", tmp_path / "records"
+    records.mkdir()
+    environment = dict(os.environ, HABANA_DOUBLE_RECORD_DIR=str(records), HF_HUB_OFFLINE="1",
+                       TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--quantize", "fp8",
+         "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--prompt", "World", "--max-new-tokens", "4",
+         "--output", str(output)],
+        env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(output.read_text().splitlines()) == 2
+    ranks = [json.loads(path.read_text()) for path in records.iterdir()]
+    ranks = [record for record in ranks if record.get("inc_convert")]
+    assert sorted(record["rank"] for record in ranks) == [0, 1]
+    assert len({record["inc_fp8_layers"] for record in ranks}) == 1 and ranks[0]["inc_fp8_layers"] > 0

@@ -47,9 +47,9 @@ def test_int8_runs_through_the_command_line(tiny_model_folder, tmp_path, capsys,
     assert generator.model.get_output_embeddings().weight.dtype == torch.bfloat16
 
 
-def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
-    """A shape whose linear layers hold most of the weights, as in any large model (in the tiny test models the
-    embeddings, which stay in bfloat16, are a third of the weights)."""
+def linear_heavy_llama(tmp_path):
+    """A Llama whose linear layers hold most of the weights, as in any large model (in the tiny test models the
+    embeddings, which stay in the run's dtype, are a third of the weights): its folder."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
@@ -57,7 +57,12 @@ def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
                          eos_token_id=tokenizer.eos_token_id)
     folder = build_model(tmp_path / "llama", config)
     tokenizer.save_pretrained(folder)
-    sizes = {quantize: parameter_bytes(accelgen.load(str(folder), device="cpu", dtype="bfloat16", quantize=quantize).model)
+    return folder
+
+
+def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
+    folder = str(linear_heavy_llama(tmp_path))
+    sizes = {quantize: parameter_bytes(accelgen.load(folder, device="cpu", dtype="bfloat16", quantize=quantize).model)
              for quantize in (None, "int8")}
     assert sizes["int8"] <= 0.55 * sizes[None]
 

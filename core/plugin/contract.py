@@ -119,12 +119,17 @@ class Accelerator(abc.ABC):
 
         raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
 
-    def quantize(self, model: "torch.nn.Module", scheme: str, run: "RunSettings") -> "torch.nn.Module":
+    def quantize(
+        self, model: "torch.nn.Module", scheme: str, run: "RunSettings", calibrate: Callable[["torch.nn.Module"], None]
+    ) -> "torch.nn.Module":
         """Return the model with its weights quantized to ``scheme`` (one of ``quantization_schemes``), for this
         device's kernels. Called after ``prepare_model``: the model is this rank's part, its weights in
-        ``run.dtype`` on the device, which the activations keep. ``accelgen.parallel.quantized_layers`` quantizes
-        every linear layer, split by tensor parallelism or not, given the device's product. Default: refused
-        (no scheme is declared by default, so the core refuses ``--quantize`` before loading)."""
+        ``run.dtype`` on the device. ``accelgen.parallel.quantized_layers`` quantizes every linear layer, split by
+        tensor parallelism or not, given the device's product (weight-only: activations stay in ``run.dtype``).
+        A scheme that quantizes activations too needs their ranges: ``calibrate(model)`` runs the model given
+        (as the quantizing library has prepared it to measure) over the core's calibration text, the same
+        passes on every rank of a tensor-parallel job. Default: refused (no scheme is declared by default,
+        so the core refuses ``--quantize`` before loading)."""
         from accelgen.common.errors import UsageError
 
         raise UsageError(f"--quantize {scheme} is not supported on {self.name}.")

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
 from accelgen.common.prompts import check_prompts
+from accelgen.generation.calibration import calibration_pass
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
 from accelgen.parallel.launcher import inject_fault_if_asked
@@ -45,7 +46,8 @@ def load_request(request: Request) -> Generator:
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory)
     model = accelerator.prepare_model(loaded.model, device, run, world)
     if run.quantize is not None:
-        model = accelerator.quantize(model, run.quantize, run)
+        calibrate = calibration_pass(loaded.tokenizer, device, accelerator.mark_step)
+        model = accelerator.quantize(model, run.quantize, run, calibrate)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     inject_fault_if_asked(world)

@@ -41,7 +41,7 @@ class CpuAccelerator(Accelerator):
         unlink_shared_memory_buffer(world)
         return model
 
-    def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings) -> torch.nn.Module:
+    def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate) -> torch.nn.Module:
         from accelgen.model.int8_weights import Int8Linear
         from accelgen.parallel.quantized_layers import quantize_linear_layers
 

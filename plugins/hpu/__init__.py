@@ -13,6 +13,8 @@ How a run goes on Gaudi:
   already gives lazy mode what those classes exist for: one static shape per bucket, a preallocated cache.
 - capture: the decode step is wrapped in an HPU graph (``wrap_in_hpu_graph_func``) once per bucket.
 - mark_step: ``htcore.mark_step()`` after every forward pass, which hands the queued graph to the card.
+- quantize: ``--quantize fp8`` through Intel Neural Compressor, measured and converted at load
+  (``accelgen_hpu.fp8``), before the graphs are captured.
 - shard: DeepSpeed-Inference AutoTP (``deepspeed.init_inference``), Habana's DeepSpeed fork on Gaudi.
 - launch: DeepSpeed's launcher starts one rank per card, as Habana's inference guides do, with
   ``PT_HPU_ENABLE_LAZY_COLLECTIVES=true`` in every rank's environment (Habana requires it for HPU graphs
@@ -30,7 +32,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
-from accelgen_hpu import bridge
+from accelgen_hpu import bridge, fp8
 
 #: Text of the bridge's error when device memory runs out (e.g. "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed
 #: for size::939524096 (896)MB"), as matched by accelerate's and Habana's vLLM troubleshooting guides.
@@ -45,6 +47,7 @@ class HpuAccelerator(Accelerator):
     captures_by_default = True  # HPU graphs remove the host's per-step graph building in lazy mode
     priority = 20  # above the CPU (0): with --device auto a machine with Gaudi cards uses them
     one_process_per_device = True
+    quantization_schemes = ("fp8",)  # Gaudi2 and later, through Intel Neural Compressor (accelgen_hpu.fp8)
 
     def is_available(self) -> bool:
         return bridge.unavailable_reason() is None
@@ -71,6 +74,14 @@ class HpuAccelerator(Accelerator):
         # Habana's fork turns enable_cuda_graph=True into wrap_in_hpu_graph over the whole model, prefill
         # included, and capture() below would then nest a graph inside it: graphs stay ours, per bucket.
         return shard_with_deepspeed(model, world, run.dtype, enable_cuda_graph=False)
+
+    def quantize(
+        self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate: Callable[[torch.nn.Module], None]
+    ) -> torch.nn.Module:
+        _, hpu = bridge.import_bridge()
+        device_name = hpu.get_device_name()
+        fp8.check_fp8_generation(bridge.generation_facts(device_name)["generation"], device_name)
+        return fp8.quantize_to_fp8(model, run.dtype, calibrate)
 
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
