@@ -219,3 +219,11 @@ def test_pre_quantized_shards_of_two_ranks_generate_what_one_process_quantizing_
     assert result.returncode == 0, result.stderr
     expected, _ = completions(folder, dtype="float32", quantize="int8")
     assert [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()] == expected
+
+
+def test_shard_refuses_fp8_whose_scales_are_measured_at_each_load(tiny_model_folder, tmp_path, capsys):
+    assert main(["shard", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--dtype", "bfloat16",
+                 "--output", str(tmp_path / "out"), "--quantize", "fp8"]) == 2
+    error = capsys.readouterr().err
+    assert "fp8 is measured on the device when a run loads the model: shard without --quantize" in error
+    assert error.count("\n") == 1 and not (tmp_path / "out").exists()

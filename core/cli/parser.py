@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
     shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
     shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
-    shard.add_argument("--quantize", choices=QUANTIZATION_SCHEMES,
+    shard.add_argument("--quantize", type=_shard_scheme, metavar="{int8}",
                        help="write the linear layers' weights in this scheme (each rank quantizes its slices): runs then "
                             "read no full-precision weights and pass the same --quantize")
     shard.add_argument("--max-file-mib", type=_number("max_file_mib"), default=DEFAULT_FILE_MIB,
@@ -139,6 +139,16 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser):
 def _number(setting: str):
     """The argparse ``type`` of a numeric option: parsed and checked against its range."""
     return RANGES[setting].parse
+
+
+def _shard_scheme(value: str) -> str:
+    """The argparse ``type`` of ``accelgen shard --quantize``: weight-only schemes, which a checkpoint can hold."""
+    if value == "int8":
+        return value
+    if value in QUANTIZATION_SCHEMES:  # fp8 scales come from activations measured on the device at each load
+        raise argparse.ArgumentTypeError(f"{value} is measured on the device when a run loads the model: shard without "
+                                         f"--quantize and pass --quantize {value} to the runs")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose int8)")
 
 
 def _with_range(help_text: str, setting: str) -> str:
