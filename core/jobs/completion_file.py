@@ -4,7 +4,9 @@ resumes after them.
 
 Beside it, ``<output>.run.json`` records what decides the rows (model, source, settings): a different run
 is refused on an existing file unless it overwrites. Every check is made when the file is opened, before
-any model loads; nothing on disk changes until the first completion is written.
+any model loads; nothing on disk changes until the first completion is written. An --output that is a
+symbolic link is its target: the run record (and the lock) lie beside the real file, so every name of one
+output resumes the same rows; a run record that is itself a link is refused, never written through.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 from typing import IO, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
-from accelgen.common.output_files import check_output_file
+from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
 from accelgen.generation.text import Completion
 from accelgen.jobs.output_lock import OutputLock
 
@@ -35,7 +37,8 @@ class CompletionFile:
         job other than rank 0 read the file but do not lock it."""
         check_output_file(path, "--output", "out.jsonl")
         self.path = path
-        self.run_file = path + ".run.json"
+        self.run_file = real_path(path) + ".run.json"
+        refuse_link(self.run_file, "Run record")
         if os.path.exists(self.run_file) and not os.path.isfile(self.run_file):
             raise UsageError(f"Run record {self.run_file!r} (beside --output {path!r}) is not a file: move it away.")
         self.run_record = run_record
@@ -106,13 +109,15 @@ class CompletionFile:
 
     def _open_for_append(self) -> IO[bytes]:
         if self.completed_rows == 0:  # a new file, or one being overwritten
-            with open(self.run_file + ".tmp", "w", encoding="utf-8") as run_file:
-                json.dump(self.run_record, run_file, indent=1)
-            os.replace(self.run_file + ".tmp", self.run_file)
+            replace_whole(self.run_file, self._write_run_record)
             return open(self.path, "wb", buffering=0)
         with open(self.path, "r+b") as existing:  # cut a torn last line
             existing.truncate(existing.read().rfind(b"\n") + 1)
         return open(self.path, "ab", buffering=0)
+
+    def _write_run_record(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as run_file:
+            json.dump(self.run_record, run_file, indent=1)
 
     def close(self) -> None:
         """Close the file and give up its lock (again: nothing)."""
