@@ -124,20 +124,34 @@ def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
 
 
 def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None) -> dict[str, Any] | None:
-    """Load the request's model once, then measure every batch size of ``protocol``; ``report(row)`` is called
-    as each is done. Returns the result document on rank 0 (None on the other ranks of a job)."""
+    """Load the request's model once, then measure every batch size of ``protocol``; ``report(row, document)``
+    is called as each is done, with the result document of the batch sizes measured so far (for a file that
+    a later abort cannot take them from). Returns the result document on rank 0 (None on the other ranks)."""
     started = time.perf_counter()
     generator = load_request(request)
     load_seconds = time.perf_counter() - started
-    rows = measure(generator, protocol, report if generator.world.is_main else None)
     if not generator.world.is_main:
+        measure(generator, protocol)
         return None
-    return result_document(measurement_record(generator, request.model, protocol, rows, label, load_seconds))
+    environment = environment_facts()  # once: it asks git
+    rows: list[dict[str, Any]] = []
+
+    def document() -> dict[str, Any]:  # after the rows: a capture failure is known once measuring has tried one
+        return result_document(measurement_record(generator, request.model, protocol, rows, label, load_seconds,
+                                                  environment))
+
+    def measured(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if report:
+            report(row, document())
+
+    measure(generator, protocol, measured)
+    return document()
 
 
 def measurement_record(
     generator: Generator, source: ModelSource, protocol: BenchProtocol, rows: list[dict[str, Any]], label: str | None,
-    load_seconds: float,
+    load_seconds: float, environment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything a result file says about one measured configuration, rows included."""
     hardware = generator.accelerator.describe()
@@ -164,9 +178,9 @@ def measurement_record(
             "tokenizer": tokenizer_source(generator.tokenizer),
         },
         "protocol": protocol.as_record(prompt_token_count(generator, protocol.prompt)),
-        "environment": environment_facts(),
+        "environment": environment or environment_facts(),
         "load_seconds": load_seconds,
-        "results": rows,
+        "results": list(rows),
     }
 
 

@@ -1,6 +1,8 @@
 """The file ``accelgen bench`` writes: JSON, schema ``accelgen-bench`` version :data:`SCHEMA_VERSION` (the
 layout is documented in README.md, "Result files"), with the environment it was measured in. Written whole or
-not at all. ``accelgen compare`` reads any number of them."""
+not at all, after each batch size of a sweep (an abort later keeps the sizes measured before it); a write
+that fails prints the document instead, so a measurement is never lost. ``accelgen compare`` reads any
+number of them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from accelgen.common.errors import UsageError
 from accelgen.common.output_files import check_output_file, write_whole_file
 
 SCHEMA = "accelgen-bench"
@@ -68,16 +71,23 @@ def check_output_path(path: str, overwrite: bool) -> None:
 
 
 def write_result(path: str, document: dict[str, Any]) -> None:
-    """Write the result file whole or not at all: a full disk leaves the file that was there as it was."""
+    """Write the result file whole or not at all. A failure (a full disk) leaves the file that was there as it
+    was, prints ``document`` on standard output (the measurement is not lost) and raises UsageError saying so."""
 
     def write(temporary: str) -> None:
         with open(temporary, "w", encoding="utf-8") as file:
             json.dump(document, file, indent=2)
             file.write("\n")
 
-    write_whole_file(path, "--output", write)
+    try:
+        write_whole_file(path, "--output", write, fix="the measurement is printed on standard output instead (save it "
+                                                      "to a file once there is room); the file was left as it was")
+    except UsageError:
+        print_json(document)
+        raise
 
 
 def print_json(document: dict[str, Any]) -> None:
     json.dump(document, sys.stdout, indent=2)
     sys.stdout.write("\n")
+    sys.stdout.flush()

@@ -171,17 +171,26 @@ def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
 
 def _measure(arguments: argparse.Namespace, request: Request, protocol) -> int:
-    """Measure in this process; rank 0 reports each batch size as it is done, then writes the result file."""
+    """Measure in this process; rank 0 reports each batch size as it is done and writes the result file with
+    the sizes measured so far (a later abort keeps them)."""
     from accelgen.bench.measure import run_benchmark
     from accelgen.bench.result_file import print_json, write_result
     from accelgen.parallel.process_groups import leave_process_group
 
     quiet_libraries()
-    document = run_benchmark(request, protocol, arguments.label, report=lambda row: print(
-        bench_progress_line(row, protocol.max_new_tokens), file=sys.stderr, flush=True))
-    if document is not None:
+    sweep = len(set(protocol.batch_sizes))
+
+    def report(row: dict, document: dict) -> None:
+        line = bench_progress_line(row, protocol.max_new_tokens)
         if arguments.output:
             write_result(arguments.output, document)
+            measured = len(document["measurements"][0]["results"])
+            line += f"; kept in {arguments.output}" + (f" ({measured} of {sweep} batch sizes)" if sweep > 1 else "")
+        print(line, file=sys.stderr, flush=True)
+
+    document = run_benchmark(request, protocol, arguments.label, report=report)
+    if document is not None:
+        if arguments.output:
             print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
         if arguments.json:
             print_json(document)
