@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from accelgen.bench.result_file import SCHEMA, SCHEMA_VERSION
 from accelgen.common.errors import UsageError, user_errors
-from accelgen.common.output_files import check_output_file, write_whole_file
+from accelgen.common.output_files import check_output_file, is_same_file, write_whole_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,10 @@ RECORD_SHAPE = {
 }
 DOCUMENT_SHAPE = {"source": Maybe(str), "measurements": [RECORD_SHAPE]}
 _TYPE_NAMES = {int: "a whole number", float: "a number", str: "text", dict: "an object", list: "a list"}
+#: What a figure read may be, besides 0: a time, a rate or a share that a machine can measure (never NaN,
+#: infinite or negative, nor so far from 1 that a table or chart of it is meaningless or cannot be drawn).
+#: Whole numbers (batch sizes, world sizes) count from 1.
+FIGURE_RANGE = (1e-9, 1e15)
 
 
 def shape_problem(value: Any, shape: Any, where: str = "") -> str | None:
@@ -152,6 +156,10 @@ def shape_problem(value: Any, shape: Any, where: str = "") -> str | None:
     accepted = (int, float) if shape is float else shape
     if not isinstance(value, accepted) or isinstance(value, bool):
         return f"{field} should be {_TYPE_NAMES[shape]}, not {type(value).__name__}"
+    if shape is int and value < 1:
+        return f"{field} should be a whole number of at least 1, not {value!r}"
+    if shape is float and not (value == 0 or FIGURE_RANGE[0] <= value <= FIGURE_RANGE[1]):
+        return f"{field} should be 0 or a number from {FIGURE_RANGE[0]:g} to {FIGURE_RANGE[1]:g}, not {value!r}"
     return None
 
 
@@ -267,6 +275,17 @@ def write_text_file(path: str, option: str, text: str) -> None:
     write_whole_file(path, option, write)
 
 
+def check_outputs_apart(result_files: list[str], outputs: dict[str, str]) -> None:
+    """Raise UsageError when an output (``{"--markdown": path, ...}``) is one of the result files read, by any
+    name (a link to it, a hard link), or the other output: each would overwrite what is read or written."""
+    named = list(outputs.items())
+    for index, (option, path) in enumerate(named):
+        for other in result_files + [other_path for _, other_path in named[index + 1:]]:
+            if is_same_file(path, other):
+                what = f"the result file {other!r} being read" if other in result_files else f"the other output ({other!r})"
+                raise UsageError(f"{option} {path!r} is {what}: write the table and the chart to files of their own.")
+
+
 def check_chart_possible(path: str) -> None:
     """Raise UsageError, before any work, when a chart cannot be drawn to ``path``."""
     try:
@@ -274,6 +293,18 @@ def check_chart_possible(path: str) -> None:
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install \"accelgen[plot]\" (or matplotlib).") from None
     check_output_file(path, "--plot", "chart.png")
+
+
+#: The most hardware columns a chart draws: beyond, its bars and their labels no longer read (the table shows any
+#: number of columns).
+MAX_CHART_COLUMNS = 16
+
+
+def check_chart_columns(table: Table) -> None:
+    """Raise UsageError, before anything is printed or written, when ``table`` has too many columns to chart."""
+    if len(table.columns) > MAX_CHART_COLUMNS:
+        raise UsageError(f"--plot draws at most {MAX_CHART_COLUMNS} hardware columns and the files give "
+                         f"{len(table.columns)}: chart fewer files at a time, or leave out --plot (the table shows them all).")
 
 
 #: Above this ratio between the largest and smallest value, the chart's value axis is logarithmic: a CPU
@@ -290,14 +321,21 @@ def chart_figure(table: Table):
     from matplotlib import pyplot
 
     group_names = [f"{model}\nbatch {batch}, world {world}" for (model, world, batch), _ in table.rows]
-    bar_width = 0.8 / max(len(table.columns), 1)
-    figure, axes = pyplot.subplots(figsize=(max(6.0, 1.6 * len(group_names) * max(len(table.columns), 2) / 2), 4.5))
+    columns = len(table.columns)
+    bar_width = 0.8 / max(columns, 1)
+    # the legend below the bars, in as many columns as its longest label leaves room for; the figure grows to
+    # hold its rows (constrained layout keeps it inside the image, however many columns)
+    legend_column_inches = 0.6 + 0.075 * max(len(_header(table, column)) for column in table.columns)
+    width = max(6.0, 1.6 * len(group_names) * max(columns, 2) / 2, legend_column_inches)
+    legend_columns = max(1, min(columns, int(width // legend_column_inches)))
+    legend_rows = -(-columns // legend_columns)
+    figure, axes = pyplot.subplots(figsize=(width, 4.5 + 0.2 * legend_rows), layout="constrained")
     values = [value for _, cells in table.rows for value in cells.values() if isinstance(value, float | int) and value > 0]
     logarithmic = bool(values) and max(values) / min(values) > LOG_SCALE_SPAN
     if logarithmic:
         axes.set_yscale("log")
     for index, column in enumerate(table.columns):
-        positions = [group + (index - (len(table.columns) - 1) / 2) * bar_width for group in range(len(table.rows))]
+        positions = [group + (index - (columns - 1) / 2) * bar_width for group in range(len(table.rows))]
         column_values = [cells.get(column) for _, cells in table.rows]
         heights = [value if isinstance(value, float | int) else 0 for value in column_values]
         bars = axes.bar(positions, heights, bar_width, label=_header(table, column))
@@ -314,8 +352,7 @@ def chart_figure(table: Table):
         axes.set_ylim(min(values) / 3, max(values) * 4)
     else:
         axes.margins(y=0.25)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
+    figure.legend(loc="outside lower center", ncols=legend_columns, fontsize=8)
     return figure
 
 

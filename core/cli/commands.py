@@ -226,7 +226,9 @@ def _shard(arguments: argparse.Namespace, request: Request) -> int:
 def compare_command(arguments: argparse.Namespace) -> int:
     from accelgen.bench.compare import (
         METRICS,
+        check_chart_columns,
         check_chart_possible,
+        check_outputs_apart,
         comparison_table,
         draw_chart,
         load_measurements,
@@ -240,7 +242,11 @@ def compare_command(arguments: argparse.Namespace) -> int:
         check_chart_possible(arguments.plot)
     if arguments.markdown:
         check_output_file(arguments.markdown, "--markdown", "table.md")
+    check_outputs_apart(arguments.files, {option: path for option, path in
+                                          (("--markdown", arguments.markdown), ("--plot", arguments.plot)) if path})
     table = comparison_table(load_measurements(arguments.files), METRICS[arguments.metric], arguments.baseline)
+    if arguments.plot:
+        check_chart_columns(table)
     print(render_text(table))
     if arguments.markdown:
         write_text_file(arguments.markdown, "--markdown", render_markdown(table))
