@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -319,8 +320,30 @@ def test_the_python_api_checks_the_same_ranges():
 
 def test_a_kv_cache_larger_than_free_memory_is_refused_before_it_is_allocated(capsys):
     error = run_fails(capsys, "--prompt", "Hello", "--max-new-tokens", "100000000")
-    assert "The KV cache for --batch-size 1 and 100,000,032 positions per row (prompt bucket + --max-new-tokens) needs " in error
-    assert "lower --max-new-tokens or --batch-size, or spread the model with --world-size." in error
+    assert ("The KV cache and prefill activations for --batch-size 1 and 100,000,032 positions per row (prompt bucket + "
+            "--max-new-tokens) need ") in error
+    # the CPU's ranks share one memory: more of them would not help
+    assert error.endswith(": lower --max-new-tokens or --buckets / --max-input-tokens (shorter rows).\n")
+
+
+@pytest.mark.parametrize("arguments, fix", [
+    (["--batch-size", "10000000"], r"--batch-size \d+ fits; or lower --max-new-tokens"),  # 4 TiB: more than any machine
+    (["--buckets", "2147483647"], r": lower --max-new-tokens or --buckets / --max-input-tokens \(shorter rows\)\.$"),
+])
+def test_host_memory_is_checked_before_a_batch_or_bucket_too_large_for_it(cli_environment, arguments, fix):
+    """On the CPU an allocation larger than the machine is granted lazily and the kernel then kills the process
+    (exit 137, no word): the check comes first. Run in a process whose address space is capped below the
+    machine's memory, so that a regression fails with an error here instead of taking the machine down."""
+    limit = 12 * 2**30
+    result = subprocess.run(
+        [sys.executable, "-m", "accelgen.cli", "run", *QUICK, "--prompt", "Hello", *arguments],
+        env=cli_environment, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("accelgen: error: The KV cache and prefill activations for ")
+    assert re.search(fix, result.stderr.strip()), result.stderr
 
 
 # -- prompts ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 import accelgen
 from accelgen.cli import main
 from accelgen.model.int8_weights import Int8Linear, int8_product, quantize_rows
-from accelgen.model.memory import parameter_bytes
+from accelgen.model.memory import parameter_bytes, parameter_bytes_of_config
 from accelgen.parallel.launcher import free_port
 from accelgen_cpu import int8_product_on_cpu
 
@@ -230,3 +230,14 @@ def test_shard_refuses_fp8_whose_scales_are_measured_at_each_load(tiny_model_fol
     error = capsys.readouterr().err
     assert "fp8 is measured on the device when a run loads the model: shard without --quantize" in error
     assert error.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
+def test_the_memory_estimate_before_loading_counts_int8_bytes(tiny_model_folder, architecture):
+    """The out-of-memory line, when the weights themselves did not fit, advises from the config's bytes: with
+    --quantize they are the quantized model's."""
+    folder = str(tiny_model_folder(architecture))
+    generator = accelgen.load(folder, device="cpu", dtype="bfloat16", quantize="int8")
+    assert parameter_bytes_of_config(generator.model.config, "bfloat16", "int8") == parameter_bytes(generator.model)
+    assert parameter_bytes_of_config(generator.model.config, "bfloat16") == parameter_bytes(
+        accelgen.load(folder, device="cpu", dtype="bfloat16").model)

@@ -378,7 +378,8 @@ class Generator:
         self._cache_storage = None
         check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=self.run.batch_size, cache_length=cache_length,
                          world_size=self.world.size, device_name=self.accelerator.name,
-                         free_bytes=self.accelerator.memory_stats().get("free_bytes"))
+                         free_bytes=self.accelerator.memory_stats().get("free_bytes"),
+                         device_is_host=self.accelerator.shares_host_memory)
         self._cache_storage = CacheStorage(self.run.batch_size, cache_length)
 
     def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:

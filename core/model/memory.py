@@ -42,27 +42,52 @@ def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int,
 
 def check_cache_fits(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
-    device_name: str, free_bytes: int | None,
+    device_name: str, free_bytes: int | None, device_is_host: bool = False,
 ) -> None:
-    """Raise UsageError before allocating a KV cache larger than the memory free on the device (a cache the
-    operating system would grant lazily and then kill the process for, on a CPU)."""
-    needed = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length * batch_size
-    if free_bytes is not None and needed > free_bytes:
-        raise UsageError(
-            f"The KV cache for --batch-size {batch_size} and {cache_length:,} positions per row (prompt bucket + "
-            f"--max-new-tokens) needs {needed / GIB:,.1f} GiB per device, more than the {free_bytes / GIB:,.1f} GiB "
-            f"free on {device_name}: lower --max-new-tokens or --batch-size, or spread the model with --world-size."
-        )
+    """Raise UsageError before allocating a KV cache larger than the memory free on the device. On a device
+    that computes in host memory (``device_is_host``, the CPU) the prefill's activations count too: there an
+    allocation too large is granted lazily and the kernel then kills the process without a word, where a
+    device's allocator raises an error the run reports."""
+    if free_bytes is None:
+        return
+    kv_cache_per_row = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
+    per_row = bytes_per_sequence(config, cache_length, dtype, world_size) if device_is_host else kv_cache_per_row
+    if per_row * batch_size <= free_bytes:
+        return
+    fits = [f"--batch-size {free_bytes // per_row} fits"] if free_bytes >= per_row else []
+    fits += ["lower --max-new-tokens or --buckets / --max-input-tokens (shorter rows)"]
+    wider = None if device_is_host else _world_size_for_cache(config, kv_cache_per_row * world_size, batch_size,
+                                                              world_size, free_bytes)
+    fits += [f"--world-size {wider} splits the cache enough"] if wider else []
+    what = "KV cache and prefill activations" if device_is_host else "KV cache"
+    raise UsageError(
+        f"The {what} for --batch-size {batch_size} and {cache_length:,} positions per row (prompt bucket + "
+        f"--max-new-tokens) need {per_row * batch_size / GIB:,.1f} GiB per device, more than the "
+        f"{free_bytes / GIB:,.1f} GiB free on {device_name}: {'; or '.join(fits)}."
+    )
+
+
+def _world_size_for_cache(config: transformers.PretrainedConfig, unsplit_bytes_per_row: int, batch_size: int,
+                          world_size: int, free_bytes: int) -> int | None:
+    """The smallest larger world size whose ranks each hold a cache share that fits ``free_bytes`` (ranks split the
+    key/value heads, so at most as many ranks as those heads), or None when none does."""
+    heads, key_value_heads = attention_head_counts(config)
+    for larger in range(world_size + 1, key_value_heads + 1):
+        if heads % larger == 0 and key_value_heads % larger == 0 and unsplit_bytes_per_row * batch_size / larger <= free_bytes:
+            return larger
+    return None
 
 
 def out_of_memory_advice(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
-    weight_bytes_per_rank: int, total_bytes: int | None, offload_mode: str | None = None,
+    weight_bytes_per_rank: int, total_bytes: int | None, offload_mode: str | None = None, device_is_host: bool = False,
 ) -> str:
     """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes; and
-    with ``offload_mode`` ("cpu" or "disk"), the --offload that keeps what does not fit off the device."""
+    with ``offload_mode`` ("cpu" or "disk"), the --offload that keeps what does not fit off the device. On a device
+    that computes in host memory (``device_is_host``) more ranks share the same memory: no world size is offered."""
     if not total_bytes:
-        return "lower --batch-size or --max-new-tokens, or spread the model over more devices with --world-size."
+        return "lower --batch-size or --max-new-tokens" + ("." if device_is_host else
+                                                           ", or spread the model over more devices with --world-size.")
     usable = USABLE_SHARE * total_bytes
     per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size)
     sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
@@ -79,7 +104,7 @@ def out_of_memory_advice(
         return f"{sizes}, so --batch-size {fitting_batch} should fit{offload}."
     heads, key_value_heads = attention_head_counts(config)
     unsharded = weight_bytes_per_rank * world_size
-    for larger in range(world_size + 1, key_value_heads + 1):
+    for larger in range(world_size + 1, 0 if device_is_host else key_value_heads + 1):
         per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
         if heads % larger == 0 and key_value_heads % larger == 0 and unsharded / larger + per_rank_sequence * batch_size < usable:
             return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size){offload}."
@@ -94,11 +119,20 @@ def format_size(size: int, whole=None) -> str:
     return f"{whole(size / unit)}{name}" if whole else f"{size / unit:.2f} {name}"
 
 
-def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str) -> int:
-    """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used)."""
+def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str, quantize: str | None = None) -> int:
+    """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used). With
+    ``quantize`` (an 8-bit scheme), the linear layers but the output head hold one byte per weight and one
+    ``dtype`` scale per output channel, as ``accelgen.parallel.quantized_layers`` leaves them."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
+    total = sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
+    if quantize is None:
+        return total
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            total -= module.weight.numel() * DTYPE_BYTES[dtype] - module.weight.numel() - module.out_features * DTYPE_BYTES[dtype]
+    return total
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

@@ -19,12 +19,13 @@ def out_of_memory_line(request: Request, generator: Generator | None, kept_outpu
         weight_bytes_per_rank = parameter_bytes(generator.model)
         cache_length = generator.cache_length_in_use or cache_length  # the one cache all buckets share
     else:
-        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype) // world.size
+        weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype, run.quantize) // world.size
     advice = out_of_memory_advice(
         config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,
         world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
         total_bytes=request.accelerator.memory_stats().get("total_bytes"),
         offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
+        device_is_host=request.accelerator.shares_host_memory,
     )
     kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
     return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
