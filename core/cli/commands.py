@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from accelgen.cli.parser import build_parser
 from accelgen.cli.terminal import (
     bench_progress_line,
+    closed_reader_streams,
     describe_plugin,
+    discard_output_to,
+    flush_output,
     print_batch,
     print_summary,
     quiet_libraries,
@@ -40,14 +43,28 @@ class Invocation:
     worker: bool  # a rank started by a launcher (ours, torchrun or DeepSpeed's), not the user's own process
 
 
+#: The exit status when the reader of our output went away (``accelgen run ... | head -1``): a shell's status
+#: of a process ended by SIGPIPE (128 + 13), which is what closing a pipe ends a command with by convention.
+CLOSED_OUTPUT_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
-    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake)."""
+    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
+    reader of the output closed it: the command stops quietly, what it wrote to files is kept)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = running_as_worker()
     with warnings.catch_warnings():
         show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
         try:
-            return _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
+            status = _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
+            flush_output()
+            return status
+        except BrokenPipeError:
+            closed = closed_reader_streams()
+            if not closed:
+                raise  # not our output: a connection lost, shown as it is
+            discard_output_to(closed)
+            return CLOSED_OUTPUT_STATUS
         except UsageError as error:
             if not worker:
                 print(f"accelgen: error: {error}", file=sys.stderr)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
@@ -24,6 +26,30 @@ def print_batch(batch_number: int, completions: Sequence["Completion"]) -> None:
         print(f"Input: {completion.prompt!r}")
         print(f"Output: {completion.prompt + completion.completion!r}")
     print(flush=True)
+
+
+def flush_output() -> None:
+    """Send what is still buffered for standard output now, so that a reader gone away (``| head -1``) shows as
+    BrokenPipeError inside the command, not as an error at exit."""
+    sys.stdout.flush()
+
+
+def closed_reader_streams() -> list[int]:
+    """The standard output and error descriptors whose reader has gone (a pipe whose reading end is closed
+    reports POLLERR); empty when a BrokenPipeError came from elsewhere (then it is a bug or a lost connection)."""
+    poll = select.poll()
+    for descriptor in (1, 2):
+        poll.register(descriptor, select.POLLOUT)
+    return [descriptor for descriptor, events in poll.poll(0) if events & select.POLLERR]
+
+
+def discard_output_to(descriptors: list[int]) -> None:
+    """Point ``descriptors`` at the null device: what Python would still flush at exit is dropped quietly
+    instead of raising BrokenPipeError again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for descriptor in descriptors:
+        os.dup2(null, descriptor)
+    os.close(null)
 
 
 def describe_plugin(accelerator: Accelerator) -> str:
