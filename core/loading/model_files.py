@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
@@ -39,9 +40,29 @@ def model_location(model_name_or_path: str | os.PathLike | None) -> str:
         source = os.path.expanduser(source)
         if not os.path.isdir(source):
             raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id.")
+        with user_errors(f"Cannot read model folder {source!r}", "make it readable, or pass another folder"):
+            odd_entry = _special_file(source)
+        if odd_entry is not None:
+            raise UsageError(f"Model folder {source!r} holds {odd_entry!r}, which is not a regular file (a pipe or a "
+                             f"device): reading it would block or never end; remove it, or pass a folder made by "
+                             f"save_pretrained.")
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
     return source
+
+
+def _special_file(folder: str) -> str | None:
+    """The name of an entry of ``folder`` that is neither a regular file nor a folder once links are followed
+    (a pipe, a device, a socket: config, tokenizer and weight readers would block on it or read it for ever),
+    or None. Broken links are left to the reader that needs the file, which names it."""
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return entry.name
+    return None
 
 
 def loading_errors_as_usage_errors(source: str):

@@ -10,52 +10,176 @@ opens only its files and reads them whole: no slicing, no bytes of other ranks' 
 
 The manifest is written last and the folder renamed into place at the end (``accelgen.jobs.shard_job``): a
 folder without a complete manifest is never taken for a pre-sharded model.
+
+A folder may come from anyone, so before any rank starts every key of its manifest is checked (type and value),
+each rank file must be a regular file inside the folder (links resolved) under the name ``accelgen shard``
+gives it, and each file's header must name the rank and world size it was written for (``RANK_METADATA``;
+files of folders written before it existed carry none and are taken as they are).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 
 from accelgen.common.errors import UsageError
+from accelgen.common.settings import DTYPES, QUANTIZATION_SCHEMES
 
 MANIFEST = "accelgen-shards.json"
 FORMAT = "accelgen pre-sharded checkpoint"
 FORMAT_VERSION = 1
+#: The most ranks a manifest may name (``--world-size``'s own bound).
+MAX_WORLD_SIZE = 65536
+#: What each rank file's safetensors metadata says (the values are strings, as the format wants).
+RANK_METADATA = ("accelgen_rank", "accelgen_world_size")
+RANK_FILE_NAME = re.compile(r"rank-(\d+)-of-(\d+)-part-\d+\.safetensors")
 
 
 def rank_file_name(rank: int, world_size: int, part: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}-part-{part:05d}.safetensors"
 
 
+def rank_metadata(rank: int, world_size: int) -> dict[str, str]:
+    """The metadata ``accelgen shard`` writes into each of rank ``rank``'s files."""
+    return dict(zip(RANK_METADATA, (str(rank), str(world_size))))
+
+
+def rank_metadata_problem(name: str, header: dict) -> str | None:
+    """What is wrong with the rank file ``name`` (a name the manifest gives, checked to be the one ``accelgen
+    shard`` gives that rank) whose safetensors header is ``header``: it was written for another rank or world
+    size (rank files renamed or swapped); None when it agrees, or carries no such metadata (sharded before it)."""
+    named = RANK_FILE_NAME.fullmatch(name)
+    metadata = header.get("__metadata__")
+    if named is None or not isinstance(metadata, dict) or not any(key in metadata for key in RANK_METADATA):
+        return None
+    rank, world_size = (str(int(number)) for number in named.groups())
+    written_rank, written_world_size = (str(metadata.get(key))[:20] for key in RANK_METADATA)
+    if (written_rank, written_world_size) == (rank, world_size):
+        return None
+    of_world_size = "" if written_world_size == world_size else f" of {world_size}"
+    return (f"holds rank {written_rank}'s tensors of a {written_world_size}-rank split, not rank {rank}'s{of_world_size} "
+            f"(a rank file renamed or swapped)")
+
+
 def read_manifest(folder: str) -> dict | None:
     """The manifest of the pre-sharded checkpoint in ``folder``, or None when ``folder`` is not one.
-    Raises UsageError when it is unreadable or of a newer format than this accelgen reads."""
+    Raises UsageError when it is unreadable, of a newer format than this accelgen reads, or holds anything
+    but what ``accelgen shard`` writes (each key checked, before any rank starts)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         return None
     try:
         with open(path, encoding="utf-8") as manifest_file:
             manifest = json.load(manifest_file)
-        version = manifest["format_version"]
-        if manifest.get("format") != FORMAT or not isinstance(version, int):
-            raise ValueError("not an accelgen manifest")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{path} is damaged ({type(error).__name__}: {error}): shard the model again (accelgen shard).") from None
-    if version > FORMAT_VERSION:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep
+        raise UsageError(f"{path} is damaged ({type(error).__name__}: {error}): shard the original model again "
+                         f"(accelgen shard).") from None
+    problem = _format_problem(manifest)
+    if problem is None and manifest["format_version"] > FORMAT_VERSION:
         raise UsageError(
-            f"{folder!r} was sharded by a newer accelgen ({manifest.get('accelgen_version')}, format {version}; this one "
-            f"reads format {FORMAT_VERSION}): upgrade accelgen, or shard the model again with this one."
+            f"{folder!r} was sharded by a newer accelgen ({manifest.get('accelgen_version')}, format "
+            f"{manifest['format_version']}; this one reads format {FORMAT_VERSION}): upgrade accelgen, or shard the "
+            f"model again with this one."
         )
+    problem = problem or _content_problem(manifest)
+    if problem:
+        raise UsageError(f"{path} is damaged: {problem}: shard the original model again (accelgen shard).")
     return manifest
 
 
+def _format_problem(manifest: object) -> str | None:
+    """What keeps ``manifest`` (parsed JSON) from being an accelgen manifest of some format version, or None."""
+    if not isinstance(manifest, dict):
+        return f"it is {_shown(manifest)}, not a JSON object"
+    if manifest.get("format") != FORMAT:
+        return f'"format" is {_shown(manifest.get("format"))}, not {FORMAT!r}'
+    return _key_problem(manifest, "format_version", _is_count(1, None), "a whole number from 1")
+
+
+def _content_problem(manifest: dict) -> str | None:
+    """What in a manifest of this format version is not what ``accelgen shard`` writes, or None."""
+    is_text_or_null = lambda value: value is None or isinstance(value, str)  # noqa: E731
+    checks = (  # key, test of its value, what it should be, whether every manifest has it
+        ("world_size", _is_count(1, MAX_WORLD_SIZE), f"a whole number from 1 to {MAX_WORLD_SIZE}", True),
+        ("dtype", lambda value: value in DTYPES, f"one of {', '.join(DTYPES)}", True),
+        # absent from folders sharded before quantization existed
+        ("quantize", lambda value: value is None or value in QUANTIZATION_SCHEMES,
+         f"null or one of {', '.join(QUANTIZATION_SCHEMES)}", False),
+        ("source", lambda value: isinstance(value, dict), "an object", False),
+        ("accelgen_version", is_text_or_null, "a version or null", False),
+        ("deepspeed_version", is_text_or_null, "a version or null", False),
+    )
+    for key, valid, expected, required in checks:
+        problem = _key_problem(manifest, key, valid, expected, required)
+        if problem:
+            return problem
+    world_size = manifest["world_size"]
+    problem = _key_problem(manifest, "rank_files", lambda value: _is_names_by_rank(value, world_size),
+                           f"a list of {world_size} list(s) of file names")
+    if problem:
+        return problem
+    for rank, names in enumerate(manifest["rank_files"]):
+        for part, name in enumerate(names):
+            if _leaves_folder(name):
+                return f"names rank {rank}'s file {name!r}, outside the folder (accelgen reads only files inside it)"
+            if name != rank_file_name(rank, world_size, part):
+                return (f"names rank {rank}'s file {name!r}, not {rank_file_name(rank, world_size, part)!r} as "
+                        f"accelgen shard names it")
+    return None
+
+
+def _key_problem(manifest: dict, key: str, valid, expected: str, required: bool = True) -> str | None:
+    """What is wrong with ``manifest[key]``: absent (when ``required``), or not ``valid`` (``expected`` says
+    what it should be); None when it is fine."""
+    if key not in manifest:
+        return f'it lacks "{key}"' if required else None
+    if not valid(manifest[key]):
+        return f'"{key}" is {_shown(manifest[key])}, not {expected}'
+    return None
+
+
+def _is_count(lowest: int, highest: int | None):
+    """A test of a JSON value: a whole number (not a boolean) from ``lowest`` to ``highest`` (None: no bound)."""
+    return lambda value: (isinstance(value, int) and not isinstance(value, bool) and value >= lowest
+                          and (highest is None or value <= highest))
+
+
+def _is_names_by_rank(value: object, world_size: int) -> bool:
+    """Whether ``value`` is ``world_size`` non-empty lists of strings (each rank's file names)."""
+    return (isinstance(value, list) and len(value) == world_size and all(
+        isinstance(names, list) and names and all(isinstance(name, str) for name in names) for names in value))
+
+
+def _leaves_folder(name: str) -> bool:
+    """Whether the file name ``name``, joined to a folder, is a path outside it (absolute, or through '..')."""
+    parts = name.replace("\\", "/").split("/")
+    return os.path.isabs(name) or ".." in parts
+
+
+def _shown(value: object) -> str:
+    """A JSON value as a message quotes it: short, with its Python type's name."""
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} (a {type(value).__name__})"
+
+
 def missing_rank_file(folder: str, manifest: dict) -> str | None:
-    """A file the manifest names that ``folder`` lacks, as a sentence, or None."""
+    """A rank file the manifest names that ``folder`` lacks, that is not a regular file (a pipe would block
+    the reader, a device never ends), or that is a link to a file outside the folder, as a sentence; or None."""
+    real_folder = os.path.realpath(folder)
     for rank, files in enumerate(manifest["rank_files"]):
         for name in files:
-            if not os.path.isfile(os.path.join(folder, name)):
+            path = os.path.join(folder, name)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
                 return f"{name}: rank {rank}'s file, named by {MANIFEST}, is missing"
+            if not stat.S_ISREG(mode):
+                return f"{name}: rank {rank}'s file is not a regular file (a pipe, a device or a folder)"
+            target = os.path.realpath(path)
+            if os.path.commonpath([real_folder, target]) != real_folder:
+                return f"{name}: rank {rank}'s file is a link to {target!r}, outside the folder"
     return None
 
 

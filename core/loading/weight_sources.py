@@ -153,16 +153,17 @@ def _read_part(path: str, offset: int, shape: tuple[int, ...], part: TensorPart,
 
 
 class PickleWeights(CheckpointWeights):
-    """``.bin`` checkpoints (torch's pickle format): memory-mapped where the file allows, else read whole."""
+    """``.bin`` checkpoints (torch's pickle format): memory-mapped where the file allows, else read whole.
+    Only torch's weights-only loader reads them: a file whose unpickling would call anything else (run code)
+    is refused, never loaded."""
 
     def __init__(self, paths: list[str], base_model_prefix: str = ""):
         tensors = {}
         for path in paths:
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            tensors.update(state)
+                tensors.update(checkpoint_files.load_pickle(path))
+            except checkpoint_files.DamagedPickle as error:
+                raise UsageError(f"{path} is damaged ({error}): download or save the model again.") from None
         super().__init__(os.path.dirname(paths[0]), tensors, base_model_prefix)
 
     def shape(self, name: str) -> tuple[int, ...]:
