@@ -1,8 +1,12 @@
 """The plugin manager: built-in plugins first, then third-party ones from the ``accelgen`` entry points.
 
-Entry points are loaded one at a time: one that fails to import is remembered with its error (``accelgen
-devices`` lists it, ``--device`` errors name it) and the others still load, instead of the whole
-command failing or the plugin vanishing without a word.
+Entry points are loaded one at a time, each through ``accelgen.plugin.isolation.call_plugin``: one that fails
+to import (raises anything, calls ``sys.exit``) is remembered with its error (``accelgen devices`` lists it,
+``--device`` errors name it, other commands warn) and the others still load, instead of the whole command
+failing or the plugin vanishing without a word; one that takes long to import is named while the command waits.
+
+``ACCELGEN_SKIP_PLUGINS=name,...`` leaves plugins out: an entry point's name, a built-in's module name, an
+installed package's name, or ``*`` for every installed plugin that is not built in.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import sys
 
 import pluggy
 
-from accelgen.common.errors import first_line
 from accelgen.plugin import contract as hookspecs
+from accelgen.plugin.isolation import SKIP_VARIABLE, PluginFailure, PluginOrigin, call_plugin, error_text
 
 #: Built-in plugins, registered by module name before entry points so installed plugins can override them.
 DEFAULT_PLUGINS = ("accelgen_cpu", "accelgen_cuda", "accelgen_hpu")
@@ -39,11 +43,13 @@ class BrokenPlugin:
 
 
 class PluginManager(pluggy.PluginManager):
-    """pluggy's plugin manager, which also remembers the entry points that failed to load."""
+    """pluggy's plugin manager, which also remembers the entry points that failed to load and the plugins
+    the user left out with ACCELGEN_SKIP_PLUGINS."""
 
     def __init__(self):
         super().__init__("accelgen")
         self.load_failures: list[BrokenPlugin] = []
+        self.skipped: list[str] = []
 
 
 def get_plugin_manager(*, load_entry_points: bool = True) -> PluginManager:
@@ -54,32 +60,63 @@ def get_plugin_manager(*, load_entry_points: bool = True) -> PluginManager:
     """
     plugin_manager = PluginManager()
     plugin_manager.add_hookspecs(hookspecs)
+    skip = _plugins_to_skip()
     for module_name in DEFAULT_PLUGINS:
-        plugin_manager.register(importlib.import_module(module_name), name=module_name)
+        if _normalized(module_name) in skip:
+            plugin_manager.skipped.append(module_name)
+            plugin_manager.set_blocked(module_name)  # and its entry point with it
+        else:
+            plugin_manager.register(importlib.import_module(module_name), name=module_name)
     if load_entry_points:
-        _load_entry_points(plugin_manager)
+        _load_entry_points(plugin_manager, skip)
     if os.environ.get("ACCELGEN_TRACE_HOOKS"):
         plugin_manager.trace.root.setwriter(sys.stderr.write)
         plugin_manager.enable_tracing()
     return plugin_manager
 
 
-def _load_entry_points(plugin_manager: PluginManager) -> None:
+def _plugins_to_skip() -> set[str]:
+    return {_normalized(name.strip()) for name in os.environ.get(SKIP_VARIABLE, "").split(",") if name.strip()}
+
+
+def _load_entry_points(plugin_manager: PluginManager, skip: set[str]) -> None:
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if plugin_manager.has_plugin(entry_point.name) or plugin_manager.is_blocked(entry_point.name):
             continue
-        package = _distribution_line(entry_point.dist)
+        distribution = entry_point.dist.name if entry_point.dist is not None else None
+        if skip & {"*", _normalized(entry_point.name), _normalized(distribution)}:
+            plugin_manager.skipped.append(entry_point.name)
+            continue
+        origin = PluginOrigin(entry_point.name, _distribution_line(entry_point.dist))
         try:
-            plugin_manager.register(entry_point.load(), name=entry_point.name)
-        except Exception as error:  # noqa: BLE001 - any failure of a third party's code: recorded, shown, not fatal
-            plugin_manager.load_failures.append(
-                BrokenPlugin(entry_point.name, package, f"cannot be loaded: {type(error).__name__}: {first_line(error)}")
-            )
+            call_plugin(origin, "the import", _load_and_register, plugin_manager, entry_point)
+        except PluginFailure as failure:
+            plugin_manager.load_failures.append(BrokenPlugin(origin.plugin, origin.package, _load_problem(failure)))
+
+
+def _load_and_register(plugin_manager: PluginManager, entry_point: importlib.metadata.EntryPoint) -> None:
+    """Import the plugin, then register it: pluggy reads every attribute of the plugin, which runs its code too."""
+    plugin_manager.register(entry_point.load(), name=entry_point.name)
+
+
+def _normalized(name: str | None) -> str | None:
+    """A package's name as pip compares them (``Accelgen_Foo`` is ``accelgen-foo``)."""
+    return None if name is None else name.lower().replace("_", "-").replace(".", "-")
+
+
+def _load_problem(failure: PluginFailure) -> str:
+    """``cannot be loaded: ModuleNotFoundError: ...`` (the import's own error), or what else its import did
+    (``called sys.exit(3)``, ``raised KeyboardInterrupt``)."""
+    if not isinstance(failure.error, Exception):
+        return f"cannot be loaded: its import {failure.did}"
+    return f"cannot be loaded: {error_text(failure.error)}"
 
 
 def package_of(plugin: object) -> str | None:
     """``distribution version`` of the installed package that holds ``plugin`` (a module or an object)."""
-    module = plugin.__name__ if isinstance(plugin, type(sys)) else type(plugin).__module__
+    module = getattr(plugin, "__name__", None) if isinstance(plugin, type(sys)) else type(plugin).__module__
+    if not isinstance(module, str):  # a plugin that set its own __name__ or __module__ to something else
+        return None
     for distribution in _distributions_by_top_level_module().get(module.split(".")[0], []):
         return f"{distribution} {importlib.metadata.version(distribution)}"
     return None
@@ -91,5 +128,7 @@ def _distributions_by_top_level_module() -> dict[str, list[str]]:
 
 
 def _distribution_line(distribution) -> str | None:
-    return f"{distribution.name} {distribution.version}" if distribution is not None else None
+    if distribution is None or not distribution.name:  # no METADATA, or one without a Name
+        return None
+    return f"{distribution.name} {distribution.version}"
 

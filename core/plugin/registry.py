@@ -1,13 +1,23 @@
-"""Finding the accelerator a user asked for among those the plugins register, each checked as it registers."""
+"""Finding the accelerator a user asked for among those the plugins register, each checked as it registers
+and asked through ``accelgen.plugin.isolation`` (a misbehaving plugin is named, never fatal to the others)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
-from accelgen.common.errors import UsageError, first_line
+from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.settings import DTYPES, QUANTIZATION_SCHEMES
 from accelgen.plugin.contract import Accelerator
+from accelgen.plugin.isolation import (
+    SKIP_VARIABLE,
+    ListingGuard,
+    PluginFailure,
+    PluginOrigin,
+    call_plugin,
+    guard_listing_members,
+)
 from accelgen.plugin.manager import BrokenPlugin, PluginManager, package_of
 
 AUTO_DEVICE = "auto"
@@ -17,35 +27,39 @@ CONTRACT = tuple(member for member in vars(Accelerator) if not member.startswith
 
 @dataclasses.dataclass
 class Registry:
-    """The registered accelerators by name (highest priority first), and the plugins that could not be used."""
+    """The registered accelerators by name (highest priority first), the plugins that could not be used, the
+    guards in front of each accelerator's listing members, and the plugins ACCELGEN_SKIP_PLUGINS left out."""
 
     accelerators: dict[str, Accelerator]
     broken: list[BrokenPlugin]
+    guards: dict[str, ListingGuard] = dataclasses.field(default_factory=dict)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
 
 def accelerator_registry(plugin_manager: PluginManager) -> Registry:
-    """Ask every plugin for its accelerators, one plugin at a time, so that a plugin that raises or
-    registers something broken is set aside with its reason while the others work.
+    """Ask every plugin for its accelerators, one plugin at a time and each call through ``call_plugin``, so
+    that a plugin that raises (anything, SystemExit included) or registers something broken is set aside
+    with its reason while the others work. Each accelerator's listing members are guarded the same way.
 
     pluggy calls the most recently registered plugin first, so keeping the first registration of a name
     lets a third-party plugin replace a built-in accelerator of the same name."""
-    found: dict[str, Accelerator] = {}
+    found: dict[str, tuple[int, ListingGuard]] = {}  # device name: its priority, the guard of its accelerator
     broken = list(getattr(plugin_manager, "load_failures", []))
     implementations = plugin_manager.hook.accelgen_register_accelerators.get_hookimpls()
     plugins = [implementation.plugin for implementation in reversed(implementations)]
     for plugin in plugins:
-        plugin_name, package = plugin_manager.get_name(plugin), package_of(plugin)
-        register_one = functools.partial(_register, found, broken, plugin_name, package)
+        origin = PluginOrigin(plugin_manager.get_name(plugin), package_of(plugin))
+        register_one = functools.partial(_register, found, broken, origin)
         only_this_plugin = plugin_manager.subset_hook_caller(
             "accelgen_register_accelerators", remove_plugins=[other for other in plugins if other is not plugin]
         )
         try:
-            only_this_plugin(register=register_one)
-        except Exception as error:  # noqa: BLE001 - a third party's hook failing must not stop the other devices
-            broken.append(BrokenPlugin(plugin_name, package, f"accelgen_register_accelerators raised "
-                                                             f"{type(error).__name__}: {first_line(error)}"))
-    accelerators = dict(sorted(found.items(), key=lambda item: (-item[1].priority, item[0])))
-    return Registry(accelerators, broken)
+            call_plugin(origin, "accelgen_register_accelerators", only_this_plugin, register=register_one)
+        except PluginFailure as failure:
+            broken.append(BrokenPlugin(origin.plugin, origin.package, failure.problem))
+    ranked = sorted(found.items(), key=lambda item: (-item[1][0], item[0]))
+    return Registry({name: guard.accelerator for name, (_, guard) in ranked}, broken,
+                    {name: guard for name, (_, guard) in ranked}, list(getattr(plugin_manager, "skipped", [])))
 
 
 def registered_accelerators(plugin_manager: PluginManager) -> dict[str, Accelerator]:
@@ -53,13 +67,33 @@ def registered_accelerators(plugin_manager: PluginManager) -> dict[str, Accelera
     return accelerator_registry(plugin_manager).accelerators
 
 
-def _register(found: dict, broken: list, plugin_name: str, package: str | None, accelerator: Accelerator) -> None:
-    problem = accelerator_problem(accelerator)
+def _register(found: dict, broken: list, origin: PluginOrigin, accelerator: Accelerator) -> None:
+    """The ``register`` callback a plugin calls. Reading the accelerator's members runs the plugin's code (they
+    may be properties), so the check goes through ``call_plugin`` too."""
+    try:
+        problem = call_plugin(origin, f"registering {type(accelerator).__name__}", _add_if_usable, found, origin,
+                              accelerator)
+    except PluginFailure as failure:
+        problem = failure.problem
     if problem is not None:
-        name = getattr(accelerator, "name", None)
-        broken.append(BrokenPlugin(plugin_name, package, problem, (name,) if isinstance(name, str) and name else ()))
-    else:
-        found.setdefault(accelerator.name, accelerator)
+        name = _name_if_readable(accelerator)
+        broken.append(BrokenPlugin(origin.plugin, origin.package, problem, (name,) if name else ()))
+
+
+def _add_if_usable(found: dict, origin: PluginOrigin, accelerator: Accelerator) -> str | None:
+    problem = accelerator_problem(accelerator)
+    if problem is None and accelerator.name not in found:
+        found[accelerator.name] = (accelerator.priority, guard_listing_members(accelerator, accelerator.name, origin))
+    return problem
+
+
+def _name_if_readable(accelerator: Accelerator) -> str | None:
+    """The device name the accelerator declares, for errors about it; None when it has none it can give."""
+    try:
+        name = accelerator.name
+    except BaseException:  # noqa: BLE001 - a property that raised already: its failure is what gets reported
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def accelerator_problem(accelerator: object) -> str | None:
@@ -96,8 +130,15 @@ def select_accelerator(plugin_manager: PluginManager, device: str) -> Accelerato
     """The available accelerator named ``device`` (or the best available one for ``"auto"``).
 
     Raises UsageError naming the known devices when the name is unknown or its hardware is absent, and
-    the plugins that could not be used, when any."""
+    the plugins that could not be used, when any. Once a device is chosen, each plugin that could not be
+    used is named in one warning line."""
     registry = accelerator_registry(plugin_manager)
+    accelerator = _chosen(registry, device)
+    _warn_about_plugins_left_out(registry)
+    return accelerator
+
+
+def _chosen(registry: Registry, device: str) -> Accelerator:
     accelerators = registry.accelerators
     if device == AUTO_DEVICE:
         for accelerator in accelerators.values():
@@ -115,12 +156,24 @@ def select_accelerator(plugin_manager: PluginManager, device: str) -> Accelerato
     return accelerator
 
 
+def _warn_about_plugins_left_out(registry: Registry) -> None:
+    """One warning line for each plugin that could not be used, and each device whose ``is_available()`` failed
+    (skipped by ``--device auto``)."""
+    left_out = [(PluginOrigin(plugin.plugin, plugin.package), plugin.problem) for plugin in registry.broken]
+    left_out += [(guard.failure.origin, guard.failure.problem) for guard in registry.guards.values() if guard.failure]
+    for origin, problem in left_out:
+        warnings.warn(AccelgenWarning(f"{origin.named()} is left out: {problem} ({origin.fix()} to stop this "
+                                      f"warning)"), stacklevel=3)
+
+
 def _known_devices(registry: Registry) -> str:
-    """Every registered device with its availability, and the plugins that could not be used (asked only when
-    an error names them: asking whether a device is available may import its vendor's software)."""
+    """Every registered device with its availability, and the plugins that could not be used or were left out
+    (asked only when an error names them: asking whether a device is available may import its vendor's software)."""
     known = ", ".join(availability_line(accelerator) for accelerator in registry.accelerators.values()) + "."
     if registry.broken:
         known += " Plugins that could not be used: " + "; ".join(plugin.line() for plugin in registry.broken) + "."
+    if registry.skipped:
+        known += f" Left out by {SKIP_VARIABLE}: {', '.join(registry.skipped)}."
     return known
 
 

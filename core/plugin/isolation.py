@@ -1,0 +1,219 @@
+"""Every call the core makes into a plugin's code goes through :func:`call_plugin`: whatever the plugin does
+(raises, calls ``sys.exit``, raises KeyboardInterrupt, hangs) comes back as a :class:`PluginFailure` naming
+the plugin, its package and the call, or as a line saying what the command is still waiting for.
+
+A plugin's accelerators answer the core's listing questions (``is_available`` and its siblings) through
+:func:`guard_listing_members`, so that one broken device cannot end ``accelgen devices`` or a run on another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+from accelgen.common.errors import AccelgenWarning, UsageError
+
+#: Names plugins to leave out, separated by commas: an entry point's name, a built-in's module name
+#: (``accelgen_hpu``), an installed package's name, or ``*`` for every installed (non built-in) plugin.
+SKIP_VARIABLE = "ACCELGEN_SKIP_PLUGINS"
+#: Seconds a call into a plugin may take before the user is told which plugin the command waits for.
+NOTICE_AFTER_SECONDS = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginOrigin:
+    """Which plugin some code belongs to: its name in the plugin manager and ``distribution version``."""
+
+    plugin: str
+    package: str | None
+
+    def named(self) -> str:
+        return f"plugin {self.plugin} ({self.package or 'package unknown'})"
+
+    def fix(self) -> str:
+        """What the user can do about a plugin that misbehaves: uninstall it (if it is not accelgen's own) or skip it."""
+        distribution = (self.package or "").split(" ")[0]
+        uninstall = f"uninstall {distribution} or " if distribution and distribution != "accelgen" else ""
+        return f"{uninstall}set {SKIP_VARIABLE}={self.plugin}"
+
+
+class PluginFailure(UsageError):
+    """A call into a plugin ended with an exception (any, SystemExit included). The message is one line:
+    the plugin, its package, the call, what happened, and the fix; ``problem`` is the call and what happened."""
+
+    def __init__(self, origin: PluginOrigin, call: str, error: BaseException):
+        self.origin, self.error = origin, error
+        self.did = what_it_did(error)
+        self.problem = f"{call} {self.did}"
+        super().__init__(f"{origin.named()}: {self.problem}: {origin.fix()} to run without it")
+
+
+def what_it_did(error: BaseException) -> str:
+    """``raised ValueError: ...`` or ``called sys.exit(3)``."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({_safely(lambda: repr(error.code), '...')})"
+    return f"raised {error_text(error)}"
+
+
+def error_text(error: BaseException) -> str:
+    """``ValueError: its message's first line`` (the type alone when it has none), read so that an exception
+    whose own ``__str__`` misbehaves cannot break the report of it."""
+    text = _safely(lambda: str(error).strip(), "")
+    kind = type(error).__name__
+    return f"{kind}: {text.splitlines()[0][:300]}" if text else kind
+
+
+def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, a call into ``origin``'s code described as ``call`` (``npu.is_available()``),
+    or PluginFailure when it raises anything. A Ctrl-C of the user's during the call still stops the program
+    (KeyboardInterrupt, exit 130), even when the plugin catches it; after NOTICE_AFTER_SECONDS a warning line
+    says which plugin the command is waiting for."""
+    with _notice_when_slow(origin, call), _user_interrupts() as interrupted:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - anything a third party's code does is reported, not fatal
+            _stop_if_the_user_interrupted(error, interrupted)
+            raise PluginFailure(origin, call, error) from None
+    if interrupted:  # the plugin swallowed the user's Ctrl-C
+        raise KeyboardInterrupt
+    return result
+
+
+def _stop_if_the_user_interrupted(error: BaseException, interrupted: list[int] | None) -> None:
+    if interrupted or (interrupted is None and isinstance(error, KeyboardInterrupt)):
+        raise KeyboardInterrupt from None
+
+
+@contextlib.contextmanager
+def _user_interrupts() -> Iterator[list[int] | None]:
+    """Tell a KeyboardInterrupt the user caused (SIGINT: Ctrl-C, ``kill -INT``) from one the plugin raises itself.
+
+    Python raises KeyboardInterrupt for SIGINT from its handler; we put a handler in front of it that notes the
+    signal, then calls it. A KeyboardInterrupt with no signal noted came from the plugin's own ``raise``. Yields
+    the list the handler appends to, or None where no handler can be set (outside the main thread, or while
+    SIGINT is ignored or ends the process at once, as in a launched rank): every KeyboardInterrupt is then
+    taken for the user's. A plugin that replaces the SIGINT handler during the call blinds this check; the
+    core's handler is put back afterwards."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):
+        yield None
+        return
+    received: list[int] = []
+
+    def note_then_interrupt(signal_number, frame):
+        received.append(signal_number)
+        previous(signal_number, frame)
+
+    signal.signal(signal.SIGINT, note_then_interrupt)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _notice_when_slow(origin: PluginOrigin, call: str) -> Iterator[None]:
+    """Warn once, from a timer thread, when the call has not returned after NOTICE_AFTER_SECONDS."""
+    timer = threading.Timer(NOTICE_AFTER_SECONDS, lambda: warnings.warn(AccelgenWarning(
+        f"still waiting for {call} of {origin.named()} after {NOTICE_AFTER_SECONDS:.0f} s; if it never "
+        f"finishes, press Ctrl-C, then {origin.fix()}"), stacklevel=1))
+    timer.daemon = True  # a plugin that never returns must not also keep the process from exiting
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _safely(read: Callable[[], str], fallback: str) -> str:
+    try:
+        return read()
+    except BaseException:  # noqa: BLE001 - a hostile exception's __str__ or __repr__
+        return fallback
+
+
+# -- an accelerator's listing members ------------------------------------------------------------------------
+
+
+class ListingGuard:
+    """Stands in front of the members the core calls on every registered accelerator to list devices and pick
+    one. A failed call gives an answer that keeps the command going: ``is_available()`` False, with the failure
+    as the ``unavailable_reason()`` (so choosing that device is refused in one line naming the plugin);
+    ``device_count()`` 0 and ``describe()`` the contract's defaults, each with one warning line."""
+
+    MEMBERS = ("is_available", "unavailable_reason", "device_count", "describe")
+
+    def __init__(self, accelerator: Any, name: str, origin: PluginOrigin):
+        if not hasattr(accelerator, "__dict__"):
+            raise TypeError(f"{type(accelerator).__name__} has no __dict__ (__slots__): subclass accelgen.Accelerator")
+        self.accelerator, self.name, self.origin = accelerator, name, origin
+        self.failure: PluginFailure | None = None  # why is_available() could not answer, if it could not
+        # the plugin's own members; those of an earlier guard when the accelerator was registered before
+        earlier = getattr(vars(accelerator).get("is_available"), "__self__", None)
+        self.plugin_members = (earlier.plugin_members if isinstance(earlier, ListingGuard)
+                               else {member: getattr(accelerator, member) for member in self.MEMBERS})
+
+    def install(self) -> None:
+        """Put the guard's members in front of the accelerator's own (instance attributes shadow methods)."""
+        for member in self.MEMBERS:
+            object.__setattr__(self.accelerator, member, getattr(self, member))
+
+    def _call(self, member: str, check: Callable[[Any], Any]) -> Any:
+        def call_and_check():
+            return check(self.plugin_members[member]())
+
+        return call_plugin(self.origin, f"{self.name}.{member}()", call_and_check)
+
+    def is_available(self) -> bool:
+        try:
+            return self._call("is_available", bool)
+        except PluginFailure as failure:
+            self.failure = failure
+            return False
+
+    def unavailable_reason(self) -> str:
+        if self.failure is not None:
+            return str(self.failure)
+        try:
+            return self._call("unavailable_reason", lambda reason: " ".join(str(reason).split())[:500])
+        except PluginFailure as failure:
+            return str(failure)
+
+    def device_count(self) -> int:
+        try:
+            return self._call("device_count", _whole_number)
+        except PluginFailure as failure:
+            warnings.warn(AccelgenWarning(f"{failure}; counting 0 {self.name} devices"), stacklevel=2)
+            return 0
+
+    def describe(self) -> dict[str, Any]:
+        try:
+            return self._call("describe", _mapping)
+        except PluginFailure as failure:
+            warnings.warn(AccelgenWarning(f"{failure}; reporting no facts about {self.name}"), stacklevel=2)
+            from accelgen.plugin.contract import Accelerator
+
+            return Accelerator.describe(self.accelerator)
+
+
+def guard_listing_members(accelerator: Any, name: str, origin: PluginOrigin) -> ListingGuard:
+    """Guard ``accelerator``'s listing members (see :class:`ListingGuard`) and return the guard."""
+    guard = ListingGuard(accelerator, name, origin)
+    guard.install()
+    return guard
+
+
+def _whole_number(count: Any) -> int:
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise TypeError(f"returned {count!r}, not a number of devices")
+    return count
+
+
+def _mapping(facts: Any) -> dict[str, Any]:
+    if not isinstance(facts, dict):
+        raise TypeError(f"returned {type(facts).__name__}, not a dict")
+    return facts
