@@ -256,3 +256,60 @@ def test_bench_records_the_offload_and_what_it_moved(four_layer_model, tmp_path)
     assert offload["device_bytes"] + offload["disk_bytes"] == model.bytes and offload["disk_bytes"] > 0
     for row in measurement["results"]:
         assert offload["disk_bytes"] <= row["offload_moved_bytes_per_pass"] <= 2 * offload["disk_bytes"]
+
+
+# -- with --quantize int8 -----------------------------------------------------------------------
+
+#: A cap that keeps part of a four-layer model's int8 weights on the device (the float32 activations and cache of
+#: one batch take about 340 KiB of it).
+INT8_CAP = 560 * KIB
+
+
+@pytest.mark.parametrize("architecture", ["bloom", "llama"])
+def test_int8_layers_offloaded_through_a_folder_generate_what_int8_without_offload_generates(
+    four_layer_model, tmp_path, architecture
+):
+    """The offloaded layers are written once in int8 (values and one scale per output channel): half of bfloat16's
+    bytes kept off the device and brought in per step; the tokens are those of int8 held whole on the device."""
+    model = four_layer_model(architecture)
+    expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
+                                           quantize="int8", max_new_tokens=NEW_TOKENS))
+    folder = tmp_path / "offload"
+    generator = offloaded(model, cap=INT8_CAP, dtype="float32", quantize="int8", offload_folder=str(folder))
+    placement = generator.placement
+    assert placement.device_bytes > 0 and placement.disk_bytes > 0
+    [run_folder] = folder.iterdir()
+    written = {}
+    for path in run_folder.glob("offloaded-*.safetensors"):
+        with safe_open(path, framework="pt") as file:
+            written.update({name: file.get_tensor(name) for name in file.keys()})
+    int8_weights = [name for name, tensor in written.items() if tensor.dtype == torch.int8]
+    assert int8_weights and all(f"{name}_scale" in written for name in int8_weights)
+    assert sum(tensor.numel() * tensor.element_size() for tensor in written.values()) == placement.disk_bytes
+    assert token_ids(generator.generate(PROMPTS)) == expected
+    # every pass brought the offloaded int8 bytes in, not float32's
+    assert placement.moved_bytes_per_pass <= placement.disk_bytes
+
+
+def test_a_pre_quantized_folder_is_offloaded_in_place(four_layer_model, tmp_path, cli_environment):
+    model = four_layer_model("llama")
+    sharded = tmp_path / "llama-int8"
+    subprocess.run([sys.executable, "-m", "accelgen.cli", "shard", "--device", "cpu", "--model", str(model.folder),
+                    "--world-size", "1", "--dtype", "float32", "--quantize", "int8", "--output", str(sharded)],
+                   env=cli_environment, check=True, capture_output=True)
+    expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
+                                           quantize="int8", max_new_tokens=NEW_TOKENS))
+    generator = offloaded(Model(sharded, None), cap=INT8_CAP, dtype="float32", quantize="int8")
+    assert generator.placement.disk_bytes > 0
+    assert token_ids(generator.generate(PROMPTS)) == expected
+
+
+def test_int8_offloaded_without_a_folder_from_full_precision_weights_is_one_line(four_layer_model, capsys):
+    model = four_layer_model("llama")
+    capsys.readouterr()
+    assert main(["run", "--device", "cpu", "--model", str(model.folder), "--prompt", "a", "--offload", "disk",
+                 "--max-device-memory", str(INT8_CAP), "--quantize", "int8", "--dtype", "float32",
+                 "--max-new-tokens", str(NEW_TOKENS)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--offload disk with --quantize int8 writes the offloaded layers' int8 weights " \
+                                       "once: pass --offload-folder DIR" in error

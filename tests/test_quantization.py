@@ -109,7 +109,6 @@ def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_on
 @pytest.mark.parametrize("arguments, message", [
     (["--quantize", "fp8"], "--quantize fp8 is not supported on cpu: it runs --quantize int8; drop --quantize"),
     (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
-    (["--quantize", "int8", "--offload", "disk"], "--quantize int8 cannot go with --offload yet"),
 ])
 def test_a_scheme_the_device_does_not_run_is_one_line(tiny_model_folder, capsys, arguments, message):
     folder = str(tiny_model_folder("llama"))

@@ -150,8 +150,10 @@ class ModelSource:
         opened = self.open(run.dtype, world)
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
         placement = None
+        pre_quantized = opened.whole_tensors and run.quantize is not None  # checked: the folder's scheme
         if run.offload is not None:
-            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host)
+            model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host,
+                                              pre_quantized)
         elif world.size > 1 and not slices_checkpoints(self.config()):
             if world.is_main:
                 warnings.warn(AccelgenWarning(
@@ -159,7 +161,6 @@ class ModelSource:
                     f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
-            pre_quantized = opened.whole_tensors and run.quantize is not None  # checked: the folder's scheme
             model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors,
                                  before_filling=empty_int8_layers if pre_quantized else None)
         return LoadedModel(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)

@@ -10,6 +10,12 @@ Accelerate at the offloaded ones without copying them: the checkpoint's own safe
 ``--offload-folder``, files written there once in the run's dtype (the only way for pickle checkpoints and
 random weights).
 
+With ``--quantize int8`` the linear layers are made int8 before anything is placed (``empty_int8_layers``), so
+the device map is drawn in int8 bytes, the layers kept are filled with int8 values and scales, and the
+offloaded ones are int8 too: half the bytes of bfloat16 to keep and to bring in per step. Their values come from
+a pre-quantized checkpoint as they are (read in place), or from quantizing the checkpoint's weights layer by
+layer (``accelgen.loading.quantizing_weights``), written once into --offload-folder.
+
 The generation pipeline is unchanged (buckets, static KV cache on the device), but the decode step is not
 captured: the hooks move weights in every step, which no graph can replay.
 """
@@ -31,9 +37,11 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
+from accelgen.loading.quantizing_weights import QuantizingWeights
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.loading.weight_sources import SafetensorsWeights
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
+from accelgen.parallel.quantized_layers import empty_int8_layers, int8_layers
 
 
 @dataclasses.dataclass
@@ -81,15 +89,20 @@ def check_offload_world(run: RunSettings, world_size: int) -> None:
 
 
 def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run: RunSettings,
-                   free_bytes: int | None, device_is_host: bool) -> tuple[torch.nn.Module, Placement]:
+                   free_bytes: int | None, device_is_host: bool, pre_quantized: bool = False) -> tuple[torch.nn.Module, Placement]:
     """The empty ``skeleton`` placed under the run's memory cap, what stays filled from ``weights``, the rest
     left to Accelerate's hooks; and where it all sits. ``free_bytes``: the device's free memory, if known;
-    ``device_is_host``: the device computes in host memory (the accelerator's ``shares_host_memory``)."""
+    ``device_is_host``: the device computes in host memory (the accelerator's ``shares_host_memory``);
+    ``pre_quantized``: ``weights`` already hold int8 layers' values and scales (with ``run.quantize``)."""
     accelerate = _accelerate()
     offload, dtype = run.offload, torch_dtype(run.dtype)
     if offload.mode == "cpu" and device_is_host:
         raise UsageError("--offload cpu keeps offloaded weights in host memory, which is this device's own memory: "
                          "use --offload disk (with --max-device-memory for the memory the run may use).")
+    if run.quantize is not None:
+        if not pre_quantized:
+            weights = QuantizingWeights(weights, set(int8_layers(skeleton)), dtype)
+        empty_int8_layers(skeleton)  # on the meta device: int8 shapes, nothing allocated
     cap = _memory_cap(offload, free_bytes)
     reserve = run.batch_size * bytes_per_sequence(skeleton.config, min(run.buckets) + run.max_new_tokens, run.dtype, 1)
     largest_layer, layer_name = _largest_layer(skeleton, dtype)
@@ -115,7 +128,7 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
     fill_parameters(model, weights, [ParameterLoad(name, None) for name, parameter in model.named_parameters()
                                      if not parameter.is_meta])
     placement = _placement(model, offload.mode, device)
-    offload_index = _offloaded_weights(model, weights, dtype, offload, placement, largest_layer)
+    offload_index = _offloaded_weights(model, weights, offload, placement, largest_layer)
     with _quiet_accelerate():  # it warns that offloaded parameters are on the meta device: that is the point
         model = accelerate.dispatch_model(
             model, device_map=device_map, main_device=str(device), offload_index=offload_index,
@@ -171,15 +184,21 @@ def _placement(model: torch.nn.Module, mode: str, device: torch.device) -> Place
     return Placement(mode, sizes["device"], sizes["host"], sizes["disk"])
 
 
-def _offloaded_weights(model: torch.nn.Module, weights, dtype: torch.dtype, offload: OffloadSettings,
-                       placement: Placement, group_bytes: int) -> dict | None:
+def _offloaded_weights(model: torch.nn.Module, weights, offload: OffloadSettings, placement: Placement,
+                       group_bytes: int) -> dict | None:
     """Accelerate's index of the weights left on disk: for each, a safetensors file and its name there. The
     checkpoint's own files, read in place; or, with --offload-folder, files written into a new folder there,
-    in the run's dtype, ``group_bytes`` at a time (the largest layer's size: never more in host memory)."""
+    each tensor in its parameter's dtype (the run's, int8 for int8 layers), ``group_bytes`` at a time (the largest
+    layer's size: never more in host memory)."""
     names = _names_with_ties(model)
     if not names:
         return None
+    dtypes = {name: parameter.dtype for name, parameter in model.named_parameters(remove_duplicate=False)}
     if offload.folder is None:
+        if isinstance(weights, QuantizingWeights):
+            raise UsageError("--offload disk with --quantize int8 writes the offloaded layers' int8 weights once: pass "
+                             "--offload-folder DIR, or offload a folder of `accelgen shard --quantize int8 --world-size 1` "
+                             "(read in place).")
         if not isinstance(weights, SafetensorsWeights):
             raise UsageError("--offload disk reads offloaded weights in place only from safetensors files, which this "
                              "model does not have: pass --offload-folder DIR to write them there once.")
@@ -187,25 +206,24 @@ def _offloaded_weights(model: torch.nn.Module, weights, dtype: torch.dtype, offl
     else:
         folder = _new_offload_folder(offload.folder, placement.disk_bytes)
         weakref.finalize(model, shutil.rmtree, folder, True)  # the run's copy goes with the model
-        locations = _write_offloaded(weights, [name for name, canonical in names.items() if name == canonical], dtype,
+        locations = _write_offloaded(weights, {name: dtypes[name] for name, canonical in names.items() if name == canonical},
                                      folder, group_bytes)
         locations.update({name: locations[canonical] for name, canonical in names.items()})
-    dtype_name = str(dtype).removeprefix("torch.")
-    return {name: {"safetensors_file": path, "weight_name": key, "dtype": dtype_name}
+    return {name: {"safetensors_file": path, "weight_name": key, "dtype": str(dtypes[name]).removeprefix("torch.")}
             for name, (path, key) in locations.items()}
 
 
-def _write_offloaded(weights, names: list[str], dtype: torch.dtype, folder: str, group_bytes: int) -> dict[str, tuple[str, str]]:
-    """Write the tensors ``names`` of ``weights`` in ``dtype`` as safetensors files in ``folder``, each file
-    holding at most ``group_bytes`` (or one tensor), which is all this holds in memory; where each one went."""
+def _write_offloaded(weights, dtypes: dict[str, torch.dtype], folder: str, group_bytes: int) -> dict[str, tuple[str, str]]:
+    """Write the tensors named in ``dtypes`` of ``weights``, each in its dtype, as safetensors files in ``folder``,
+    each file holding at most ``group_bytes`` (or one tensor), which is all this holds in memory; where each went."""
     from safetensors.torch import save_file
 
     locations = {}
-    for number, group in enumerate(groups_by_bytes(names, lambda name: math.prod(weights.shape(name)) * dtype.itemsize,
-                                                   group_bytes)):
+    sizes = {name: math.prod(weights.shape(name)) * dtype.itemsize for name, dtype in dtypes.items()}
+    for number, group in enumerate(groups_by_bytes(list(dtypes), sizes.__getitem__, group_bytes)):
         tensors = {}
         for name in group:
-            tensors[name] = torch.empty(weights.shape(name), dtype=dtype)
+            tensors[name] = torch.empty(weights.shape(name), dtype=dtypes[name])
             weights.copy_into(tensors[name], name, None)
         path = os.path.join(folder, f"offloaded-{number:05d}.safetensors")
         save_file(tensors, path)

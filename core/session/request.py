@@ -101,9 +101,9 @@ def run_settings(
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
-    if quantize is not None and offload is not None:
-        raise UsageError(f"--quantize {quantize} cannot go with --offload yet: offloaded weights are brought to the device "
-                         f"in --dtype by Accelerate's hooks, which int8 layers do not have; drop one of them.")
+    if quantize not in (None, "int8") and offload is not None:  # int8 layers are the core's; others the device's
+        raise UsageError(f"--quantize {quantize} cannot go with --offload: the device converts its layers after they "
+                         f"are loaded, which offloaded layers are not; drop one of them, or use --quantize int8.")
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
