@@ -139,6 +139,12 @@ def groups_by_bytes(items: list[T], size_of: Callable[[T], int], max_bytes: int)
     return [group for group in groups if group]
 
 
+#: Dtypes whose tensors are read into the model's own memory, never used as a map of the file: quantized weights
+#: go to kernels that may read a little past a tensor's end (torch's CPU int8 kernel does), which past the end of a
+#: map faults. Reading them is also cheaper than mapping them and copying them out afterwards.
+READ_NOT_MAPPED = (torch.int8,)
+
+
 def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -> None:
     """Give each planned parameter its part of ``source``, a few at a time (reads and page faults overlap;
     at most ``READ_THREADS`` tensors' parts are in flight). A part the source holds in one piece in host
@@ -155,7 +161,7 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
             destination.zero_()
             source.copy_into(destination.narrow(load.part.dim, 0, load.part.length), load.name, load.part)
             return
-        view = source.view(load.name, load.part)
+        view = None if destination.dtype in READ_NOT_MAPPED else source.view(load.name, load.part)
         if view is None:
             source.copy_into(destination, load.name, load.part)
         elif view.device == destination.device and view.dtype == destination.dtype:

@@ -42,14 +42,8 @@ class CpuAccelerator(Accelerator):
         return model
 
     def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate) -> torch.nn.Module:
-        from accelgen.model.int8_weights import Int8Linear
         from accelgen.parallel.quantized_layers import quantize_linear_layers
 
-        for module in model.modules():
-            if isinstance(module, Int8Linear):
-                # read from a pre-quantized checkpoint, its weight a map of the file: torch's kernel reads a little
-                # past a weight's end, which there lies outside the map (SIGSEGV); in memory of ours it is harmless
-                module.weight.data = module.weight.data.clone()
         return quantize_linear_layers(model, int8_product_on_cpu)
 
     def capture(
