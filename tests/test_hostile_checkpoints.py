@@ -167,6 +167,14 @@ def test_swapped_rank_files_are_refused_before_any_rank_starts(sharded_for_two, 
     assert f"{rank_0.name}: holds rank 1's tensors of a 2-rank split, not rank 0's (a rank file renamed or swapped)" in error
 
 
+def test_a_rank_file_stripped_of_its_rank_beside_one_that_names_it_is_refused(sharded_for_two, tmp_path, capsys):
+    folder = Path(shutil.copytree(sharded_for_two, tmp_path / "stripped"))
+    rank_1 = folder / "rank-00001-of-00002-part-00000.safetensors"
+    save_file(load_file(rank_1), rank_1)  # no metadata
+    error = run_fails(capsys, folder, "--world-size", "2")
+    assert f"{rank_1.name}: names no rank while the folder's other rank files do (a file replaced)" in error
+
+
 def test_a_rank_file_of_another_world_size_is_refused(sharded_copy, sharded_for_two, capsys):
     shutil.copy(sharded_for_two / "rank-00000-of-00002-part-00000.safetensors", sharded_copy / RANK_0_OF_1)
     error = run_fails(capsys, sharded_copy)

@@ -124,12 +124,12 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     inject_fault_if_asked(world)
     files_by_rank = gather_from_ranks(written, world)
     if world.is_main:
+        source = {"model": request.model.report_name, "identity": request.model.identity(),
+                  "unsharded_parameter_bytes": unsharded_bytes}
         with _writing(staging):
             request.model.config().save_pretrained(staging)
             opened.tokenizer.save_pretrained(staging)
             opened.skeleton.generation_config.save_pretrained(staging)
-            source = {"model": request.model.report_name, "identity": request.model.identity(),
-                      "unsharded_parameter_bytes": unsharded_bytes}
             write_manifest(staging, world.size, dtype, files_by_rank, source, request.run.quantize)
             _move_into_place(staging, folder)
     wait_for_every_rank()
@@ -147,18 +147,19 @@ def _make_staging(staging: str) -> None:
 
 
 @contextlib.contextmanager
-def _writing(staging: str):
-    """Errors writing the checkpoint (a full disk, a folder that went away) as one line, with the staging
-    folder removed: nothing half-written is left."""
+def _writing(staging: str, is_main: bool = True):
+    """Errors writing the checkpoint (a full disk, a folder that went away) as one line. Rank 0 (``is_main``)
+    removes the staging folder: nothing half-written is left. Another rank leaves it to the next job (removed
+    under rank 0's writes, it would make rank 0 fail too, for a reason that misleads)."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as error:
-        if _is_staging(staging):
+        if is_main and _is_staging(staging):
             shutil.rmtree(staging, ignore_errors=True)
-        raise UsageError(f"Cannot write --output {staging.removesuffix(STAGING_SUFFIX)!r}: {_write_error(error)}: "
-                         f"nothing was kept; make room (or pass another --output) and run again.") from None
+        raise UsageError(f"Cannot write --output {staging.removesuffix(STAGING_SUFFIX)!r}: {_write_error(error)}: the "
+                         f"checkpoint was not written; make room (or pass another --output) and run again.") from None
 
 
 def _write_error(error: BaseException) -> str:
@@ -194,7 +195,7 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
             else:
                 tensors[load.name] = parameters[load.name]
         name = rank_file_name(world.rank, world.size, len(names))
-        with _writing(folder):
+        with _writing(folder, world.is_main):
             save_file({key: tensor.data.contiguous().cpu() for key, tensor in tensors.items()}, os.path.join(folder, name),
                       metadata=rank_metadata(world.rank, world.size))
         for tensor in tensors.values():

@@ -23,7 +23,7 @@ import struct
 import zipfile
 
 from accelgen.common.errors import UsageError, reason
-from accelgen.loading.pre_sharded import rank_metadata_problem
+from accelgen.loading.pre_sharded import has_rank_metadata, rank_metadata_problem
 
 #: A header longer than this is not a header (the safetensors format caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
@@ -130,8 +130,9 @@ class CheckpointFolder:
         problem = _first_problem(names, self.folder, self._safetensors_problem)
         if problem or not rank_files:
             return problem
-        return _first_problem(names, self.folder, lambda path: rank_metadata_problem(os.path.basename(path),
-                                                                                       self.header(path)[0]))
+        required = any(has_rank_metadata(self.header(os.path.join(self.folder, name))[0]) for name in names)
+        return _first_problem(names, self.folder, lambda path: rank_metadata_problem(
+            os.path.basename(path), self.header(path)[0], required))
 
     def _safetensors_problem(self, path: str) -> str | None:
         """What is wrong with the safetensors file at ``path`` (not a regular file, truncated, corrupt header), or None."""

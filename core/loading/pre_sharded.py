@@ -14,7 +14,7 @@ folder without a complete manifest is never taken for a pre-sharded model.
 A folder may come from anyone, so before any rank starts every key of its manifest is checked (type and value),
 each rank file must be a regular file inside the folder (links resolved) under the name ``accelgen shard``
 gives it, and each file's header must name the rank and world size it was written for (``RANK_METADATA``;
-files of folders written before it existed carry none and are taken as they are).
+the files of a folder written before it existed carry none and are taken as they are).
 """
 
 from __future__ import annotations
@@ -46,14 +46,23 @@ def rank_metadata(rank: int, world_size: int) -> dict[str, str]:
     return dict(zip(RANK_METADATA, (str(rank), str(world_size))))
 
 
-def rank_metadata_problem(name: str, header: dict) -> str | None:
+def has_rank_metadata(header: dict) -> bool:
+    """Whether a rank file's safetensors header names its rank (files sharded before it existed do not)."""
+    metadata = header.get("__metadata__")
+    return isinstance(metadata, dict) and any(key in metadata for key in RANK_METADATA)
+
+
+def rank_metadata_problem(name: str, header: dict, required: bool) -> str | None:
     """What is wrong with the rank file ``name`` (a name the manifest gives, checked to be the one ``accelgen
     shard`` gives that rank) whose safetensors header is ``header``: it was written for another rank or world
-    size (rank files renamed or swapped); None when it agrees, or carries no such metadata (sharded before it)."""
+    size (rank files renamed or swapped), or it names none while the folder's other rank files do
+    (``required``); None when it agrees, or when no file of the folder names its rank (sharded before that)."""
     named = RANK_FILE_NAME.fullmatch(name)
-    metadata = header.get("__metadata__")
-    if named is None or not isinstance(metadata, dict) or not any(key in metadata for key in RANK_METADATA):
+    if named is None:
         return None
+    if not has_rank_metadata(header):
+        return "names no rank while the folder's other rank files do (a file replaced)" if required else None
+    metadata = header["__metadata__"]
     rank, world_size = (str(int(number)) for number in named.groups())
     written_rank, written_world_size = (str(metadata.get(key))[:20] for key in RANK_METADATA)
     if (written_rank, written_world_size) == (rank, world_size):
