@@ -152,6 +152,7 @@ class ListingGuard:
             raise TypeError(f"{type(accelerator).__name__} has no __dict__ (__slots__): subclass accelgen.Accelerator")
         self.accelerator, self.name, self.origin = accelerator, name, origin
         self.failure: PluginFailure | None = None  # why is_available() could not answer, if it could not
+        self.warned: set[str] = set()  # the members whose failure has been shown: one warning line each
         # the plugin's own members; those of an earlier guard when the accelerator was registered before
         earlier = getattr(vars(accelerator).get("is_available"), "__self__", None)
         self.plugin_members = (earlier.plugin_members if isinstance(earlier, ListingGuard)
@@ -187,17 +188,23 @@ class ListingGuard:
         try:
             return self._call("device_count", _whole_number)
         except PluginFailure as failure:
-            warnings.warn(AccelgenWarning(f"{failure}; counting 0 {self.name} devices"), stacklevel=2)
+            self._warn_once("device_count", f"{failure}; counting 0 {self.name} devices")
             return 0
 
     def describe(self) -> dict[str, Any]:
         try:
             return self._call("describe", _mapping)
         except PluginFailure as failure:
-            warnings.warn(AccelgenWarning(f"{failure}; reporting no facts about {self.name}"), stacklevel=2)
+            self._warn_once("describe", f"{failure}; reporting no facts about {self.name}")
             from accelgen.plugin.contract import Accelerator
 
             return Accelerator.describe(self.accelerator)
+
+
+    def _warn_once(self, member: str, message: str) -> None:
+        if member not in self.warned:
+            self.warned.add(member)
+            warnings.warn(AccelgenWarning(message), stacklevel=3)
 
 
 def guard_listing_members(accelerator: Any, name: str, origin: PluginOrigin) -> ListingGuard:
