@@ -318,6 +318,33 @@ def test_a_file_of_a_model_folder_that_is_a_pipe_or_a_device_is_refused(tiny_mod
     assert f"holds {name!r}, which is not a regular file (a pipe or a device)" in error
 
 
+def rewrite_header(path: Path, change) -> None:
+    """Rewrite the safetensors file at ``path`` with ``change(header)`` applied to its first tensor's entry."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    change(header[next(name for name in header if name != "__metadata__")])
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda entry: entry.update(data_offsets=[-64, entry["data_offsets"][1]]),
+     "its shape and data_offsets are not whole numbers from 0"),
+    (lambda entry: entry.update(shape="x"), "its shape and data_offsets are not whole numbers from 0"),
+    (lambda entry: entry.update(shape=[entry["shape"][0] * 2, *entry["shape"][1:]]), "bytes, its offsets span"),
+    (lambda entry: entry.update(shape=[10**12, 10**12]), "bytes, its offsets span"),
+    (lambda entry: entry.update(dtype="F8_E4M3"), "has dtype 'F8_E4M3', which accelgen does not read"),
+])
+def test_a_safetensors_header_describing_bytes_it_does_not_hold_is_refused(tiny_model_folder, tmp_path, capsys, change,
+                                                                          message):
+    """Before: a negative offset read the header's own bytes as weights, silently; a wrong shape was a traceback."""
+    folder = Path(shutil.copytree(tiny_model_folder("opt"), tmp_path / "model"))
+    rewrite_header(folder / "model.safetensors", change)
+    error = run_fails(capsys, folder)
+    assert "has a damaged weight file: model.safetensors: " in error and message in error
+
+
 def test_a_weight_file_that_is_a_folder_is_refused(tiny_model_folder, tmp_path, capsys):
     folder = Path(shutil.copytree(tiny_model_folder("opt"), tmp_path / "model"))
     (folder / "model.safetensors").unlink()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import math
 import os
 import re
 import stat
@@ -29,6 +30,11 @@ from accelgen.loading.pre_sharded import has_rank_metadata, rank_metadata_proble
 MAX_HEADER_BYTES = 100_000_000
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_PATTERNS = ("pytorch_model*.bin", "model*.bin", "*.pt")
+#: Bytes per value of each safetensors dtype accelgen reads (``accelgen.loading.weight_sources`` maps the same
+#: names to torch dtypes).
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                           "BOOL": 1}
+CORRUPT_HEADER = "corrupt header (not the JSON a safetensors file begins with)"
 #: The first bytes of torch's zip checkpoint format (a zip archive's local file header).
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -55,9 +61,9 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
         try:
             header = json.loads(file.read(header_bytes))
         except ValueError:
-            raise HeaderError("corrupt header (not the JSON a safetensors file begins with)") from None
+            raise HeaderError(CORRUPT_HEADER) from None
     if not isinstance(header, dict):
-        raise HeaderError("corrupt header (not the JSON a safetensors file begins with)")
+        raise HeaderError(CORRUPT_HEADER)
     return header, 8 + header_bytes
 
 
@@ -135,20 +141,50 @@ class CheckpointFolder:
             os.path.basename(path), self.header(path)[0], required))
 
     def _safetensors_problem(self, path: str) -> str | None:
-        """What is wrong with the safetensors file at ``path`` (not a regular file, truncated, corrupt header), or None."""
+        """What is wrong with the safetensors file at ``path`` (not a regular file, truncated, a corrupt header
+        or one describing a tensor its bytes cannot hold), or None."""
         size = _regular_file_size(path)
         if size is None:
             return NOT_REGULAR
         try:
             header, data_start = self.header(path)
-            data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
         except HeaderError as error:
             return str(error)
-        except (KeyError, TypeError, IndexError, AttributeError):
-            return "corrupt header (not the JSON a safetensors file begins with)"
+        data_end = 0
+        for name, entry in header.items():
+            if name != "__metadata__":
+                problem = _tensor_entry_problem(name, entry)
+                if problem:
+                    return problem
+                data_end = max(data_end, entry["data_offsets"][1])
         if data_end > size - data_start:
             return f"truncated: {size:,} bytes, the header describes {data_start + data_end:,}"
         return None
+
+
+def _tensor_entry_problem(name: str, entry: object) -> str | None:
+    """What is wrong with a safetensors header's description of the tensor ``name``: a dtype accelgen does not
+    read, or a shape and offsets that are not numbers, or whose bytes do not match (a tensor read from the
+    header's bytes, or from its neighbours'); None when it is sound."""
+    if not isinstance(entry, dict):
+        return CORRUPT_HEADER
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPE_BYTES:
+        return (f"tensor {name!r} has dtype {str(dtype)[:20]!r}, which accelgen does not read (it reads "
+                f"{', '.join(SAFETENSORS_DTYPE_BYTES)})")
+    if not (_whole_numbers(shape) and _whole_numbers(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        return f"corrupt header (tensor {name!r}: its shape and data_offsets are not whole numbers from 0)"
+    tensor_bytes = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != tensor_bytes:
+        return (f"corrupt header (tensor {name!r} of shape {shape[:8]} in {dtype} is {tensor_bytes:,} bytes, its "
+                f"offsets span {offsets[1] - offsets[0]:,})")
+    return None
+
+
+def _whole_numbers(value: object) -> bool:
+    """Whether ``value`` (from JSON) is a list of whole numbers from 0."""
+    return isinstance(value, list) and all(isinstance(number, int) and not isinstance(number, bool) and number >= 0
+                                           for number in value)
 
 
 #: What a weight file that is a folder, a pipe or a device is.

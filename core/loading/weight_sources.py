@@ -26,7 +26,7 @@ from accelgen.loading import checkpoint_files
 #: Python 3.11's mmap module does not name it.
 MADV_POPULATE_READ = 22
 
-#: The safetensors format's dtype names.
+#: The safetensors format's dtype names that accelgen reads (those of ``checkpoint_files.SAFETENSORS_DTYPE_BYTES``).
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
