@@ -1,7 +1,16 @@
 """Layer 7: the ``accelgen`` command line: the parser, the commands, what the terminal shows.
 
-``python -m accelgen.cli`` runs it too (every launched rank does); see ``accelgen.cli.__main__``."""
+``python -m accelgen.cli`` runs it too (every launched rank does); see ``accelgen.cli.__main__``. ``main`` is
+imported when first asked for, so that a rank imports nothing before it is tied to its launcher."""
 
-from accelgen.cli.commands import main
+from __future__ import annotations
 
 __all__ = ["main"]
+
+
+def __getattr__(name: str):
+    if name != "main":
+        raise AttributeError(f"module 'accelgen.cli' has no attribute {name!r}")
+    from accelgen.cli.commands import main
+
+    return main

@@ -1,13 +1,17 @@
-"""``python -m accelgen.cli``: how every launched rank runs (and the ``accelgen`` script, run another way)."""
+"""``python -m accelgen.cli``: how every launched rank runs (and the ``accelgen`` script, run another way).
+
+A rank ties its life to its launcher's before it imports anything heavy: a launcher killed while its ranks
+start must leave none of them running (``accelgen.parallel.worker_processes``)."""
 
 import sys
 
-from accelgen.cli.commands import main
-from accelgen.parallel.launcher import end_worker_process, running_as_worker, stop_at_once_when_interrupted
+from accelgen.parallel.worker_processes import end_worker_process, running_as_worker, start_worker
 
 worker = running_as_worker()
 if worker:
-    stop_at_once_when_interrupted()
+    start_worker()
+from accelgen.cli.commands import main  # noqa: E402  (only once a rank is tied to its launcher)
+
 exit_status = main()
 if worker:
     end_worker_process(exit_status)

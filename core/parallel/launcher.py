@@ -11,7 +11,7 @@ makes rank N fail after loading, to drill exactly that (:func:`inject_fault_if_a
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -19,21 +19,23 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import NoReturn, Sequence
+import threading
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan, World
-from accelgen.plugin.contract import Accelerator
+from accelgen.parallel.worker_processes import (
+    LAUNCHER_VARIABLE,
+    StoppedWorkerWatch,
+    stop_leftover_workers,
+)
+from accelgen.parallel.worker_processes import running_as_worker as running_as_worker  # the command line asks here
+
+if TYPE_CHECKING:
+    from accelgen.plugin.contract import Accelerator
 
 #: Seconds torch's launcher gives an interrupted worker before it kills it (its default: 30).
 SHUTDOWN_GRACE_SECONDS = 3
-#: Set by torch's elastic launcher in every worker it starts.
-WORKER_VARIABLE = "TORCHELASTIC_RUN_ID"
-
-
-def running_as_worker() -> bool:
-    """True inside a process started by torchrun / torch's elastic agent (ours or the user's)."""
-    return WORKER_VARIABLE in os.environ or "RANK" in os.environ
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -48,9 +50,11 @@ def check_port_free(address: str, port: int) -> None:
         try:
             probe.bind((address, port))
         except OSError as error:
-            raise UsageError(
-                f"Cannot use --master-port {port} on {address}: {error.strerror or error}; pass a free port."
-            ) from None
+            raise _port_taken(address, port, error.strerror or str(error)) from None
+
+
+def _port_taken(address: str, port: int, why: str) -> UsageError:
+    return UsageError(f"Cannot use --master-port {port} on {address}: {why}; pass a free port.")
 
 
 def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None,
@@ -136,7 +140,12 @@ def run_launch_command(command: list[str], plan: LaunchPlan) -> JobEnd:
 
 
 def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
-    """Run this node's workers under ``torch.distributed.run``; one line for a failed or interrupted job."""
+    """Run this node's workers under ``torch.distributed.run``; one line for a failed or interrupted job.
+
+    Whatever ends the job (its end, a failing rank, a signal, even a signal while the ranks start), no rank
+    outlives it: the ranks die with this process (``accelgen.parallel.worker_processes``), and any rank torch's
+    agent left running is killed before this returns."""
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -149,20 +158,87 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
         f"--master-port={plan.master_port}",
         "--max-restarts=0",
         "--monitor-interval=0.1",  # notice a failed worker within a tenth of a second
+        "--signals-to-handle=SIGQUIT",  # and the JOB_ENDING_SIGNALS, handled here
         "--module",
         "accelgen.cli",
         *worker_argv,
     ])
     # a worker that did not stop on the launcher's signal is killed (with its process group) after this
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
+    signals = _SignalsEndTheJob(SignalException)
     try:
-        torchrun.run(launcher_arguments)
+        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say):
+            torchrun.run(launcher_arguments)
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
         return JobEnd(2 if process_failure.exitcode == 2 else 1, f"error: {_failure_line(rank, process_failure)}")
     except SignalException as interrupt:
-        return JobEnd(130, f"interrupted ({interrupt.sigval.name}); all workers stopped")
+        received = signals.received or interrupt.sigval
+        ended = "interrupted" if received == signal.SIGINT else "stopped"
+        return JobEnd(128 + received, f"{ended} ({received.name}); all workers stopped")
+    except DistNetworkError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        # another job took the port between plan_launch's check and the agent's store
+        raise _port_taken(plan.master_addr, plan.master_port, "another job took it as this one started") from None
     return JobEnd(0)
+
+
+def _say(line: str) -> None:
+    print(f"accelgen: {line}", file=sys.stderr, flush=True)
+
+
+#: The signals that end a job. We handle them, not torch's agent (``--signals-to-handle``), to ask the agent to
+#: stop the ranks with SIGTERM whichever came: it ends a rank at once whatever it is doing, even while its
+#: interpreter starts, where the SIGINT the agent would forward shows a KeyboardInterrupt's traceback.
+JOB_ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _SignalsEndTheJob:
+    """Around a job run by torch's agent: SIGINT, SIGTERM and SIGHUP raise ``signal_exception`` (torch's
+    SignalException, which makes the agent stop the ranks) from the start, where SIGTERM would otherwise kill
+    this process at once; :attr:`received` is the signal that came. Once the job is over the signals are
+    ignored while leftover ranks are killed (a second Ctrl-C must not cut that short), then the handlers are
+    as they were, unless a signal ended the job: this process then only says so and exits, and another
+    Ctrl-C meanwhile would show a KeyboardInterrupt's traceback (or kill it) in the middle of that."""
+
+    def __init__(self, signal_exception: type[Exception]) -> None:
+        self.signal_exception = signal_exception
+        self.received: signal.Signals | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> _SignalsEndTheJob:
+        if threading.current_thread() is threading.main_thread():  # only the main thread handles signals
+            self.previous = {number: signal.getsignal(number) for number in JOB_ENDING_SIGNALS}
+            for number in JOB_ENDING_SIGNALS:
+                signal.signal(number, self._end_the_job)
+        return self
+
+    def _end_the_job(self, signal_number: int, frame) -> None:
+        self.received = self.received or signal.Signals(signal_number)
+        raise self.signal_exception(f"Process {os.getpid()} got signal: {signal_number}", signal.SIGTERM)
+
+    def __exit__(self, *exception) -> None:
+        for number in self.previous:
+            signal.signal(number, signal.SIG_IGN)
+        stop_leftover_workers()
+        if self.received is None:
+            for number, handler in self.previous.items():
+                signal.signal(number, handler)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block (which the ranks inherit), as it was after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _failure_line(rank: int, process_failure) -> str:
@@ -188,46 +264,6 @@ def record_worker_failure(error: BaseException) -> bool:
 
     ErrorHandler().record_exception(error)
     return True
-
-
-def end_worker_process(status: int) -> NoReturn:
-    """End a launched worker, its work done, without tearing the interpreter down.
-
-    DeepSpeed's layers keep torch's gloo process groups alive until the interpreter finalizes, and a gloo
-    worker thread may then still be releasing the tensors of a finished collective: it cannot take the GIL
-    of a finalizing interpreter, and the process aborts ("terminate called without an active exception",
-    SIGABRT; pytorch/pytorch#190489). Python's exit handlers run first
-    and the output is flushed, so nothing the worker wrote or registered is lost."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def stop_at_once_when_interrupted() -> None:
-    """Let SIGINT and SIGTERM end this worker at once, as their default action does, even inside a collective.
-
-    Python would only raise KeyboardInterrupt once the running C++ call returns, and a rank waiting in an
-    all-reduce for a peer that has already stopped never returns: the launcher then waited out its whole grace
-    period before killing it. Nothing is lost by stopping at once: rank 0 writes each completed row
-    in one write, and a torn last line is cut on resume."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _end_with_the_launcher()
-
-
-def _end_with_the_launcher() -> None:
-    """Have Linux kill this worker when the launcher that started it dies (SIGKILL, a crash), which no signal
-    handler of the launcher's can forward: the rank would otherwise wait in its next collective for ever."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    launcher = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != launcher:  # it died while we asked
-        os._exit(1)
 
 
 def inject_fault_if_asked(world: World) -> None:
