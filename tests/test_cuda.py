@@ -20,7 +20,8 @@ from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
 from accelgen.model.empty_model import DTYPE_KEYWORD
-from accelgen.parallel.launcher import end_worker_process, free_port
+from accelgen.parallel.launcher import free_port
+from accelgen.parallel.worker_processes import end_worker_process
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import registered_accelerators, select_accelerator
 from accelgen.session.request import build_request
