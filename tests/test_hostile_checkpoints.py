@@ -222,9 +222,8 @@ def test_shard_replaces_only_a_folder_it_wrote(source_model, tmp_path, capsys):
     assert (output / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("suffix", [".partial"])
-def test_shard_never_removes_a_folder_of_the_users_named_as_its_staging_folder(source_model, tmp_path, capsys, suffix):
-    staging = tmp_path / f"out{suffix}"
+def test_shard_never_removes_a_folder_of_the_users_named_as_its_staging_folder(source_model, tmp_path, capsys):
+    staging = tmp_path / "out.partial"
     staging.mkdir()
     (staging / "mine.txt").write_text("the user's")
     for overwrite in ([], ["--overwrite"]):
