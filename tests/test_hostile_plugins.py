@@ -10,6 +10,7 @@ those run as a real process).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -105,6 +106,10 @@ BROKEN_PLUGINS = {
                            "def is_available(self):\n    return True"),
         "registering Npu called sys.exit(7)",
     ),
+    "a device named auto": (
+        accelerator_plugin("def is_available(self):\n    return True", name="auto"),
+        "registers Npu with the name 'auto', which --device keeps for the best available device",
+    ),
 }
 
 
@@ -186,18 +191,38 @@ def test_device_count_failing_counts_no_device_with_one_warning(members, problem
     ]
 
 
-def test_describe_failing_in_a_benchmark_reports_the_defaults_with_one_warning(installed, tiny_model_folder, tmp_path,
-                                                                                 capsys):
-    """``bench`` records the device's facts: a plugin whose describe() raises still gets its benchmark."""
-    installed(accelerator_plugin("def describe(self):\n    raise RuntimeError('no driver')", base="CpuAccelerator"))
+@pytest.mark.parametrize("members, problem", [
+    ("def describe(self):\n    raise RuntimeError('no driver')", "raised RuntimeError: no driver"),
+    ("def describe(self):\n    return {'device_name': object()}",
+     "raised TypeError: Object of type object is not JSON serializable"),
+], ids=["raises", "not JSON"])
+def test_describe_failing_in_a_benchmark_reports_the_defaults_with_one_warning(members, problem, installed,
+                                                                                 tiny_model_folder, tmp_path, capsys):
+    """``bench`` records the device's facts: a plugin whose describe() fails still gets its benchmark."""
+    installed(accelerator_plugin(members, base="CpuAccelerator"))
     output = tmp_path / "bench.json"
     assert main(["bench", "--device", "npu", "--model", str(tiny_model_folder("gpt2")), "--batch-sizes", "1",
                  "--max-new-tokens", "2", "--runs", "1", "--warmup-runs", "0", "--output", str(output)]) == 0
     assert warnings_in(capsys.readouterr().err) == [
-        f"accelgen: warning: plugin {PLUGIN} ({PACKAGE}): npu.describe() raised RuntimeError: no driver: {FIX} "
+        f"accelgen: warning: plugin {PLUGIN} ({PACKAGE}): npu.describe() {problem}: {FIX} "
         f"to run without it; reporting no facts about npu"
     ]
-    assert output.exists()
+    assert json.loads(output.read_text())["measurements"][0]["hardware"]["device_name"] == "npu"
+
+
+def test_what_a_plugin_changes_for_the_process_at_import_is_put_back(installed, tiny_model_folder, tmp_path,
+                                                                      monkeypatch, capsys):
+    """Warnings turned into errors or hidden, stderr thrown away, the working directory moved, Ctrl-C ignored."""
+    installed("import os, signal, sys, warnings\nwarnings.simplefilter('error')\nos.chdir('/')\n"
+              "sys.stderr = open(os.devnull, 'w')\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nsys.exit('tampered')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main([*run_cpu(tiny_model_folder("gpt2")), "--output", "out.jsonl"]) == 0
+    assert warnings_in(capsys.readouterr().err) == [
+        f"accelgen: warning: plugin {PLUGIN} ({PACKAGE}) is left out: cannot be loaded: its import called "
+        f"sys.exit('tampered') ({FIX} to stop this warning)"
+    ]
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # -- leaving plugins out ---------------------------------------------------------------------------------------

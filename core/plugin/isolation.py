@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import signal
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -71,8 +74,8 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     """``function(*args, **kwargs)``, a call into ``origin``'s code described as ``call`` (``npu.is_available()``),
     or PluginFailure when it raises anything. A Ctrl-C of the user's during the call still stops the program
     (KeyboardInterrupt, exit 130), even when the plugin catches it; after NOTICE_AFTER_SECONDS a warning line
-    says which plugin the command is waiting for."""
-    with _notice_when_slow(origin, call), _user_interrupts() as interrupted:
+    says which plugin the command is waiting for; what of the process the plugin changed is put back."""
+    with _notice_when_slow(origin, call), _process_state_kept(), _user_interrupts() as interrupted:
         try:
             result = function(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - anything a third party's code does is reported, not fatal
@@ -81,6 +84,23 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     if interrupted:  # the plugin swallowed the user's Ctrl-C
         raise KeyboardInterrupt
     return result
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Put back what a plugin may change for the whole process while it imports or answers (plugins must have no
+    side effects at import): the warnings filters (``simplefilter("error")`` would turn our warnings into
+    crashes, ``"ignore"`` would hide them), ``sys.stdout`` and ``sys.stderr``, and the working directory
+    (relative paths the user gave are read and written after plugins load)."""
+    streams = sys.stdout, sys.stderr
+    directory = _safely(os.getcwd, "")
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        if directory and _safely(os.getcwd, "") != directory:
+            os.chdir(directory)
 
 
 def _stop_if_the_user_interrupted(error: BaseException, interrupted: list[int] | None) -> None:
@@ -93,22 +113,23 @@ def _user_interrupts() -> Iterator[list[int] | None]:
     """Tell a KeyboardInterrupt the user caused (SIGINT: Ctrl-C, ``kill -INT``) from one the plugin raises itself.
 
     Python raises KeyboardInterrupt for SIGINT from its handler; we put a handler in front of it that notes the
-    signal, then calls it. A KeyboardInterrupt with no signal noted came from the plugin's own ``raise``. Yields
-    the list the handler appends to, or None where no handler can be set (outside the main thread, or while
-    SIGINT is ignored or ends the process at once, as in a launched rank): every KeyboardInterrupt is then
-    taken for the user's. A plugin that replaces the SIGINT handler during the call blinds this check; the
-    core's handler is put back afterwards."""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if not callable(previous):
+    signal, then calls it. A KeyboardInterrupt with no signal noted came from the plugin's own ``raise`` (also
+    where SIGINT is ignored, or ends the process without one, as in a launched rank). Yields the list of signals
+    noted, or None where the handler cannot be read or set (outside the main thread, or one set outside Python):
+    every KeyboardInterrupt is then taken for the user's. A plugin that replaces the SIGINT handler during the
+    call blinds the check for the rest of the call; the core's handler is put back afterwards."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield None
         return
+    previous = signal.getsignal(signal.SIGINT)
     received: list[int] = []
 
     def note_then_interrupt(signal_number, frame):
         received.append(signal_number)
         previous(signal_number, frame)
 
-    signal.signal(signal.SIGINT, note_then_interrupt)
+    if callable(previous):
+        signal.signal(signal.SIGINT, note_then_interrupt)
     try:
         yield received
     finally:
@@ -221,6 +242,8 @@ def _whole_number(count: Any) -> int:
 
 
 def _mapping(facts: Any) -> dict[str, Any]:
+    """The facts, when they are a dict a benchmark's JSON result can hold."""
     if not isinstance(facts, dict):
         raise TypeError(f"returned {type(facts).__name__}, not a dict")
+    json.dumps(facts)  # TypeError naming what cannot be written (an object, a set)
     return facts

@@ -106,6 +106,8 @@ def accelerator_problem(accelerator: object) -> str | None:
     name = getattr(accelerator, "name", "")
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         return f"registers {kind} with the name {name!r}: a device name is a word such as 'npu'"
+    if name == AUTO_DEVICE:
+        return f"registers {kind} with the name {name!r}, which --device keeps for the best available device"
     unknown_dtypes = [dtype for dtype in accelerator.supported_dtypes if dtype not in DTYPES]
     if unknown_dtypes or accelerator.default_dtype not in accelerator.supported_dtypes:
         return (f"registers {name!r} with supported_dtypes {tuple(accelerator.supported_dtypes)!r} and default_dtype "
