@@ -27,6 +27,19 @@ def prompt_problem(text: object) -> str | None:
     return None
 
 
+class PromptError(UsageError):
+    """A numbered prompt that cannot be completed: "Prompt {number}{rest}". A dataset job names the row and the
+    dataset instead (:meth:`in_dataset`), since its prompts are the dataset's rows."""
+
+    def __init__(self, number: int, rest: str):
+        super().__init__(f"Prompt {number}{rest}")
+        self.number, self.rest = number, rest
+
+    def in_dataset(self, source: str, column: str) -> UsageError:
+        """The same problem, said of row ``number`` of the dataset ``source``."""
+        return UsageError(f"Dataset {source!r} row {self.number} (column {column!r}){self.rest}")
+
+
 def check_prompts(prompts: Sequence[object], first_index: int = 0) -> None:
     """Raise UsageError when there are no ``prompts``, or naming the first (numbered from ``first_index``) that
     cannot be one."""
@@ -35,4 +48,4 @@ def check_prompts(prompts: Sequence[object], first_index: int = 0) -> None:
     for index, prompt in enumerate(prompts, start=first_index):
         problem = prompt_problem(prompt)
         if problem:
-            raise UsageError(f"Prompt {index} {problem}.")
+            raise PromptError(index, f" {problem}.")

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from accelgen.common.errors import UsageError
+from accelgen.common.prompts import PromptError
 from accelgen.generation import decoding, slot_decoding
 from accelgen.generation.kv_cache import RowWrites, new_static_cache, write_rows_separately
 
@@ -166,7 +167,7 @@ class ContinuousBatcher:
         try:
             return decoding.choose_bucket(length, self.buckets, self.context_limit, self.max_new_tokens)
         except UsageError as error:
-            raise UsageError(f"Prompt {number}: {error}") from None
+            raise PromptError(number, f": {error}") from None
 
     def _insert(self, waiting: collections.deque, in_slot: list, limit: int) -> list[int]:
         """Prefill the waiting prompts that fit into the free slots, in one bucketed shape; the slots filled."""

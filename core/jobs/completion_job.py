@@ -17,11 +17,12 @@ import time
 from typing import Callable, Iterator, Sequence
 
 from accelgen.common.errors import UsageError
-from accelgen.common.prompts import check_prompts
+from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
 from accelgen.jobs.completion_file import CompletionFile
+from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
@@ -41,6 +42,7 @@ class CompletionJob:
     rows: TextRows
     writer: CompletionFile | None
     done: int
+    dataset: DatasetRequest | None = None  # where the rows come from, when they are a dataset's
 
     @property
     def output(self) -> str | None:
@@ -129,13 +131,30 @@ def open_job(
             check_not_dataset(output, dataset.source)
         rows = open_rows(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+        if output:
+            pin = dataset_pin(dataset, rows.revision)
+            reread = lambda: open_rows(dataset).texts  # noqa: E731 - the texts again, from the first row
+            source.update(resumable_pin(dataset, pin, _resumed_run_record(output, overwrite), output, reread))
     else:
         check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
     lock_output = request.world.is_main if lock_output is None else lock_output
     writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output) if output else None
-    return CompletionJob(rows, writer, writer.completed_rows if writer else 0)
+    return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
+
+
+def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
+    """The run record of the rows already in ``output`` that this run would resume after; None when it starts
+    afresh, or when the record cannot be read (``CompletionFile`` refuses that one, in its own words)."""
+    if overwrite or not os.path.isfile(output) or os.path.getsize(output) == 0:
+        return None
+    try:
+        with open(output + ".run.json", encoding="utf-8") as run_file:
+            record = json.load(run_file)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def check_not_dataset(output: str, dataset_source: str) -> None:
@@ -191,6 +210,10 @@ def complete(
                 job.writer.close()
             if progress:
                 progress.close(final_line=completed)  # a failure's own line is the last word
+    except PromptError as error:
+        if job.dataset:  # its prompts are the dataset's rows: name the row
+            raise error.in_dataset(job.dataset.source, job.dataset.column) from None
+        raise
     except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
         if request.accelerator.is_out_of_memory(error):
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None

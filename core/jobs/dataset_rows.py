@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import re
 from typing import Iterator
@@ -17,9 +18,8 @@ from typing import Iterator
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
 from accelgen.common.prompts import prompt_problem
 from accelgen.common.value_ranges import check_settings
+from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 
-#: Local file suffixes and the ``datasets`` builder that reads them.
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 TEXT_TYPES = ("string", "large_string")
 
 
@@ -39,6 +39,7 @@ class TextRows:
 
     texts: Iterator[str]
     total: int | None
+    revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
 
 
 def open_rows(request: DatasetRequest) -> TextRows:
@@ -50,7 +51,8 @@ def open_rows(request: DatasetRequest) -> TextRows:
     check_settings(limit=request.limit)
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
-    dataset = _load_split(request)
+    logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
+    dataset, revision = _load_split(request)
     _check_column(dataset, request)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
@@ -62,7 +64,7 @@ def open_rows(request: DatasetRequest) -> TextRows:
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total)
+    return TextRows(itertools.chain([first], texts), total, revision)
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
@@ -94,6 +96,8 @@ def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int,
     bad_line = _bad_json_line(request)
     if bad_line:
         return bad_line
+    if isinstance(_innermost(error), UnicodeDecodeError):
+        return _not_utf8(request, error)
     if request.streaming:  # read in chunks by the reader: where in the chunk it failed is not known
         return (f"Cannot read dataset {request.source!r} (stopped after {first_index} rows): {reason(error)}: fix the "
                 f"file (UTF-8 text, well-formed), or pass another --dataset.")
@@ -108,23 +112,27 @@ def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int,
             f"file (UTF-8 text, well-formed), or remove it.")
 
 
-def _load_split(request: DatasetRequest):
+def _load_split(request: DatasetRequest) -> tuple[object, str | None]:
+    """The requested split, and the Hub revision it was read at (None for a local source)."""
     import datasets
 
     source = os.path.expanduser(request.source)
-    if os.path.isfile(source) and os.path.splitext(source)[1].lower() not in FILE_BUILDERS:
-        raise UsageError(f"Cannot read {source!r}: use a file ending in {', '.join(FILE_BUILDERS)}, or a dataset folder.")
-    if not os.path.exists(source) and source.startswith((".", "/", "~")):
-        raise UsageError(f"Dataset path {source!r} does not exist.")
+    check_local_path(request.source, source)
     with user_errors(f"Cannot read dataset {request.source!r}", "fix the file, or pass another --dataset",
                      errors=(*FILE_ERRORS, StopIteration, datasets.exceptions.DatasetsError, ConnectionError),
                      explain=lambda error: _explain_load_error(error, request, source)):
         if os.path.isfile(source):
             builder = FILE_BUILDERS[os.path.splitext(source)[1].lower()]
-            return datasets.load_dataset(builder, data_files=source, split=request.split, streaming=request.streaming)
-        if os.path.isdir(source) and _saved_with_save_to_disk(source):
-            return _saved_split(datasets.load_from_disk(source), request)
-        return datasets.load_dataset(source, request.config, split=request.split, streaming=request.streaming)
+            return datasets.load_dataset(builder, data_files=source, split=request.split, streaming=request.streaming), None
+        if os.path.isdir(source) and saved_with_save_to_disk(source):
+            return _saved_split(datasets.load_from_disk(source), request), None
+        # what load_dataset does, keeping the builder: its hash is the Hub commit the rows are read at
+        builder = datasets.load_dataset_builder(source, request.config)
+        revision = None if os.path.isdir(source) else builder.hash
+        if request.streaming:
+            return builder.as_streaming_dataset(split=request.split), revision
+        builder.download_and_prepare()
+        return builder.as_dataset(split=request.split), revision
 
 
 def _explain_load_error(error: BaseException, request: DatasetRequest, source: str) -> str | None:
@@ -134,13 +142,46 @@ def _explain_load_error(error: BaseException, request: DatasetRequest, source: s
     if isinstance(error, (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError)):
         return (f"Dataset {request.source!r} not found, or the Hub cannot be reached ({first_line(error)}): "
                 f"pass a local JSON, JSONL, CSV or Parquet file, or a folder made by save_to_disk.")
+    cache_folder = _unwritable_cache(error)
+    if cache_folder:
+        return (f"The datasets cache folder {cache_folder!r} cannot be written ({reason(error)}): set HF_DATASETS_CACHE "
+                f"(or HF_HOME) to a writable folder.")
     if isinstance(error, StopIteration):  # what the JSON reader raises on an empty file
         return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
     bad_line = _bad_json_line(request)
     if bad_line:
         return bad_line
+    if isinstance(_innermost(error), UnicodeDecodeError):
+        return _not_utf8(request, error)
     if isinstance(error, ValueError):
         return _explain_value_error(error, request)
+    return None
+
+
+def _not_utf8(request: DatasetRequest, error: BaseException) -> str:
+    return (f"Dataset {request.source!r} is not UTF-8 text ({reason(error)}): convert it to UTF-8, e.g. with "
+            f"iconv -t UTF-8, or pass another --dataset.")
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The error at the bottom of a chain of wrapped ones (a library's "an error occurred" around the cause)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _unwritable_cache(error: BaseException) -> str | None:
+    """The ``datasets`` cache folder, when ``error`` is its failure to write there (a read-only HOME)."""
+    import datasets
+
+    error = _innermost(error)
+    written = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    if not isinstance(written, str):
+        return None
+    for folder in (datasets.config.HF_DATASETS_CACHE, datasets.config.HF_MODULES_CACHE):
+        folder = os.path.abspath(str(folder))
+        if os.path.commonpath([folder, os.path.abspath(written)]) == folder or folder.startswith(os.path.abspath(written) + os.sep):
+            return folder
     return None
 
 
@@ -160,20 +201,17 @@ def first_bad_json_line(path: str) -> str | None:
         lines = [(number, line) for number, line in enumerate(file, start=1) if line.strip()]
     for row, (number, line) in enumerate(lines):
         try:
-            json.loads(line)
+            json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
         except UnicodeDecodeError as error:
             return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
                     f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
         except ValueError as error:
             if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
                 return None  # one JSON document over several lines, not JSON lines
-            torn = " (a torn last line: the file is still being written, or was cut short)" if row == len(lines) - 1 else ""
+            last_unended = row == len(lines) - 1 and not line.endswith(b"\n")
+            torn = " (a torn last line: the file is still being written, or was cut short)" if last_unended else ""
             return f"line {number} (row {row}) is not valid JSON{torn} ({first_line(error)}): fix or remove that line"
     return None
-
-
-def _saved_with_save_to_disk(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
 
 
 def _saved_split(saved, request: DatasetRequest):
@@ -188,9 +226,12 @@ def _saved_split(saved, request: DatasetRequest):
 def _check_column(dataset, request: DatasetRequest) -> None:
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
-    if features is None:
+    if not features:
         with user_errors("", "", explain=lambda error: _unreadable_row(dataset, request, 0, 1, error)):
-            features = {name: None for name in next(iter(dataset.take(1)), {})}
+            first_row = next(iter(dataset.take(1)), None)
+        if first_row is None:
+            raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
+        features = {name: None for name in first_row}
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
     feature = features[request.column]
