@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -167,7 +168,7 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
     signals = _SignalsEndTheJob(SignalException)
     try:
-        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say):
+        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say), _quiet_agent():
             torchrun.run(launcher_arguments)
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
@@ -182,6 +183,22 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
         # another job took the port between plan_launch's check and the agent's store
         raise _port_taken(plan.master_addr, plan.master_port, "another job took it as this one started") from None
     return JobEnd(0)
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Keep torch's agent's log lines (its OMP_NUM_THREADS advice, each signal it sends, a failed rank's exit
+    code) off the terminal while it runs the job: how the job ended is our one line."""
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"))]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _say(line: str) -> None:

@@ -1,55 +1,115 @@
-"""The lock torch takes while it compiles DeepSpeed's CPU all-reduce extension, checked before a tensor-parallel
-job loads.
+"""The folder and the lock torch uses while it compiles DeepSpeed's CPU all-reduce extension, checked before a
+tensor-parallel job loads.
 
 torch creates ``<extensions folder>/deepspeed_shm_comm/lock`` while one process compiles the extension, and
-every other process waits, polling, until the file goes. A job stopped mid-compile (SIGTERM, SIGKILL) leaves
-the file behind, and every later job then waits on it for ever, silently. A build in progress runs its
-compiler (ninja) with the build folder as its working directory; a lock with no such process, older than
-a build's start-up, was left by a stopped build and is removed.
+every other process waits, polling, until the file goes: silently, and for ever when the file was left by a
+compile that was stopped (SIGTERM, SIGKILL). A compile in progress runs its build tool (ninja) and compilers
+with the build folder as their working directory: a lock is attributed to such a process only, not to any
+process that happens to work in the folder (a shell), and never by its modification time alone (which may
+lie in the future). A lock with no compile at work for :data:`STALE_AFTER_SECONDS` is removed; every wait
+says what it waits for within :data:`SAY_AFTER_SECONDS`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import warnings
 
-from accelgen.common.errors import AccelgenWarning
+from accelgen.common.errors import AccelgenWarning, UsageError, reason
 
 EXTENSION = "deepspeed_shm_comm"
-#: A lock younger than this may belong to a build that has not started its compiler yet.
+#: A lock with no compile at work for this long (by its age, or as long as we watched it) was left by a stopped
+#: compile: a compile that has not started its build tool yet (torch writes its build file first) is younger.
 STALE_AFTER_SECONDS = 30
+#: How long a wait goes on before it says what it waits for.
+SAY_AFTER_SECONDS = 3
+#: The programs of a compile in progress: torch runs ninja in the build folder, ninja the compiler and linker.
+BUILD_PROGRAMS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "clang", "clang++", "ld", "collect2", "as"})
+WHAT = "DeepSpeed's CPU all-reduce extension"
 
 
 def check_extension_build_lock(local_rank: int) -> None:
-    """On local rank 0: say which process a job waits for while the extension compiles, or remove a lock no
-    process holds (one warning line), waiting at most :data:`STALE_AFTER_SECONDS` to tell the two apart."""
+    """Check that the extension's build folder is writable (every rank: torch locks and builds there, even to
+    load a compiled extension); on local rank 0, wait while another process compiles the extension, saying
+    so, or remove a lock no compile holds (one warning line)."""
     folder = extension_build_folder(EXTENSION)
-    lock = os.path.join(folder, "lock")
-    if local_rank != 0 or not os.path.isdir("/proc"):
-        return
+    check_build_folder_writable(folder)
+    if local_rank == 0 and os.path.isdir("/proc"):
+        wait_for_build_lock(os.path.join(folder, "lock"), folder)
+
+
+def check_build_folder_writable(folder: str) -> None:
+    """Raise UsageError, naming the folder and the fix, when ``folder`` cannot be created or written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        home = os.path.expanduser("~")
+        where = (f" (by default under HOME, {home}, which is not writable here)"
+                 if os.environ.get("TORCH_EXTENSIONS_DIR") is None and folder.startswith(home + os.sep) else "")
+        raise UsageError(f"Cannot write {folder}, where torch builds {WHAT}: {reason(error)}: set TORCH_EXTENSIONS_DIR "
+                         f"to a writable folder{where}.") from None
+
+
+def wait_for_build_lock(lock: str, folder: str) -> None:
+    """Return once ``lock`` is gone: removed by the compile holding it, or by us when no compile holds it."""
+    watch_started = time.monotonic()
+    last_build_seen: float | None = None
+    said = None
     while os.path.exists(lock):
-        builders = processes_working_in(folder)
+        now = time.monotonic()
+        builders = build_processes_in(folder)
         if builders:
-            print(f"accelgen: waiting for process {', '.join(map(str, builders))}, compiling DeepSpeed's CPU all-reduce "
-                  f"extension in {folder} (once per machine; a minute or two)", file=sys.stderr, flush=True)
+            last_build_seen = now
+            quiet = 0.0
+        elif last_build_seen is not None:
+            quiet = now - last_build_seen
+        else:
+            quiet = max(now - watch_started, _trusted_age(lock))
+        if not builders and quiet >= STALE_AFTER_SECONDS:
+            _remove_stale_lock(lock)
             return
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except FileNotFoundError:
-            return
-        if age < STALE_AFTER_SECONDS:
-            time.sleep(1)
-            continue
-        try:
-            os.remove(lock)
-        except FileNotFoundError:
-            return
-        warnings.warn(AccelgenWarning(
-            f"removed {lock}, left by a compile of DeepSpeed's CPU all-reduce extension that was stopped (no process is "
-            f"compiling it); every tensor-parallel job would have waited on it for ever"
-        ), stacklevel=2)
+        if builders or quiet >= SAY_AFTER_SECONDS:  # one line for each change: a compile seen, none seen
+            if said != bool(builders):
+                said = bool(builders)
+                _say(f"waiting for process {', '.join(map(str, builders))}, compiling {WHAT} in {folder} (once per "
+                     f"machine; a minute or two)" if builders else
+                     f"waiting for {lock}: no process is compiling {WHAT}; the lock goes in "
+                     f"{STALE_AFTER_SECONDS - quiet:.0f} s unless a compile starts")
+        time.sleep(1)
+
+
+def _say(line: str) -> None:
+    print(f"accelgen: {line}", file=sys.stderr, flush=True)
+
+
+def _trusted_age(lock: str) -> float:
+    """Seconds since ``lock`` was last written, or 0 when its time lies in the future (a clock moved back, a
+    copied or touched file): such a lock is aged by watching it."""
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return 0.0
+    return age if age >= 0 else 0.0
+
+
+def _remove_stale_lock(lock: str) -> None:
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise UsageError(f"Cannot remove {lock}, left by a stopped compile of {WHAT} (no process is compiling it): "
+                         f"{reason(error)}: remove it by hand, or set TORCH_EXTENSIONS_DIR to a folder of your "
+                         f"own.") from None
+    warnings.warn(AccelgenWarning(
+        f"removed {lock}, left by a compile of {WHAT} that was stopped (no process is compiling it); every "
+        f"tensor-parallel job would have waited on it for ever"
+    ), stacklevel=3)
 
 
 def extension_build_folder(name: str) -> str:
@@ -70,15 +130,19 @@ def extension_build_folder(name: str) -> str:
     return os.path.join(root, name)
 
 
-def processes_working_in(folder: str) -> list[int]:
-    """Process ids whose working directory is ``folder`` (Linux /proc; those we may read)."""
+def build_processes_in(folder: str) -> list[int]:
+    """Process ids of a compile working in ``folder`` (its build tool, compilers, linker; Linux /proc, those we
+    may read): a process of another kind there (a shell) holds no build lock."""
     folder = os.path.realpath(folder)
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.readlink(f"/proc/{entry}/cwd") == folder:
-                    found.append(int(entry))
+                if os.readlink(f"/proc/{entry}/cwd") != folder:
+                    continue
+                with open(f"/proc/{entry}/comm") as comm:
+                    if comm.read().strip() in BUILD_PROGRAMS:
+                        found.append(int(entry))
             except OSError:
                 continue
     return found
