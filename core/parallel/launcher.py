@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from accelgen.common.errors import UsageError
@@ -272,15 +274,25 @@ def _failure_line(rank: int, process_failure) -> str:
 
 
 def record_worker_failure(error: BaseException) -> bool:
-    """Hand a worker's error to torch's launcher through the error file its agent reads.
+    """Hand a worker's error to torch's launcher through the error file its agent reads: a user's mistake as
+    its one line, which the agent's report then shows in place of a traceback; any other error with its
+    traceback.
 
-    Returns False when this process has no such file (started by another launcher)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    Returns True when our launcher will print the error; False when the caller must: this process has no error
+    file (started by another launcher), or torchrun started by hand runs it, whose report holds the line
+    among its own."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
         return False
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    if isinstance(error, UsageError):
+        message = {"message": f"UsageError: {error}", "timestamp": str(int(time.time()))}
+        with open(error_file, "w") as file:
+            json.dump(message, file)
+    else:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    ErrorHandler().record_exception(error)
-    return True
+        ErrorHandler().record_exception(error)
+    return LAUNCHER_VARIABLE in os.environ
 
 
 def inject_fault_if_asked(world: World) -> None:
