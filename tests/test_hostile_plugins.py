@@ -225,6 +225,20 @@ def test_what_a_plugin_changes_for_the_process_at_import_is_put_back(installed, 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_thread_a_plugin_leaves_running_is_named(installed, capsys):
+    """A thread that is not a daemon keeps the process from exiting once the command is done: say whose it is."""
+    installed("import threading\nstop = threading.Event()\n"
+              "threading.Thread(target=stop.wait, name='hostile-worker').start()\n")
+    try:
+        assert main(["devices"]) == 0
+    finally:
+        sys.modules["accelgen_hostile"].stop.set()
+    assert warnings_in(capsys.readouterr().err) == [
+        f"accelgen: warning: plugin {PLUGIN} ({PACKAGE}): the import started thread(s) hostile-worker, which keep "
+        f"accelgen from exiting until they end; if it does not exit, press Ctrl-C, then {FIX}"
+    ]
+
+
 # -- leaving plugins out ---------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,12 @@ and third-party ones through the ``accelgen`` entry-point group, e.g. in a plugi
 
 Hooks are called with keyword arguments only; an implementation may accept a subset of them.
 Set ``ACCELGEN_TRACE_HOOKS=1`` to print every hook call to stderr.
+
+The core calls a plugin's code (its import, its hooks, the members of its accelerators that list and choose
+devices) through ``accelgen.plugin.isolation``: whatever that code raises, ``SystemExit`` included, sets the
+plugin aside with one line naming it, and the other devices go on working. ``ACCELGEN_SKIP_PLUGINS=name,...``
+leaves plugins out (an entry point's name, a built-in's module name, a package's name, or ``*`` for every
+installed plugin that is not built in).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Every call the core makes into a plugin's code goes through :func:`call_plugin`: whatever the plugin does
 (raises, calls ``sys.exit``, raises KeyboardInterrupt, hangs) comes back as a :class:`PluginFailure` naming
-the plugin, its package and the call, or as a line saying what the command is still waiting for.
+the plugin, its package and the call, or as a line saying what the command is still waiting for; what it
+changed for the whole process (warnings filters, standard streams, working directory, SIGINT) is put back.
 
 A plugin's accelerators answer the core's listing questions (``is_available`` and its siblings) through
 :func:`guard_listing_members`, so that one broken device cannot end ``accelgen devices`` or a run on another.
@@ -19,6 +20,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 from accelgen.common.errors import AccelgenWarning, UsageError
+from accelgen.plugin.contract import Accelerator
 
 #: Names plugins to leave out, separated by commas: an entry point's name, a built-in's module name
 #: (``accelgen_hpu``), an installed package's name, or ``*`` for every installed (non built-in) plugin.
@@ -75,7 +77,8 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     or PluginFailure when it raises anything. A Ctrl-C of the user's during the call still stops the program
     (KeyboardInterrupt, exit 130), even when the plugin catches it; after NOTICE_AFTER_SECONDS a warning line
     says which plugin the command is waiting for; what of the process the plugin changed is put back."""
-    with _notice_when_slow(origin, call), _process_state_kept(), _user_interrupts() as interrupted:
+    with _notice_when_slow(origin, call), _threads_left_running(origin, call), _process_state_kept(), \
+            _user_interrupts() as interrupted:
         try:
             result = function(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - anything a third party's code does is reported, not fatal
@@ -84,6 +87,19 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     if interrupted:  # the plugin swallowed the user's Ctrl-C
         raise KeyboardInterrupt
     return result
+
+
+@contextlib.contextmanager
+def _threads_left_running(origin: PluginOrigin, call: str) -> Iterator[None]:
+    """Warn about threads the call started and left running that Python waits for at exit (not daemons): the
+    command would finish its work, then never end."""
+    before = set(threading.enumerate())
+    yield
+    left = [thread.name for thread in threading.enumerate() if thread not in before and not thread.daemon]
+    if left:
+        warnings.warn(AccelgenWarning(
+            f"{origin.named()}: {call} started thread(s) {', '.join(left)}, which keep accelgen from exiting until "
+            f"they end; if it does not exit, press Ctrl-C, then {origin.fix()}"), stacklevel=4)
 
 
 @contextlib.contextmanager
@@ -217,10 +233,7 @@ class ListingGuard:
             return self._call("describe", _mapping)
         except PluginFailure as failure:
             self._warn_once("describe", f"{failure}; reporting no facts about {self.name}")
-            from accelgen.plugin.contract import Accelerator
-
             return Accelerator.describe(self.accelerator)
-
 
     def _warn_once(self, member: str, message: str) -> None:
         if member not in self.warned:
