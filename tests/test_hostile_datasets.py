@@ -93,6 +93,21 @@ def test_a_dataset_edited_past_the_completed_rows_resumes(stopped_run, capsys):
     assert "row 4 was 'And the evening and the morning', now 'And it was good'" in error
 
 
+def test_rows_cut_to_max_input_tokens_resume_only_on_an_unchanged_dataset(tmp_path, capsys):
+    """The output holds such a row as the model saw it (cut), which cannot be compared with the dataset's row."""
+    dataset, output = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+    dataset.write_text(jsonl(ROWS))
+    cut = ["--max-input-tokens", "2"]
+    assert resume(dataset, output, "--limit", "2", *cut) == 0
+    assert resume(dataset, output, "--limit", "3", *cut) == 0  # unchanged: resumes
+    assert "resuming: 2 rows already in" in capsys.readouterr().err
+    dataset.write_text(jsonl([*ROWS, "And the evening"]))
+    before = snapshot(tmp_path)
+    error = run_fails(capsys, "--dataset", str(dataset), "--output", str(output), *cut)
+    assert "row 0 was 'In the', now 'In the beginning', the output holding each row as cut to --max-input-tokens" in error
+    assert snapshot(tmp_path) == before
+
+
 def test_a_saved_dataset_folder_is_pinned_too(tmp_path, capsys):
     import datasets
 
@@ -178,6 +193,8 @@ def test_a_named_pipe_is_refused_without_blocking(tmp_path, capsys):
     os.mkfifo(tmp_path / "folder" / "b.jsonl")
     error = run_fails(capsys, "--dataset", str(tmp_path / "folder"))
     assert "holds 'b.jsonl', which is a named pipe: move it out of the folder." in error
+    error = run_fails(capsys, "--dataset", "/dev/zero")  # read whole, it would never end
+    assert "Dataset path '/dev/zero' is a character device, not a file" in error
 
 
 def test_a_symbolic_link_loop_is_named(tmp_path, capsys):

@@ -62,6 +62,8 @@ def resumable_pin(request: DatasetRequest, pin: dict, earlier: dict | None, outp
         return {}  # written before datasets were pinned: resumes as it did then
     if earlier_pin != pin:
         changed = _first_changed_row(output, reread())
+        if changed and earlier.get("max_input_tokens") is not None:
+            changed += ", the output holding each row as cut to --max-input-tokens"
         if changed:
             raise UsageError(
                 f"Dataset {request.source!r} changed since the rows in --output {output!r} were completed "
