@@ -173,6 +173,14 @@ def test_a_folder_of_one_format_with_a_card_and_hidden_files_is_read_whole(tmp_p
     assert prompts_of(output) == ROWS
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_unknown_split_of_a_folder_names_the_splits(tmp_path, capsys, streaming):
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text(jsonl(ROWS))
+    error = run_fails(capsys, "--dataset", str(tmp_path / "rows"), "--split", "test", *(["--streaming"] if streaming else []))
+    assert f"Unknown split 'test'; '{tmp_path / 'rows'}' has: train." in error
+
+
 # -- case 3: an over-long prompt names its row -----------------------------------------------------
 
 def test_an_over_long_row_is_named_with_its_dataset(tmp_path, capsys):

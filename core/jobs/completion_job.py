@@ -133,8 +133,8 @@ def open_job(
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
         if output:
             pin = dataset_pin(dataset, rows.revision)
-            reread = lambda: open_rows(dataset).texts  # noqa: E731 - the texts again, from the first row
-            source.update(resumable_pin(dataset, pin, _resumed_run_record(output, overwrite), output, reread))
+            earlier = _resumed_run_record(output, overwrite)
+            source.update(resumable_pin(dataset, pin, earlier, output, reread=lambda: open_rows(dataset).texts))
     else:
         check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))

@@ -243,7 +243,7 @@ def _check_column(dataset, request: DatasetRequest) -> None:
 
 
 def _explain_value_error(error: ValueError, request: DatasetRequest) -> str | None:
-    split_names = re.search(r"Should be one of \[(.*)\]", str(error))
+    split_names = re.search(r"(?:Should be one of|Available splits:) \[(.*)\]", str(error))  # loaded, streamed
     if split_names:
         return f"Unknown split {request.split!r}; {request.source!r} has: {split_names.group(1).replace(chr(39), '')}."
     if "corresponds to no data" in str(error):  # what datasets says of an empty file
