@@ -9,10 +9,14 @@ from accelgen.parallel.worker_processes import end_worker_process, running_as_wo
 
 worker = running_as_worker()
 if worker:
-    start_worker()
-from accelgen.cli.commands import main  # noqa: E402  (only once a rank is tied to its launcher)
+    start_worker()  # from here SIGINT ends a rank at once, with no KeyboardInterrupt
+try:
+    from accelgen.cli.commands import main  # only once a rank is tied to its launcher
 
-exit_status = main()
+    exit_status = main()
+except KeyboardInterrupt:  # while the command line itself is imported, where main() cannot catch it yet
+    print("accelgen: interrupted", file=sys.stderr)
+    exit_status = 130
 if worker:
     end_worker_process(exit_status)
 sys.exit(exit_status)

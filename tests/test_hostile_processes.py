@@ -1,0 +1,314 @@
+"""Processes at the wrong moment: a launcher killed or interrupted while its ranks start, a rank killed or
+stopped, two jobs on one port, an unwritable HOME, a build lock nobody holds. Each job ends in one line (or
+none, killed) with its exit status, and leaves no process behind."""
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from accelgen.parallel.launcher import free_port
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.slow
+
+#: How long a job may take to start its ranks, or to end once told to (a loaded machine is slow).
+START_TIMEOUT = 120
+END_TIMEOUT = 60
+
+
+class Job:
+    """``python -m accelgen.cli ARGUMENTS`` in the background, its processes found by the environment's marker
+    (``ACCELGEN_TEST_JOB``); its stderr read as it comes."""
+
+    def __init__(self, environment, *arguments, command=None):
+        self.marker = f"ACCELGEN_TEST_JOB={environment['ACCELGEN_TEST_JOB']}".encode()
+        self.process = subprocess.Popen(command or [sys.executable, "-m", "accelgen.cli", *arguments],
+                                        env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stderr(self):
+        for line in self.process.stderr:
+            self.lines.put(line)
+
+    def processes(self) -> dict[int, str | None]:
+        """Each live process of the job (the launcher and its ranks) and its RANK (None for the launcher)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    environment = (entry / "environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if self.marker in environment:
+                    ranks = [item[5:].decode() for item in environment if item.startswith(b"RANK=")]
+                    found[int(entry.name)] = ranks[0] if ranks else None
+        return found
+
+    def rank_pid(self, rank: str) -> int:
+        """The pid of a rank, waiting until it has started."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            pids = [pid for pid, its_rank in self.processes().items() if its_rank == rank]
+            if pids:
+                return pids[0]
+            assert self.process.poll() is None, self.text()
+            time.sleep(0.01)
+        raise AssertionError(f"rank {rank} did not start")
+
+    def wait_for_line(self, text: str) -> str:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.stderr.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r} in {self.text()}")
+
+    def end(self) -> int:
+        """Wait for the launcher's end; its exit status."""
+        return self.process.wait(timeout=END_TIMEOUT)
+
+    def text(self) -> str:
+        time.sleep(0.2)  # the reader's last lines
+        while not self.lines.empty():
+            self.stderr.append(self.lines.get())
+        return "".join(self.stderr)
+
+    def our_lines(self) -> list[str]:
+        return [line for line in self.text().splitlines() if line.startswith("accelgen:")]
+
+    def assert_nothing_left(self):
+        deadline = time.monotonic() + 30  # a rank killed by its death signal is gone at once; allow a slow machine
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.processes() == {}
+
+    def kill_all(self):
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def start_job(job_environment):
+    """``start_job(*arguments, environment=None)``: a Job; any process left is killed after the test."""
+    jobs = []
+
+    def start(*arguments, environment=None, command=None):
+        job = Job(environment or job_environment, *arguments, command=command)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill_all()
+        if job.process.poll() is None:
+            job.process.kill()
+        job.process.wait()
+
+
+def run_arguments(folder, *more):
+    return ["run", "--device", "cpu", "--world-size", "2", "--model", str(folder), "--prompt", "Hello",
+            "--max-new-tokens", "4", *more]
+
+
+# -- the launcher dies or is interrupted ------------------------------------------------------------------
+
+
+def test_a_rank_whose_launcher_died_before_it_could_arm_its_death_signal_ends_at_once(cli_environment):
+    """The race behind an orphaned rank: its parent is no longer the launcher that named itself."""
+    environment = dict(cli_environment, TORCHELASTIC_RUN_ID="orphan", RANK="1", ACCELGEN_LAUNCHER_PID="1")
+    result = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--prompt", "a"],
+                            env=environment, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", "")
+
+
+@pytest.mark.parametrize("command", ["run", "shard"])
+def test_a_launcher_killed_as_its_ranks_start_leaves_none_running(tiny_model_folder, tmp_path, start_job, command):
+    folder = tiny_model_folder("llama")
+    arguments = (run_arguments(folder) if command == "run" else
+                 ["shard", "--device", "cpu", "--dtype", "float32", "--world-size", "2", "--model", str(folder), "--output",
+                  str(tmp_path / "shards")])
+    job = start_job(*arguments)
+    job.rank_pid("1")  # the ranks' interpreters are starting
+    job.process.kill()
+    assert job.end() == -signal.SIGKILL
+    job.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "signals, when, status, line",
+    [
+        ([signal.SIGINT], "starting", 130, "accelgen: interrupted"),  # before any rank: the launcher's imports
+        ([signal.SIGINT], "ranks", 130, "accelgen: interrupted (SIGINT); all workers stopped"),
+        ([signal.SIGINT, signal.SIGINT], "ranks", 130, "accelgen: interrupted (SIGINT); all workers stopped"),
+        ([signal.SIGTERM], "ranks", 143, "accelgen: stopped (SIGTERM); all workers stopped"),
+        ([signal.SIGHUP], "ranks", 129, "accelgen: stopped (SIGHUP); all workers stopped"),
+        ([signal.SIGTERM], "joining", 143, "accelgen: stopped (SIGTERM); all workers stopped"),
+    ],
+    ids=["sigint-while-starting", "sigint-as-ranks-start", "sigint-twice", "sigterm-as-ranks-start",
+         "sighup-as-ranks-start", "sigterm-while-ranks-join"],
+)
+def test_a_signal_at_any_moment_ends_the_job_in_one_line(tiny_model_folder, start_job, signals, when, status, line):
+    job = start_job(*run_arguments(tiny_model_folder("llama"), "--max-new-tokens", "200", "--ignore-eos"))
+    if when == "starting":
+        time.sleep(0.5)
+    else:
+        job.rank_pid("1")
+        if when == "joining":
+            time.sleep(2)  # the ranks import torch and DeepSpeed, then meet in the process group
+    for number in signals:
+        job.process.send_signal(number)
+        time.sleep(0.05)
+    assert job.end() == status, job.text()
+    assert job.our_lines() == [line]
+    assert "Traceback" not in job.text() and "KeyboardInterrupt" not in job.text()
+    job.assert_nothing_left()
+
+
+# -- a rank dies or stops ---------------------------------------------------------------------------------
+
+
+def test_a_rank_killed_while_it_joins_ends_the_job_in_one_line(tiny_model_folder, start_job):
+    job = start_job(*run_arguments(tiny_model_folder("llama")))
+    os.kill(job.rank_pid("1"), signal.SIGKILL)
+    assert job.end() == 1
+    assert job.our_lines() == ["accelgen: error: worker rank 1 was killed by SIGKILL; the job was stopped."]
+    job.assert_nothing_left()
+
+
+def test_a_stopped_rank_is_named_and_ctrl_c_still_ends_the_job(tiny_model_folder, start_job):
+    job = start_job(*run_arguments(tiny_model_folder("llama")))
+    rank1 = job.rank_pid("1")
+    os.kill(rank1, signal.SIGSTOP)  # the other rank waits for it to join
+    notice = job.wait_for_line("is stopped")
+    assert notice == (f"accelgen: worker rank 1 (pid {rank1}) is stopped and the job waits for it: resume it with "
+                      f"'kill -CONT {rank1}', or end the job with Ctrl-C ('kill -INT {job.process.pid}').\n")
+    job.process.send_signal(signal.SIGINT)
+    assert job.end() == 130
+    assert job.our_lines() == [notice.strip(), "accelgen: interrupted (SIGINT); all workers stopped"]
+    job.assert_nothing_left()
+
+
+# -- what the ranks share: a port, HOME, the extension's build folder -------------------------------------
+
+
+def test_two_jobs_started_together_on_one_port_one_runs_the_other_is_one_line(tiny_model_folder, start_job,
+                                                                                job_environment):
+    port = free_port()
+    jobs = [start_job(*run_arguments(tiny_model_folder("llama"), "--master-port", str(port)))]
+    jobs.append(start_job(*run_arguments(tiny_model_folder("llama"), "--master-port", str(port)),
+                          environment=dict(job_environment, ACCELGEN_TEST_JOB=job_environment["ACCELGEN_TEST_JOB"] + "b")))
+    statuses = [job.end() for job in jobs]
+    assert sorted(statuses) == [0, 2], [job.text() for job in jobs]
+    refused = jobs[statuses.index(2)]
+    [line] = refused.our_lines()
+    assert line.startswith(f"accelgen: error: Cannot use --master-port {port} on 127.0.0.1: ")
+    assert line.endswith("; pass a free port.") and "Traceback" not in refused.text()
+    for job in jobs:
+        job.assert_nothing_left()
+
+
+def test_an_unwritable_home_is_one_line_naming_the_folder_and_the_fix(tiny_model_folder, tmp_path, start_job,
+                                                                      job_environment):
+    """HOME where nothing can be created (below a file: even root cannot write there, unlike a chmod)."""
+    (tmp_path / "a-file").write_text("")
+    home = tmp_path / "a-file" / "home"
+    environment = {name: value for name, value in job_environment.items()
+                   if name not in ("TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME")}
+    job = start_job(*run_arguments(tiny_model_folder("llama")), environment=dict(environment, HOME=str(home)))
+    assert job.end() == 2, job.text()
+    folder = home / ".cache" / "torch_extensions"
+    [line] = job.our_lines()
+    assert line.startswith(f"accelgen: error: Cannot write {folder}/")
+    assert line.endswith(f": Not a directory: set TORCH_EXTENSIONS_DIR to a writable folder (by default under HOME, "
+                         f"{home}, which is not writable here).")
+    assert "Traceback" not in job.text()
+    job.assert_nothing_left()
+
+
+def extensions_folder_with_a_lock(tmp_path) -> Path:
+    """A TORCH_EXTENSIONS_DIR holding the compiled extension (when compiled already: no compile here) and a
+    lock file in its build folder."""
+    from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
+
+    extensions = tmp_path / "extensions"
+    built = Path(extension_build_folder(EXTENSION))
+    if built.is_dir():
+        shutil.copytree(built, extensions / EXTENSION, ignore=shutil.ignore_patterns("lock"))
+    lock = extensions / EXTENSION / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    return extensions
+
+
+def test_a_stale_build_lock_is_not_blamed_on_a_shell_working_in_its_folder(tiny_model_folder, tmp_path, start_job,
+                                                                           job_environment):
+    extensions = extensions_folder_with_a_lock(tmp_path)
+    lock = next(extensions.glob("*/lock"))
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left an hour ago by a stopped compile
+    shell = subprocess.Popen(["sleep", "600"], cwd=lock.parent)  # someone's shell, not a compile
+    try:
+        job = start_job(*run_arguments(tiny_model_folder("llama")),
+                        environment=dict(job_environment, TORCH_EXTENSIONS_DIR=str(extensions)))
+        assert job.end() == 0, job.text()
+    finally:
+        shell.kill()
+        shell.wait()
+    assert not any("waiting for process" in line for line in job.our_lines())
+    assert f"accelgen: warning: removed {lock}, left by a compile of DeepSpeed's CPU all-reduce extension" in job.text()
+    job.assert_nothing_left()
+
+
+def test_a_build_lock_dated_in_the_future_is_aged_by_watching_it_and_the_wait_says_so(tmp_path, monkeypatch,
+                                                                                      capsys):
+    from accelgen_cpu import extension_lock
+
+    monkeypatch.setattr(extension_lock, "SAY_AFTER_SECONDS", 1)
+    monkeypatch.setattr(extension_lock, "STALE_AFTER_SECONDS", 3)
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() + 86400, time.time() + 86400))  # a clock moved back since it was written
+    with pytest.warns(extension_lock.AccelgenWarning, match="removed .*lock, left by a compile"):
+        extension_lock.wait_for_build_lock(str(lock), str(folder))
+    assert not lock.exists()
+    assert capsys.readouterr().err.startswith(f"accelgen: waiting for {lock}: no process is compiling DeepSpeed's "
+                                              f"CPU all-reduce extension; the lock goes in ")
+
+
+# -- torchrun started by hand -----------------------------------------------------------------------------
+
+
+def test_torchrun_by_hand_with_a_damaged_model_is_one_line_per_rank(tiny_model_folder, tmp_path, start_job):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_folder("llama"), damaged)
+    weights = damaged / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    job = start_job(command=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "accelgen.cli", *run_arguments(damaged)[:3],
+                             *run_arguments(damaged)[5:]])
+    assert job.end() == 1  # torchrun's own status for a failed rank
+    lines = job.our_lines()
+    assert sorted(line.split("]")[0] for line in lines) == ["accelgen: error: [rank 0", "accelgen: error: [rank 1"]
+    assert all("has a damaged weight file: model.safetensors: truncated" in line for line in lines)
+    # torchrun's own report follows, quoting our line; no frame of ours anywhere
+    assert not [line for line in job.text().splitlines() if "/core/" in line or "/plugins/" in line]
+    job.assert_nothing_left()
