@@ -183,8 +183,8 @@ def test_a_rank_file_of_another_world_size_is_refused(sharded_copy, sharded_for_
 
 def test_a_folder_sharded_before_rank_files_named_their_rank_still_loads(sharded_copy, capsys):
     path = sharded_copy / RANK_0_OF_1
-    assert json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"] == {
-        "accelgen_rank": "0", "accelgen_world_size": "1"}
+    metadata = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
+    assert {"accelgen_rank": "0", "accelgen_world_size": "1"}.items() <= metadata.items()
     save_file(load_file(path), path)  # as accelgen shard wrote it before: no metadata
     capsys.readouterr()
     assert main(["run", *QUICK, "--model", str(sharded_copy)]) == 0

@@ -26,6 +26,7 @@ import tempfile
 import torch
 
 from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.loading.aligned_safetensors import save_aligned
 from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import MANIFEST, rank_file_name, rank_metadata, write_manifest
 from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, groups_by_bytes, plan_loading
@@ -175,9 +176,8 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
     (a parameter larger than that gets a file of its own); the names of the files written. The weights of the
     ``quantized`` layers (name: kind, ``accelgen.parallel.quantized_layers.int8_layers``) are written as int8
     values and their scales (``<layer>.weight_scale``), quantized in plan order on every rank (a row-parallel
-    layer's ranks agree on its scales as they go)."""
-    from safetensors.torch import save_file
-
+    layer's ranks agree on its scales as they go). The int8 weights start on 64-byte boundaries of their files
+    (``accelgen.loading.aligned_safetensors``), so runs use them in place."""
     parameters = dict(model.named_parameters())
     names: list[str] = []
 
@@ -196,8 +196,8 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
                 tensors[load.name] = parameters[load.name]
         name = rank_file_name(world.rank, world.size, len(names))
         with _writing(folder, world.is_main):
-            save_file({key: tensor.data.contiguous().cpu() for key, tensor in tensors.items()}, os.path.join(folder, name),
-                      metadata=rank_metadata(world.rank, world.size))
+            save_aligned({key: tensor.data.contiguous().cpu() for key, tensor in tensors.items()}, os.path.join(folder, name),
+                         rank_metadata(world.rank, world.size))
         for tensor in tensors.values():
             tensor.data = tensor.data.new_empty(0)  # its memory goes back
         names.append(name)

@@ -20,6 +20,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import World
+from accelgen.loading.aligned_safetensors import ALIGNMENT
 from accelgen.loading.weight_sources import TensorPart
 from accelgen.parallel.process_groups import gather_from_ranks
 
@@ -139,10 +140,11 @@ def groups_by_bytes(items: list[T], size_of: Callable[[T], int], max_bytes: int)
     return [group for group in groups if group]
 
 
-#: Dtypes whose tensors are read into the model's own memory, never used as a map of the file: quantized weights
-#: go to kernels that may read a little past a tensor's end (torch's CPU int8 kernel does), which past the end of a
-#: map faults. Reading them is also cheaper than mapping them and copying them out afterwards.
-READ_NOT_MAPPED = (torch.int8,)
+#: Dtypes whose tensors are used as maps of their files only where the map gives them aligned memory (on
+#: ``ALIGNMENT`` bytes): quantized kernels load them with aligned vector instructions (torch's CPU int8 kernel
+#: faults on a weight not 16-byte aligned). Elsewhere they are read into the model's own memory, which the
+#: allocator aligns. ``accelgen shard --quantize`` writes them aligned (``accelgen.loading.aligned_safetensors``).
+ALIGNED_ONLY = (torch.int8,)
 
 
 def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -> None:
@@ -161,7 +163,9 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
             destination.zero_()
             source.copy_into(destination.narrow(load.part.dim, 0, load.part.length), load.name, load.part)
             return
-        view = None if destination.dtype in READ_NOT_MAPPED else source.view(load.name, load.part)
+        view = source.view(load.name, load.part)
+        if view is not None and destination.dtype in ALIGNED_ONLY and view.data_ptr() % ALIGNMENT:
+            view = None
         if view is None:
             source.copy_into(destination, load.name, load.part)
         elif view.device == destination.device and view.dtype == destination.dtype:
