@@ -183,10 +183,11 @@ def test_an_unknown_split_of_a_folder_names_the_splits(tmp_path, capsys, streami
 
 # -- case 3: an over-long prompt names its row -----------------------------------------------------
 
-def test_an_over_long_row_is_named_with_its_dataset(tmp_path, capsys):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_an_over_long_row_is_named_with_its_dataset(tmp_path, capsys, batching):
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text(jsonl([ROWS[0], "word " * 3000]))
-    error = run_fails(capsys, "--dataset", str(dataset))
+    error = run_fails(capsys, "--dataset", str(dataset), "--batching", batching, "--batch-size", "2")
     assert f"Dataset '{dataset}' row 1 (column 'text'): A prompt has 3002 tokens, more than the largest bucket" in error
 
 

@@ -203,10 +203,16 @@ def test_shard_refuses_an_existing_output_unless_told_to_overwrite(tiny_model_fo
     assert status == 2
     assert error == f"accelgen: error: --output {str(output)!r} exists: pass --overwrite to replace it, or another --output.\n"
     assert (output / "keep.txt").read_text() == "mine"
+    # --overwrite replaces only a folder accelgen shard wrote (or an empty one): never the user's files
+    status, error = run_exit(capsys, "shard", "--device", "cpu", "--model", str(tiny_model_folder("opt")), "--world-size",
+                             "1", "--dtype", "float32", "--output", str(output), "--overwrite")
+    assert status == 2 and "is a folder accelgen shard did not write" in error
+    assert (output / "keep.txt").read_text() == "mine"
+    (output / "keep.txt").unlink()
     status, _ = run_exit(capsys, "shard", "--device", "cpu", "--model", str(tiny_model_folder("opt")), "--world-size",
                          "1", "--dtype", "float32", "--output", str(output), "--overwrite")
     assert status == 0
-    assert (output / MANIFEST).is_file() and not (output / "keep.txt").exists()
+    assert (output / MANIFEST).is_file()
 
 
 def test_a_shard_job_killed_half_way_leaves_nothing_that_passes_for_complete(tiny_model_folder, tmp_path, cli_environment,

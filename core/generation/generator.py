@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.common.errors import AccelgenWarning, GraphCaptureWarning, first_line
+from accelgen.common.errors import AccelgenWarning, GraphCaptureWarning, UsageError, first_line
+from accelgen.common.prompts import PromptError
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.continuous import ContinuousBatcher
@@ -189,9 +190,11 @@ class Generator:
         run = self.run
         if not 0 < len(prompts) <= run.batch_size:
             raise ValueError(f"expected 1 to {run.batch_size} prompts, got {len(prompts)}")
-        bucket_length = decoding.choose_bucket(
-            max(len(ids) for ids in prompts), run.buckets, self._context_limit, run.max_new_tokens
-        )
+        lengths = [len(ids) for ids in prompts]
+        try:
+            bucket_length = decoding.choose_bucket(max(lengths), run.buckets, self._context_limit, run.max_new_tokens)
+        except UsageError as error:  # said of the longest row, as the continuous batcher says it
+            raise PromptError(numbers[lengths.index(max(lengths))], f": {error}") from None
         slot = self._slot(bucket_length)
         with self._timed() as prefill:
             restart = self._prefill(slot, prompts, numbers)

@@ -163,7 +163,7 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
     source = os.path.realpath(os.path.expanduser(dataset_source))
     if not os.path.exists(source):
         return  # a Hub dataset
-    for written in (output, output + ".run.json"):
+    for written in (output, output + ".run.json", os.path.realpath(output) + ".run.json"):  # the record lies beside the real file
         path = os.path.realpath(written)
         inside = os.path.isdir(source) and os.path.commonpath([source, path]) == source
         if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
