@@ -257,7 +257,9 @@ def test_accelgen_skip_plugins_leaves_a_plugin_out_unimported(skip, installed, m
 def test_a_built_in_plugin_can_be_left_out(monkeypatch, capsys):
     monkeypatch.setenv("ACCELGEN_SKIP_PLUGINS", "accelgen_hpu")
     assert main(["devices"]) == 0
-    assert device_lines(capsys.readouterr().out, "hpu", "cuda", "cpu")[0].split()[0] == "cuda"
+    out = capsys.readouterr().out
+    assert device_lines(out, "hpu", "cuda", "cpu")[0].split()[0] == "cuda"
+    assert "skipped  plugin accelgen_hpu (left out by ACCELGEN_SKIP_PLUGINS)" in out.splitlines()
 
 
 # -- as a real process: nothing ends it early, a plugin that hangs is named, Ctrl-C still stops it --------------

@@ -106,6 +106,8 @@ def devices_command(plugin_manager: PluginManager) -> int:
         print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
+    for plugin in registry.skipped:
+        print(f"{'skipped':<8} plugin {plugin} (left out by ACCELGEN_SKIP_PLUGINS)")
     return 0
 
 
