@@ -21,6 +21,7 @@ from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
 from accelgen.model.empty_model import DTYPE_KEYWORD
 from accelgen.parallel.launcher import free_port
+from accelgen.parallel.process_groups import leave_process_group
 from accelgen.parallel.worker_processes import end_worker_process
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import registered_accelerators, select_accelerator
@@ -464,7 +465,8 @@ if __name__ == "__main__":
     sys.stdout.write(f"rank {generator.world.rank}: host syncs {recorder.host_syncs}, "
                      f"collectives {'yes' if collectives else 'no'}\n")
     sys.stdout.flush()
-    torch.distributed.barrier()
-    # ends as accelgen's own ranks do: a gloo thread still releasing a collective's tensors when the interpreter
-    # finalizes aborts the process (see end_worker_process)
+    # ends as accelgen's own ranks do: every rank waits for the others, the process groups are torn down (no
+    # collective, nor gloo thread behind one, still running), then the process ends without finalizing its
+    # interpreter (see end_worker_process)
+    leave_process_group()
     end_worker_process(0)
