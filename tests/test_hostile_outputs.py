@@ -354,3 +354,15 @@ def test_a_run_whose_reader_goes_away_ends_quietly_and_keeps_its_rows(tmp_path, 
 def test_devices_and_compare_whose_reader_goes_away_end_quietly(cli_environment, arguments):
     closed = _with_stdout_closed([*ACCELGEN, *arguments], cli_environment)
     assert (closed.returncode, closed.stderr) == (141, "")
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_whose_reader_goes_away_ends_quietly(tmp_path, cli_environment):
+    """Rank 0 prints; its reader gone, it ends with 141 and the launcher ends the job with 141, saying nothing
+    (no rank failure reported, no logging traceback from a library writing to the closed output)."""
+    output = tmp_path / "out.jsonl"
+    closed = _with_stdout_closed([*ACCELGEN, "run", "--device", "cpu", "--world-size", "2", "--max-new-tokens", "3",
+                                  *PROMPTS, "--output", str(output)], cli_environment)
+    assert closed.returncode == 141, closed.stderr
+    assert "Traceback" not in closed.stderr and "error" not in closed.stderr, closed.stderr
+    assert not Path(f"{output}.lock").exists()

@@ -5,8 +5,10 @@ read from the run itself; memory is measured in a subprocess."""
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import namedtuple
 
 import pytest
@@ -313,3 +315,35 @@ def test_int8_offloaded_without_a_folder_from_full_precision_weights_is_one_line
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--offload disk with --quantize int8 writes the offloaded layers' int8 weights " \
                                        "once: pass --offload-folder DIR" in error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_stopped_by_sigterm_removes_its_offloaded_copies_and_keeps_its_rows(four_layer_model, tmp_path,
+                                                                                  cli_environment, stop):
+    """The weights an offloaded run writes to --offload-folder are its own: a run stopped by SIGTERM (or SIGHUP)
+    unwinds as Ctrl-C does, removes them, and keeps every row written; the status is 128 + the signal."""
+    model = four_layer_model("llama")
+    folder, output, dataset = tmp_path / "offload", tmp_path / "out.jsonl", tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": f"Row {number} says"}) + "\n" for number in range(400)))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(model.folder), "--dataset",
+         str(dataset), "--max-new-tokens", "16", "--offload", "disk", "--max-device-memory", "640KiB",
+         "--offload-folder", str(folder), "--output", str(output), "--quiet"],
+        env=cli_environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (output.exists() and output.read_text().count("\n") >= 2):  # the offloaded model is generating
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended or never got going"
+            time.sleep(0.2)
+        assert list(folder.iterdir())  # its copy of the offloaded weights
+        process.send_signal(stop)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + stop, stderr
+    assert stderr.strip().splitlines()[-1] == f"accelgen: stopped ({signal.Signals(stop).name})"
+    assert "Traceback" not in stderr
+    assert list(folder.iterdir()) == []
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(rows))) and len(rows) < 400

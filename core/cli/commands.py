@@ -8,10 +8,13 @@ without importing torch or transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 import warnings
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from accelgen.cli.parser import build_parser
 from accelgen.cli.terminal import (
@@ -25,7 +28,7 @@ from accelgen.cli.terminal import (
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import UsageError
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
 
@@ -43,17 +46,42 @@ class Invocation:
     worker: bool  # a rank started by a launcher (ours, torchrun or DeepSpeed's), not the user's own process
 
 
-#: The exit status when the reader of our output went away (``accelgen run ... | head -1``): a shell's status
-#: of a process ended by SIGPIPE (128 + 13), which is what closing a pipe ends a command with by convention.
-CLOSED_OUTPUT_STATUS = 141
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP asked the command to stop: unwound as Ctrl-C is, so that files are closed and what the
+    run made for itself (offloaded weights written to --offload-folder) is removed. Not an Exception: nothing
+    that handles errors may swallow it."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal_number = signal_number
+
+
+@contextlib.contextmanager
+def _stopped_by_terminate_or_hangup(worker: bool) -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the user's own process (a launched rank ends at once
+    instead: its launcher cleans up); the handlers before are put back after."""
+    if worker or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signal_number, frame):
+        raise Stopped(signal_number)
+
+    before = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
     """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
-    reader of the output closed it: the command stops quietly, what it wrote to files is kept)."""
+    reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
+    signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = running_as_worker()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stopped_by_terminate_or_hangup(worker):
         show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
         try:
             status = _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
@@ -75,6 +103,9 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             if not worker:
                 print("accelgen: interrupted", file=sys.stderr)
             return 130
+        except Stopped as stopped:
+            print(f"accelgen: stopped ({signal.Signals(stopped.signal_number).name})", file=sys.stderr)
+            return 128 + stopped.signal_number
         except Exception as error:
             if worker:
                 record_worker_failure(error)

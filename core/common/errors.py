@@ -17,6 +17,11 @@ from typing import Callable, Iterator
 FILE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError)
 
 
+#: The exit status when the reader of our standard output went away (``accelgen run ... | head -1``): a shell's
+#: status of a process ended by SIGPIPE (128 + 13), which is what closing a pipe ends a command with by convention.
+CLOSED_OUTPUT_STATUS = 141
+
+
 class UsageError(Exception):
     """A mistake in what the user asked for: the message names the problem and the fix."""
 

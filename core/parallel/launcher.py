@@ -25,7 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from accelgen.common.errors import UsageError
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
 from accelgen.common.settings import LaunchPlan, World
 from accelgen.parallel.worker_processes import (
     LAUNCHER_VARIABLE,
@@ -174,6 +174,8 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
             torchrun.run(launcher_arguments)
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
+        if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
+            return JobEnd(CLOSED_OUTPUT_STATUS)
         return JobEnd(2 if process_failure.exitcode == 2 else 1, f"error: {_failure_line(rank, process_failure)}")
     except SignalException as interrupt:
         received = signals.received or interrupt.sigval

@@ -9,6 +9,7 @@ This module imports only the standard library: every rank imports it before anyt
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -39,6 +40,9 @@ def start_worker() -> None:
     write, and a torn last line is cut on resume."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # a library's log line to a standard output whose reader went away (``accelgen run ... | head``) is dropped,
+    # not reported with a "--- Logging error ---" traceback
+    logging.raiseExceptions = False
     _end_with_the_launcher()
 
 
