@@ -307,7 +307,10 @@ def test_torchrun_by_hand_with_a_damaged_model_is_one_line_per_rank(tiny_model_f
                              *run_arguments(damaged)[5:]])
     assert job.end() == 1  # torchrun's own status for a failed rank
     lines = job.our_lines()
-    assert sorted(line.split("]")[0] for line in lines) == ["accelgen: error: [rank 0", "accelgen: error: [rank 1"]
+    # one line per rank at most: the first rank to fail makes torchrun stop the other, which may not get to say it
+    ranks = [line.split("]")[0] for line in lines]
+    assert ranks and len(set(ranks)) == len(ranks)
+    assert set(ranks) <= {"accelgen: error: [rank 0", "accelgen: error: [rank 1"}
     assert all("has a damaged weight file: model.safetensors: truncated" in line for line in lines)
     # torchrun's own report follows, quoting our line; no frame of ours anywhere
     assert not [line for line in job.text().splitlines() if "/core/" in line or "/plugins/" in line]
