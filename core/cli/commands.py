@@ -8,17 +8,14 @@ without importing torch or transformers.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import signal
 import sys
-import threading
-import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from accelgen.cli.parser import build_parser
+from accelgen.cli.signals import Stopped, signals_stop_the_command
 from accelgen.cli.terminal import (
     bench_progress_line,
     closed_reader_streams,
@@ -48,91 +45,13 @@ class Invocation:
     worker: bool  # a rank started by a launcher (ours, torchrun or DeepSpeed's), not the user's own process
 
 
-class Stopped(BaseException):
-    """SIGTERM or SIGHUP asked the command to stop: unwound as Ctrl-C is, so that files are closed and what the
-    run made for itself (offloaded weights written to --offload-folder) is removed. Not an Exception: nothing
-    that handles errors may swallow it."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(signal_number)
-        self.signal_number = signal_number
-
-
-@contextlib.contextmanager
-def _stopped_by_terminate_or_hangup(worker: bool) -> Iterator[None]:
-    """SIGTERM and SIGHUP raise :class:`Stopped` in the user's own process (a launched rank ends at once
-    instead: its launcher cleans up), and SIGINT never lands inside an import; the handlers before are put
-    back after."""
-    if worker or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signal_number, frame):
-        raise Stopped(signal_number)
-
-    before = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGHUP)}
-    interrupt = _InterruptOutsideImports()
-    before[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
-    ours = {signal.SIGTERM: stop, signal.SIGHUP: stop, signal.SIGINT: interrupt}
-    try:
-        yield
-    finally:
-        interrupt.cancel()
-        for number, handler in before.items():
-            if signal.getsignal(number) is ours[number]:  # not one set since (a launcher ignoring a late Ctrl-C)
-                signal.signal(number, handler)
-
-
-class _InterruptOutsideImports:
-    """SIGINT's handler in the user's own process: KeyboardInterrupt, as Python's own handler raises, except
-    while a module is being imported. An import cut short by KeyboardInterrupt can leave torch, numpy or a
-    transformers lazy module half set up, and what imports it next then fails in ways that hide the Ctrl-C
-    (a RecursionError reported as a damaged model; a run that goes on to the end). There the interrupt is
-    delivered again a moment later, until it lands outside any import; after ``PATIENCE_SECONDS`` it is raised
-    wherever it lands (a plugin whose import never ends must still be stoppable)."""
-
-    PATIENCE_SECONDS = 3.0
-    RETRY_SECONDS = 0.05
-
-    def __init__(self):
-        self.first_deferred: float | None = None
-        self.retry: threading.Timer | None = None
-
-    def __call__(self, signal_number, frame) -> None:
-        now = time.monotonic()
-        if _importing(frame) and (self.first_deferred is None or now - self.first_deferred < self.PATIENCE_SECONDS):
-            self.first_deferred = self.first_deferred or now
-            if self.retry is None or not self.retry.is_alive():  # one interrupt pending at a time
-                self.retry = threading.Timer(self.RETRY_SECONDS, os.kill, (os.getpid(), signal.SIGINT))
-                self.retry.daemon = True
-                self.retry.start()
-            return
-        self.cancel()
-        raise KeyboardInterrupt
-
-    def cancel(self) -> None:
-        """Deliver no interrupt still pending (the handler is no longer this one's, or the command is over)."""
-        self.first_deferred = None
-        if self.retry is not None:
-            self.retry.cancel()
-
-
-def _importing(frame) -> bool:
-    """Whether ``frame`` runs inside Python's import machinery (a module's code being executed as it imports)."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
     """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
     reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = running_as_worker()
-    with warnings.catch_warnings(), _stopped_by_terminate_or_hangup(worker):
+    with warnings.catch_warnings(), signals_stop_the_command(worker):
         show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
         try:
             status = _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
