@@ -93,6 +93,19 @@ def test_a_dataset_edited_past_the_completed_rows_resumes(stopped_run, capsys):
     assert "row 4 was 'And the evening and the morning', now 'And it was good'" in error
 
 
+def test_an_output_reached_through_a_link_resumes_an_appended_dataset_as_its_real_name_does(stopped_run, capsys):
+    """The run record lies beside the output's real file: the rows done are compared there, whatever name the
+    output is given."""
+    dataset, output = stopped_run
+    link = output.parent / "link.jsonl"
+    link.symlink_to(output)
+    texts = [*ROWS, "And the evening and the morning"]
+    dataset.write_text(jsonl(texts))
+    assert resume(dataset, link) == 0
+    assert "resuming: 2 rows already in" in capsys.readouterr().err
+    assert prompts_of(output) == texts
+
+
 def test_rows_cut_to_max_input_tokens_resume_only_on_an_unchanged_dataset(tmp_path, capsys):
     """The output holds such a row as the model saw it (cut), which cannot be compared with the dataset's row."""
     dataset, output = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"

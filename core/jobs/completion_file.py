@@ -29,6 +29,11 @@ DESCRIPTIVE_FIELDS = ("model",)
 LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion))
 
 
+def run_record_path(output: str) -> str:
+    """Where the run record of ``output`` lies: beside the real file, so every name of one output shares it."""
+    return real_path(output) + ".run.json"
+
+
 class CompletionFile:
     """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
 
@@ -37,7 +42,7 @@ class CompletionFile:
         job other than rank 0 read the file but do not lock it."""
         check_output_file(path, "--output", "out.jsonl")
         self.path = path
-        self.run_file = real_path(path) + ".run.json"
+        self.run_file = run_record_path(path)
         refuse_link(self.run_file, "Run record")
         if os.path.exists(self.run_file) and not os.path.isfile(self.run_file):
             raise UsageError(f"Run record {self.run_file!r} (beside --output {path!r}) is not a file: move it away.")

@@ -21,7 +21,7 @@ from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
-from accelgen.jobs.completion_file import CompletionFile
+from accelgen.jobs.completion_file import CompletionFile, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.jobs.progress import Progress
@@ -150,7 +150,7 @@ def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
     if overwrite or not os.path.isfile(output) or os.path.getsize(output) == 0:
         return None
     try:
-        with open(output + ".run.json", encoding="utf-8") as run_file:
+        with open(run_record_path(output), encoding="utf-8") as run_file:
             record = json.load(run_file)
     except (OSError, ValueError):
         return None
@@ -163,7 +163,7 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
     source = os.path.realpath(os.path.expanduser(dataset_source))
     if not os.path.exists(source):
         return  # a Hub dataset
-    for written in (output, output + ".run.json", os.path.realpath(output) + ".run.json"):  # the record lies beside the real file
+    for written in (output, output + ".run.json", run_record_path(output)):
         path = os.path.realpath(written)
         inside = os.path.isdir(source) and os.path.commonpath([source, path]) == source
         if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
