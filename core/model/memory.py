@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import DTYPE_BYTES
-from accelgen.model.shape import attention_head_counts
+from accelgen.model.shape import attention_head_counts, larger_world_sizes
 
 GIB = 1024**3
 USABLE_SHARE = 0.9
@@ -71,11 +71,8 @@ def _world_size_for_cache(config: transformers.PretrainedConfig, unsplit_bytes_p
                           world_size: int, free_bytes: int) -> int | None:
     """The smallest larger world size whose ranks each hold a cache share that fits ``free_bytes`` (ranks split the
     key/value heads, so at most as many ranks as those heads), or None when none does."""
-    heads, key_value_heads = attention_head_counts(config)
-    for larger in range(world_size + 1, key_value_heads + 1):
-        if heads % larger == 0 and key_value_heads % larger == 0 and unsplit_bytes_per_row * batch_size / larger <= free_bytes:
-            return larger
-    return None
+    return next((larger for larger in larger_world_sizes(config, world_size)
+                 if unsplit_bytes_per_row * batch_size / larger <= free_bytes), None)
 
 
 def out_of_memory_advice(
@@ -102,11 +99,10 @@ def out_of_memory_advice(
     fitting_batch = int((usable - weight_bytes_per_rank) // per_sequence)
     if 1 <= fitting_batch < batch_size:
         return f"{sizes}, so --batch-size {fitting_batch} should fit{offload}."
-    heads, key_value_heads = attention_head_counts(config)
     unsharded = weight_bytes_per_rank * world_size
-    for larger in range(world_size + 1, 0 if device_is_host else key_value_heads + 1):
+    for larger in [] if device_is_host else larger_world_sizes(config, world_size):
         per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
-        if heads % larger == 0 and key_value_heads % larger == 0 and unsharded / larger + per_rank_sequence * batch_size < usable:
+        if unsharded / larger + per_rank_sequence * batch_size < usable:
             return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size){offload}."
     return f"{sizes}: this model does not fit these devices{offload or '; use devices with more memory'}."
 

@@ -33,6 +33,12 @@ def check_shardable(config: transformers.PretrainedConfig, world_size: int) -> N
             )
 
 
+def larger_world_sizes(config: transformers.PretrainedConfig, world_size: int) -> list[int]:
+    """The world sizes above ``world_size`` the model's heads split over evenly (at most its key/value heads)."""
+    heads, key_value_heads = attention_head_counts(config)
+    return [size for size in range(world_size + 1, key_value_heads + 1) if heads % size == 0 and key_value_heads % size == 0]
+
+
 def slices_checkpoints(config: transformers.PretrainedConfig) -> bool:
     """Whether ranks of this family read only their slices of the checkpoint (else each loads the whole
     model and DeepSpeed's own parser splits it)."""
