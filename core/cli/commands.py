@@ -95,6 +95,7 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
 
 
 def devices_command(plugin_manager: PluginManager) -> int:
+    from accelgen.plugin.isolation import SKIP_VARIABLE
     from accelgen.plugin.registry import accelerator_registry
 
     registry = accelerator_registry(plugin_manager)
@@ -108,7 +109,7 @@ def devices_command(plugin_manager: PluginManager) -> int:
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
     for plugin in registry.skipped:
-        print(f"{'skipped':<8} plugin {plugin} (left out by ACCELGEN_SKIP_PLUGINS)")
+        print(f"{'skipped':<8} plugin {plugin} (left out by {SKIP_VARIABLE})")
     return 0
 
 

@@ -35,13 +35,13 @@ def calibration_pass(
     length: int = 128, windows: int = 8, batch_size: int = 4,
 ) -> Callable[[torch.nn.Module], None]:
     """A function that runs a model over the calibration windows, ``batch_size`` at a time, without a cache;
-    ``mark_step`` follows every pass (the device's, as after the generator's own passes)."""
-    batches = calibration_windows(tokenizer, length, windows).split(batch_size)
+    ``mark_step`` follows every pass (the device's, as after the generator's own passes). The text is read and
+    tokenized when it is called: a scheme that does not calibrate costs nothing."""
 
     @torch.no_grad()
     def calibrate(model: torch.nn.Module) -> None:
         keep_last = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
-        for batch in batches:
+        for batch in calibration_windows(tokenizer, length, windows).split(batch_size):
             input_ids = batch.to(device)
             model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False, **keep_last)
             mark_step()

@@ -17,11 +17,11 @@ import json
 
 import torch
 
+from accelgen.loading.weight_sources import SAFETENSORS_DTYPES
+
 ALIGNMENT = 64
-#: The safetensors format's dtype names, for the header's length.
-FORMAT_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}
+#: The safetensors format's name of each dtype accelgen reads and writes, for the header's length.
+FORMAT_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 PADDING_KEY = "accelgen_alignment_padding"
 
 
