@@ -18,6 +18,18 @@ PROMPTS = [
 ]
 
 
+def one_error_line_in(stderr: str) -> str:
+    """``stderr``, checked to be exactly one ``accelgen: error:`` line with no traceback; returns it."""
+    assert stderr.startswith("accelgen: error: ") and stderr.count("\n") == 1, stderr
+    assert "Traceback" not in stderr
+    return stderr
+
+
+def one_error_line(capsys) -> str:
+    """The command's stderr (captured by ``capsys``), checked to be exactly one ``accelgen: error:`` line."""
+    return one_error_line_in(capsys.readouterr().err)
+
+
 @pytest.fixture(autouse=True)
 def _seeded_and_quiet(monkeypatch):
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 
 import accelgen
 from accelgen.cli import main
@@ -25,14 +26,6 @@ from accelgen.loading.model_files import DEFAULT_MODEL
 
 ROWS = [{"text": text} for text in ("In the beginning", "And God said", "Let there be light", "And it was so")]
 QUICK = ["--device", "cpu", "--max-new-tokens", "3", "--quiet"]
-
-
-def one_error_line(capsys) -> str:
-    """The run's stderr, checked to be exactly one ``accelgen: error:`` line; returns it."""
-    error = capsys.readouterr().err
-    assert error.startswith("accelgen: error: ") and error.count("\n") == 1, error
-    assert "Traceback" not in error
-    return error
 
 
 def run_fails(capsys, *arguments: str) -> str:

@@ -9,18 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 
 from accelgen.cli import main
 
 PUBLISHED = Path(__file__).parent.parent / "results" / "published" / "bloomz-7b1-gaudi2-a100-gaudi1.json"
 MEASURED = Path(__file__).parent.parent / "results" / "measured" / "cpu-bloom-560m.json"
-
-
-def one_error_line(capsys) -> str:
-    error = capsys.readouterr().err
-    assert error.startswith("accelgen: error: ") and error.count("\n") == 1, error
-    assert "Traceback" not in error
-    return error
 
 
 def broken(change):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_error_line
 from safetensors.torch import load_file, save_file
 
 from accelgen.cli import main
@@ -38,14 +39,6 @@ def _never_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
-
-
-def one_error_line(capsys) -> str:
-    """The command's stderr, checked to be exactly one ``accelgen: error:`` line; returns it."""
-    error = capsys.readouterr().err
-    assert error.startswith("accelgen: error: ") and error.count("\n") == 1, error
-    assert "Traceback" not in error
-    return error
 
 
 def fails(capsys, *arguments: str) -> str:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line_in
 
 from accelgen.cli import main
 
@@ -25,15 +26,9 @@ def jsonl(texts) -> str:
     return "".join(json.dumps({"text": text}) + "\n" for text in texts)
 
 
-def one_error_line(error: str) -> str:
-    assert error.startswith("accelgen: error: ") and error.count("\n") == 1, error
-    assert "Traceback" not in error
-    return error
-
-
 def run_fails(capsys, *arguments: str) -> str:
     assert main([*QUICK, *arguments]) == 2
-    return one_error_line(capsys.readouterr().err)
+    return one_error_line_in(capsys.readouterr().err)
 
 
 def snapshot(folder: Path) -> dict:
@@ -285,6 +280,6 @@ def test_a_datasets_cache_that_cannot_be_written_is_its_own_line(tmp_path, cli_e
     result = subprocess.run([sys.executable, "-m", "accelgen.cli", *QUICK, "--dataset", str(dataset)],
                             env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    error = one_error_line(result.stderr)
+    error = one_error_line_in(result.stderr)
     assert "The datasets cache folder '" + str(tmp_path / "a_file") in error
     assert "set HF_DATASETS_CACHE (or HF_HOME) to a writable folder." in error

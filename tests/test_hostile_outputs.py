@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 
 from accelgen.cli import main
 
@@ -27,13 +28,6 @@ PROMPTS = [argument for text in ("In the beginning", "And God said", "Let there 
            for argument in ("--prompt", text)]
 MEASURED = Path(__file__).parent.parent / "results" / "measured" / "cpu-bloom-560m.json"
 ACCELGEN = [sys.executable, "-m", "accelgen.cli"]
-
-
-def one_error_line(capsys) -> str:
-    error = capsys.readouterr().err
-    assert error.startswith("accelgen: error: ") and error.count("\n") == 1, error
-    assert "Traceback" not in error
-    return error
 
 
 def _limit_file_size(limit: int):

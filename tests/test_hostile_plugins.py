@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line_in
 
 from accelgen.cli import main
 from accelgen.plugin import manager
@@ -77,8 +78,7 @@ def warnings_in(stderr: str) -> list[str]:
 
 
 def one_error_line(stderr: str) -> str:
-    assert stderr.startswith("accelgen: error: ") and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    return stderr.rstrip("\n")
+    return one_error_line_in(stderr).rstrip("\n")
 
 
 def device_lines(stdout: str, *names: str) -> list[str]:

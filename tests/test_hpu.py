@@ -342,14 +342,9 @@ def test_fp8_logits_stay_within_e4m3s_rounding_bound(tiny_model_folder, inc_doub
     Through the tiny models' two decoder layers (residual additions keep the unquantized stream) the logits move
     by several percent: 15% of their norm bounds it, where a wrong scale (a factor of 2) or a layer left
     unmeasured gives tens of percent or more. Float32 activations, so that only fp8 rounding differs."""
-    folder = str(tiny_model_folder(architecture))
-    tokens = torch.tensor([[3, 17, 42, 9, 120, 7, 64, 5]])
-    logits = {}
-    for quantize in (None, "fp8"):
-        generator = accelgen.load(folder, device="hpu", dtype="float32", quantize=quantize)
-        with torch.no_grad():
-            logits[quantize] = generator.model(tokens).logits
-    error = (logits["fp8"] - logits[None]).norm() / logits[None].norm()
+    from test_quantization import quantized_logits_error
+
+    error = quantized_logits_error(str(tiny_model_folder(architecture)), "hpu", "fp8")
     assert 0 < error < 0.15, error
 
 

@@ -76,15 +76,20 @@ def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architect
     residual) the logits move by a few percent at most: 5% of their norm bounds it, where a wrong scale
     (twice the step, say) or a transposed weight gives tens of percent. Activations in float32, so that only
     the weights' rounding differs."""
-    folder = str(tiny_model_folder(architecture))
+    error = quantized_logits_error(str(tiny_model_folder(architecture)), "cpu", "int8")
+    assert 0 < error < 0.05
+
+
+def quantized_logits_error(folder: str, device: str, scheme: str) -> float:
+    """How far the logits of ``scheme`` are from the unquantized model's over a fixed sequence, as the relative
+    L2 norm of their difference; float32 activations, so that only the quantization differs."""
     tokens = torch.tensor([[3, 17, 42, 9, 120, 7, 64, 5]])
     logits = {}
-    for quantize in (None, "int8"):
-        generator = accelgen.load(folder, device="cpu", dtype="float32", quantize=quantize)
+    for quantize in (None, scheme):
+        generator = accelgen.load(folder, device=device, dtype="float32", quantize=quantize)
         with torch.no_grad():
             logits[quantize] = generator.model(tokens).logits
-    error = (logits["int8"] - logits[None]).norm() / logits[None].norm()
-    assert 0 < error < 0.05
+    return float((logits[scheme] - logits[None]).norm() / logits[None].norm())
 
 
 def test_a_layer_of_rows_that_do_not_fit_the_fused_kernel_gives_the_same_product():
