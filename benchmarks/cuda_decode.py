@@ -29,7 +29,7 @@ goes to stderr); the others go on.
 
 The tokenizer is accelgen's built-in one (the prompt is 18 tokens; BLOOM's own gives 7): decode speed
 depends on the cache length only through attention, which is small next to reading the weights.
-accelgen's BLOOM ALiBi bias is built from slopes kept on the device (accelgen.model.alibi): once the first
+accelgen's BLOOM ALiBi bias is built from slopes kept on the device (accelgen.model.transformers_adapter.alibi): once the first
 accelgen contender has run, Hugging Face's contenders use that too (same values).
 """
 
@@ -50,7 +50,8 @@ from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation.generator import Generator
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
-from accelgen.model.memory import kv_cache_bytes_per_position
+from accelgen.model.loaded_model import LoadedModel
+from accelgen.model.memory import kv_cache_bytes_per_position, parameter_bytes
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import select_accelerator
 
@@ -101,7 +102,7 @@ def accelgen_generator(model, tokenizer, input_ids: torch.Tensor, accelerator, d
         if new_tokens not in generators:  # one generator (and captured graph) per token count, as a user keeps
             run = RunSettings(dtype="bfloat16", batch_size=len(prompts), max_new_tokens=new_tokens, ignore_eos=True,
                               use_graphs=True)
-            generators[new_tokens] = Generator(model, tokenizer, accelerator, device, run, World())
+            generators[new_tokens] = Generator(LoadedModel(model, tokenizer, accelerator, device, World(), parameter_bytes(model)), run)
         generators[new_tokens].generate_token_ids(prompts)
         failure = generators[new_tokens].capture_failure
         if failure:

@@ -25,6 +25,8 @@ from random_bloom import add_shape_arguments, describe_shape, random_bloom
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation.generator import Generator
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
+from accelgen.model.loaded_model import LoadedModel
+from accelgen.model.memory import parameter_bytes
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import select_accelerator
 
@@ -56,7 +58,7 @@ def accelgen_runner(model, tokenizer, input_ids, arguments, use_graphs: bool):
     def generate(new_tokens: int) -> None:
         if new_tokens not in generators:  # one generator (and captured graph) per token count, as a user keeps
             run = RunSettings(dtype=arguments.dtype, max_new_tokens=new_tokens, ignore_eos=True, use_graphs=use_graphs)
-            generators[new_tokens] = Generator(model, tokenizer, accelerator, torch.device("cpu"), run, World())
+            generators[new_tokens] = Generator(LoadedModel(model, tokenizer, accelerator, torch.device("cpu"), World(), parameter_bytes(model)), run)
         with torch.no_grad():
             generators[new_tokens].generate_token_ids([input_ids[0].tolist()])
 

@@ -14,8 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
-from accelgen.generation.continuous import SLOT_CHECK_INTERVAL
-from accelgen.generation.generator import EOS_CHECK_INTERVAL
+from accelgen.generation.scheduler import LOOK_INTERVAL
 from accelgen_cuda.graph_pool import SharedGraphPool
 
 NEW_TOKENS = 20
@@ -84,17 +83,18 @@ class ReplayLoggingCpu(CapturingCpu):
 @pytest.mark.parametrize("ignore_eos", [False, True], ids=["stops-at-eos", "ignore-eos"])
 def test_between_replays_the_host_only_checks_every_few_steps_whether_all_rows_finished(tiny_model_folder, ignore_eos):
     """Token choice, end-of-sequence bookkeeping and every position advance are inside the captured step: between
-    two replays the host launches nothing, and every EOS_CHECK_INTERVAL steps reads one flag (unless the run
-    ignores EOS)."""
+    two replays the host launches nothing (every few steps it reads the rows' finished flags, a copy that
+    launches no operation; with --ignore-eos it knows the rows' ends and never looks before them)."""
     log = OperationLog()
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", batch_size=2, max_new_tokens=NEW_TOKENS,
                               ignore_eos=ignore_eos, batching="static", plugin_manager=plugin_manager_with(ReplayLoggingCpu(log)))
     with log:
         generator.generate(PROMPTS[:2])
     [timing] = generator.stats.timings
-    checks = 0 if ignore_eos else timing.decode_steps // EOS_CHECK_INTERVAL
-    assert timing.decode_steps > EOS_CHECK_INTERVAL  # at least one check
-    assert log.between_replays() == ["aten.all.default", "aten._local_scalar_dense.default"] * checks
+    decode_step_inputs = 8
+    gaps = log.gaps_between_replays(decode_step_inputs)
+    assert timing.decode_steps > LOOK_INTERVAL["static"]  # at least one look
+    assert len(gaps) + 1 == timing.decode_steps and not any(gaps)
 
 
 def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps(tiny_model_folder):
@@ -110,11 +110,11 @@ def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps
     slot_step_inputs = 8  # the slot step's buffers (its prefill steps take others)
     gaps = log.gaps_between_replays(slot_step_inputs)
     # the first two rows take NEW_TOKENS - 1 steps (their first token came from the prefill), looked at every
-    # SLOT_CHECK_INTERVAL steps or sooner; then the third is prefilled into a freed slot and takes as many
+    # LOOK_INTERVAL["continuous"] steps or sooner; then the third is prefilled into a freed slot and takes as many
     assert len(gaps) + 1 == 2 * (NEW_TOKENS - 1)
     assert [number for number, gap in enumerate(gaps, start=1) if gap] == [NEW_TOKENS - 1]
     assert generator.stats.prefill_captures == 2  # shapes of 2 rows and of 1 row, each captured once
-    assert NEW_TOKENS - 1 > SLOT_CHECK_INTERVAL  # so the looks in between were made, and launched nothing
+    assert NEW_TOKENS - 1 > LOOK_INTERVAL["continuous"]  # so the looks in between were made, and launched nothing
 
 
 # -- a capture that fails ----------------------------------------------------------------------------------
@@ -269,7 +269,9 @@ def test_two_live_generators_share_one_pool(tiny_model_folder):
     first = accelgen.load(folder, device="cpu", max_new_tokens=NEW_TOKENS, plugin_manager=plugin_manager, batching="static")
     second = first.with_batch_size(2)
     assert token_ids(first.generate(PROMPTS)) == token_ids(second.generate(PROMPTS)) == eager_token_ids(folder, PROMPTS)
-    assert allocator.use_counts == {("pool", 1): 2}
+    captures = sum(generator.stats.graph_captures + generator.stats.prefill_captures for generator in (first, second))
+    assert first.stats.graph_captures == second.stats.graph_captures == 1
+    assert allocator.use_counts == {("pool", 1): captures}  # every capture of both, in the one pool
 
 
 def test_the_fake_allocator_shows_the_crash_of_one_pool_for_ever(tiny_model_folder):

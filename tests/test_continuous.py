@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
 import accelgen
 from accelgen.cli import main
-from accelgen.generation.continuous import SLOT_CHECK_INTERVAL
+from accelgen.generation.scheduler import LOOK_INTERVAL
 
 NEW_TOKENS = 16
 PROMPTS = [
@@ -168,7 +168,7 @@ def test_a_bad_batching_mode_is_one_line(capsys):
 
 
 def test_the_check_interval_is_short_next_to_a_completion():
-    assert SLOT_CHECK_INTERVAL <= NEW_TOKENS // 2
+    assert LOOK_INTERVAL["continuous"] <= NEW_TOKENS // 2
 
 
 @pytest.mark.slow

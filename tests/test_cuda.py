@@ -19,7 +19,7 @@ import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
-from accelgen.model.empty_model import DTYPE_KEYWORD
+from accelgen.model.transformers_adapter import DTYPE_KEYWORD
 from accelgen.parallel.launcher import free_port
 from accelgen.parallel.process_groups import leave_process_group
 from accelgen.parallel.worker_processes import end_worker_process

@@ -62,10 +62,11 @@ def test_float32_matches_hugging_face_with_one_hpu_graph_per_bucket(tiny_model_f
 
     stats = generator.stats
     decode_steps = sum(timing.decode_steps for timing in stats.timings)
-    # two batches of the same bucket: one graph, captured once, replayed for every later decoded token
-    assert stats.batches == 2 and stats.graph_captures == 1
-    assert habana_double["graph_wrap"] == 1 and habana_double["graph_capture"] == 1
-    assert habana_double["graph_replay"] == decode_steps
+    # two batches of the same bucket: one decode graph, captured once, replayed for every later decoded token;
+    # and one graph per prefill shape (row count and bucket), replayed for each prefill
+    assert stats.batches == 2 and stats.graph_captures == 1 and stats.prefill_captures == 2
+    assert habana_double["graph_wrap"] == habana_double["graph_capture"] == 1 + stats.prefill_captures
+    assert habana_double["graph_replay"] == decode_steps + stats.prefills
     # lazy mode: a mark_step hands each forward pass to the card before the next one is queued, and after the last
     assert all(later > earlier for earlier, later in zip(marks_before_each_forward, marks_before_each_forward[1:])), marks_before_each_forward
     assert habana_double["mark_step"] > marks_before_each_forward[-1]
@@ -103,8 +104,8 @@ def test_each_bucket_gets_its_own_graph(tiny_model_folder, habana_double):
     folder = tiny_model_folder("llama")
     short, long = "Hello", "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
     _, generator = hpu_completions(folder, [long, short, long, short], buckets=(4, 64), batching="static")  # the cache never grows
-    assert generator.stats.graph_captures == 2
-    assert habana_double["graph_wrap"] == 2 and habana_double["graph_capture"] == 2
+    assert generator.stats.graph_captures == 2 and generator.stats.prefill_captures == 2  # a decode and a prefill each
+    assert habana_double["graph_wrap"] == habana_double["graph_capture"] == 4
 
 
 def test_graphs_can_be_turned_off(tiny_model_folder, habana_double):

@@ -46,7 +46,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     sized = generator.with_batch_size(batch_size)
     prompts = [protocol.prompt] * batch_size
     end_to_end_seconds = []
-    placement = generator.placement
+    placement = generator.loaded.placement
     traffic_before = (placement.moved_bytes, placement.forward_passes) if placement else (0, 0)
     try:
         for _ in range(protocol.warmup_runs):
@@ -156,7 +156,7 @@ def measurement_record(
     """Everything a result file says about one measured configuration, rows included."""
     hardware = generator.accelerator.describe()
     dtype_bytes = DTYPE_BYTES[generator.run.dtype]
-    unsharded_bytes = generator.unsharded_parameter_bytes or parameter_bytes(generator.model)
+    unsharded_bytes = generator.loaded.unsharded_parameter_bytes
     return {
         "label": label or _default_label(hardware.get("device_name") or generator.accelerator.name, generator.run.quantize),
         "accelerator": generator.accelerator.name,
@@ -167,7 +167,7 @@ def measurement_record(
         "graphs": generator.run.use_graphs and generator.capture_failure is None,
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,
-        "offload": None if generator.placement is None else generator.placement.record(),
+        "offload": None if generator.loaded.placement is None else generator.loaded.placement.record(),
         "model": {
             "name": source.report_name,
             "architecture": generator.model.config.model_type,

@@ -1,13 +1,19 @@
-"""Small pure functions of the static-shape generation loop, in the order they run (gpt-fast's shape).
+"""Small pure functions of the decode loop, in the order they run (gpt-fast's shape), over one state type.
 
-``prefill`` runs the padded prompts and chooses each row's first token; ``start_decoding`` sets the
-static buffers from it; ``decode_one_token`` is the whole decode step: the forward pass, the token
-choice, the end-of-sequence bookkeeping and the advance of every position, all on the device and
-in place, so that an accelerator can capture it once and replay it; ``decode_n_tokens`` replays it and
-only looks at the device every few steps, to stop once every row has finished.
+The decode step keeps one shape, B rows over a cache of L positions, and each row is a *slot*: it holds one
+prompt from the moment the prompt is inserted until its completion ends, with its own cache write position,
+position id, step and prompt number. ``prefill`` runs k padded prompts and chooses each one's first token;
+``insert_rows`` puts them into free slots (between steps, with device operations on the same buffers);
+``decode_one_token`` is the whole decode step, per row and in place (the forward pass, the token choice, the
+end-of-sequence bookkeeping and the advance of every position), so an accelerator captures it once and
+replays it whatever rows are inside it. A fixed batch is B rows inserted together, decoded until all end.
 
-Shapes: B is the fixed batch size, P the prompt bucket length, L the cache length (P + new tokens),
-N the new tokens, V the vocabulary size.
+A row that has finished (end-of-sequence, or its ``max_new_tokens``) or a slot that holds nothing goes on
+being computed, as padding in a static batch is, until the host gives the slot a new prompt: its tokens go
+to a spare column of ``new_tokens`` and its cache writes stay inside its own row.
+
+Shapes: B slots, L cache positions, N new tokens per row (``new_tokens`` has N + 1 columns: the last is
+where a finished row's tokens go), P a prompt bucket, k the rows of a prefill shape, V the vocabulary.
 """
 
 from __future__ import annotations
@@ -22,31 +28,36 @@ from accelgen.common.settings import SamplingSettings
 from accelgen.generation.sampling import choose_tokens
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
-#: of the last position, writing the keys and values of the T tokens into the KV cache.
+#: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecodeState(NamedTuple):
-    """The fixed-address buffers of one static shape. The decode step reads and writes nothing else
-    (besides the KV cache), so a graph captured over them replays correctly for every token."""
+    """The fixed-address buffers of the decode step. It reads and writes nothing else (besides the KV cache,
+    whose rows are written at ``write_positions``), so one graph captured over them serves every row."""
 
-    input_ids: torch.Tensor  # [B, 1] the token being decoded
-    position_ids: torch.Tensor  # [B, 1] its position, counting real tokens only
-    cache_position: torch.Tensor  # [1] where its keys and values are written
+    input_ids: torch.Tensor  # [B, 1] the token being decoded in each slot
+    position_ids: torch.Tensor  # [B, 1] its position among the row's real tokens
+    write_positions: torch.Tensor  # [B] where in its row of the cache its keys and values go
     attention_mask: torch.Tensor  # [B, L] 1 where a row may attend
-    step: torch.Tensor  # [1] index in new_tokens of the token being chosen
-    new_tokens: torch.Tensor  # [B, N] the tokens chosen so far; a finished row continues with padding
-    finished: torch.Tensor  # [B] rows that have produced an end-of-sequence token
+    steps: torch.Tensor  # [B] index in new_tokens of the token being chosen; N once the row has finished
+    new_tokens: torch.Tensor  # [B, N + 1] each row's tokens so far; column N takes a finished row's tokens
+    finished: torch.Tensor  # [B] the row has ended (or the slot holds nothing)
     row_indices: torch.Tensor  # [B] each row's prompt number, which decides its sampling draws
 
     @classmethod
-    def allocate(cls, batch_size: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
+    def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
         longs = long_zeros(device)
         return cls(
-            input_ids=longs(batch_size, 1), position_ids=longs(batch_size, 1), cache_position=longs(1),
-            attention_mask=longs(batch_size, cache_length), step=longs(1), new_tokens=longs(batch_size, new_tokens),
-            finished=torch.zeros(batch_size, dtype=torch.bool, device=device), row_indices=longs(batch_size),
+            input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
+            attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
+            new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
+            row_indices=longs(slots),
         )
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.new_tokens.shape[1] - 1
 
 
 def long_zeros(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -88,8 +99,8 @@ def left_pad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [B, P] with each prompt right-aligned, and the prompt mask [B, P] (1 = real token).
 
-    Missing batch rows repeat the first prompt (a fully masked row could turn attention into NaN);
-    the caller drops their output.
+    Missing rows repeat the first prompt (a fully masked row could turn attention into NaN); the caller
+    drops their output.
     """
     rows = list(prompts) + [prompts[0]] * (batch_size - len(prompts))
     input_ids = torch.full((batch_size, bucket_length), pad_token_id, dtype=torch.long)
@@ -102,73 +113,76 @@ def left_pad(
 
 
 def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids [B, P] counting real tokens only, as Hugging Face ``generate`` does for left padding."""
+    """Position ids [k, P] counting real tokens only, as Hugging Face ``generate`` does for left padding."""
     positions = prompt_mask.cumsum(-1) - 1
     return positions.masked_fill(prompt_mask == 0, 1)
 
 
-def prefill(
-    forward: Forward, state: DecodeState, input_ids: torch.Tensor, prompt_mask: torch.Tensor, rules: TokenRules
-) -> torch.Tensor:
-    """Run the padded prompts input_ids [B, P] through the model, filling the KV cache, and return each
-    row's first new token [B]. ``state.attention_mask`` must already hold the prompt mask [B, P] in front."""
+def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, row_indices: torch.Tensor,
+            rules: TokenRules) -> torch.Tensor:
+    """Run the padded prompts input_ids [k, P] (mask [k, P], numbers ``row_indices`` [k]) through ``forward``,
+    which writes their keys and values, and return each one's first new token [k] (step 0 of its draws)."""
     bucket_length = input_ids.shape[1]
-    logits = forward(
-        input_ids, state.attention_mask, positions_from_mask(prompt_mask),
-        torch.arange(bucket_length, device=input_ids.device),
-    )
-    state.step.zero_()
-    return choose_tokens(logits, rules.sampling, state.row_indices, state.step)
+    logits = forward(input_ids, prompt_mask, positions_from_mask(prompt_mask),
+                     torch.arange(bucket_length, device=input_ids.device))
+    first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+    return choose_tokens(logits, rules.sampling, row_indices, first_step)
 
 
-def start_decoding(state: DecodeState, first_tokens: torch.Tensor, prompt_lengths: torch.Tensor, rules: TokenRules) -> None:
-    """Set the decode buffers after a prefill: ``first_tokens`` [B] recorded, each row at its prompt's end
-    (``prompt_lengths`` [B, 1]), the next keys and values to be written just after the bucket."""
-    state.new_tokens.fill_(rules.pad_token_id)
-    state.finished.zero_()
-    state.step.zero_()
-    record_tokens(state, first_tokens, rules)
-    state.input_ids.copy_(first_tokens.unsqueeze(-1))
-    state.position_ids.copy_(prompt_lengths)
-    state.cache_position.fill_(state.attention_mask.shape[1] - state.new_tokens.shape[1])
-    state.step.fill_(1)
+def insert_rows(
+    state: DecodeState, slots: torch.Tensor, first_tokens: torch.Tensor, prompt_mask: torch.Tensor,
+    row_indices: torch.Tensor, rules: TokenRules,
+) -> None:
+    """Give ``slots`` [k] new rows whose prompts (mask [k, P], their keys and values already at positions
+    [0, P) of those rows of the cache) chose ``first_tokens`` [k]: each row attends to its prompt, decodes
+    next at position P, and has recorded its first token (it may have finished with it)."""
+    bucket_length = prompt_mask.shape[1]
+    state.attention_mask.index_fill_(0, slots, 0)
+    state.attention_mask[:, :bucket_length].index_copy_(0, slots, prompt_mask)
+    state.write_positions.index_fill_(0, slots, bucket_length)
+    state.position_ids.index_copy_(0, slots, prompt_mask.sum(-1, keepdim=True))
+    state.input_ids.index_copy_(0, slots, first_tokens.unsqueeze(-1))
+    state.row_indices.index_copy_(0, slots, row_indices)
+    state.new_tokens.index_fill_(0, slots, rules.pad_token_id)
+    state.new_tokens[:, 0].index_copy_(0, slots, first_tokens)
+    ended = torch.full_like(first_tokens, state.max_new_tokens <= 1, dtype=torch.bool)
+    if rules.stop_at_eos:
+        ended |= torch.isin(first_tokens, rules.eos_token_ids)
+    state.finished.index_copy_(0, slots, ended)
+    state.steps.index_copy_(0, slots, torch.where(ended, state.max_new_tokens, 1))
 
 
-def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules) -> torch.Tensor:
-    """The whole decode step, in place on ``state``: attend from the token in ``input_ids`` (its keys and
-    values join the cache), choose the next token [B], record it, and move every position on by one.
-    Nothing here waits for the host, so an accelerator can capture the step as one graph."""
-    state.attention_mask.index_fill_(1, state.cache_position, 1)  # the token attends to itself
-    logits = forward(state.input_ids, state.attention_mask, state.position_ids, state.cache_position)
-    next_tokens = choose_tokens(logits, rules.sampling, state.row_indices, state.step)
-    next_tokens = record_tokens(state, next_tokens, rules)
+def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, rows_aligned: bool) -> torch.Tensor:
+    """The whole decode step, in place on ``state``: every row attends from its token in ``input_ids`` (whose
+    keys and values join its row of the cache at ``write_positions``), chooses its next token [B], records
+    it, and moves its own positions on by one. Nothing here waits for the host.
+
+    The model is told one cache position for the batch: with ``rows_aligned`` (every row inserted together,
+    for a model that builds its masks from that position) the rows' common write position; otherwise the
+    last one, and the core's 4D mask alone says what each row sees."""
+    cache_length = state.attention_mask.shape[1]
+    state.attention_mask.scatter_(1, state.write_positions.unsqueeze(-1), 1)  # each token attends to itself
+    if rows_aligned:
+        cache_position = state.write_positions[:1]
+    else:
+        cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
+    logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
+    next_tokens = record_tokens(state, choose_tokens(logits, rules.sampling, state.row_indices, state.steps), rules)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)
-    state.cache_position.add_(1)
-    state.step.add_(1)
+    state.write_positions.add_(1).clamp_(max=cache_length - 1)  # a finished row writes on in its own row
     return next_tokens
 
 
 def record_tokens(state: DecodeState, tokens: torch.Tensor, rules: TokenRules) -> torch.Tensor:
-    """Write ``tokens`` [B] at ``state.step`` of ``new_tokens``, padding for rows that had finished, and mark
-    the rows that end here. Returns the tokens as recorded."""
+    """Write ``tokens`` [B] at each row's step of ``new_tokens`` (a finished row's into the spare column, as
+    padding), mark the rows that end here (end-of-sequence, or their last new token), advance the steps."""
+    last = state.max_new_tokens
+    tokens = tokens.masked_fill(state.finished, rules.pad_token_id)
+    state.new_tokens.scatter_(1, state.steps.unsqueeze(-1), tokens.unsqueeze(-1))
+    ends = state.steps >= last - 1
     if rules.stop_at_eos:
-        tokens = tokens.masked_fill(state.finished, rules.pad_token_id)
-        state.finished.logical_or_(torch.isin(tokens, rules.eos_token_ids))
-    state.new_tokens.index_copy_(1, state.step, tokens.unsqueeze(-1))
+        ends |= torch.isin(tokens, rules.eos_token_ids)
+    state.finished.logical_or_(ends)
+    state.steps.add_(1).masked_fill_(state.finished, last)
     return tokens
-
-
-def decode_n_tokens(
-    decode_step: Callable[..., object], state: DecodeState, steps: int, stop_when_finished: bool,
-    check_every: int, after_step: Callable[[], None],
-) -> int:
-    """Replay ``decode_step(*state)`` up to ``steps`` times and return how many ran. With
-    ``stop_when_finished``, every ``check_every`` steps the host reads whether every row has finished
-    (the only wait for the device) and stops early if so. ``after_step()`` follows each replay."""
-    for done in range(steps):
-        if stop_when_finished and done and done % check_every == 0 and bool(state.finished.all()):
-            return done
-        decode_step(*state)
-        after_step()
-    return steps

@@ -102,7 +102,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
     the ranks' memory figures are gathered). ``replicas``: each replica's figures, which then make the job's."""
     stats = generator.stats
     rank_memory = gather_from_ranks(
-        {"parameter_bytes": parameter_bytes(generator.model), **generator.loading_host_memory,
+        {"parameter_bytes": parameter_bytes(generator.model), **generator.loaded.loading_host_memory,
          **generator.accelerator.memory_stats()}, generator.world
     )
     return RunReport(
@@ -113,8 +113,8 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         device=generator.accelerator.name, dtype=generator.run.dtype, quantize=generator.run.quantize, world_size=generator.world.size,
         graph_captures=stats.graph_captures, capture_seconds=stats.capture_seconds,
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
-        offload=None if generator.placement is None else generator.placement.describe(),
-        unsharded_parameter_bytes=generator.unsharded_parameter_bytes or parameter_bytes(generator.model),
+        offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
+        unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas,
     )
 

@@ -51,7 +51,7 @@ class OpenedModel:
 
 
 @dataclasses.dataclass
-class LoadedModel:
+class LoadedCheckpoint:
     """A loaded model with its tokenizer, its parameter bytes before any split, and, when offloaded, where
     its weights sit."""
 
@@ -139,7 +139,7 @@ class ModelSource:
         self, run: RunSettings, device: torch.device, world: World,
         shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
         device_is_host: bool = False,
-    ) -> LoadedModel:
+    ) -> LoadedCheckpoint:
         """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
         ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
@@ -163,7 +163,7 @@ class ModelSource:
         else:
             model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors,
                                  before_filling=empty_int8_layers if pre_quantized else None)
-        return LoadedModel(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
+        return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
     def open(self, dtype: str, world: World) -> OpenedModel:
         """The empty model, its weight source and its tokenizer (every rank must call this)."""

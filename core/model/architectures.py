@@ -2,7 +2,7 @@
 
 For each family the static pipeline is checked on (greedy parity with Hugging Face, and a decode step
 that never waits for the host, on every transformers release CI runs): whether a model takes the core's 4D
-attention mask as it is (``accelgen.generation.model_forward``), and what to change in it, once, for its decode
+attention mask as it is (``accelgen.model.transformers_adapter.forward``), and what to change in it, once, for its decode
 step to hold nothing a captured graph cannot (BLOOM: ALiBi slopes kept on the device, and only this
 rank's; Falcon: its multi-query head split without index lists). Families not in the table get Hugging
 Face's own masks and no change: they run, and capture where their code allows.
@@ -16,14 +16,14 @@ before DeepSpeed splits them.
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Callable
 
 import torch
 import transformers
 
 from accelgen.common.settings import World
-from accelgen.model.alibi import use_rank_alibi
+from accelgen.model.transformers_adapter.alibi import use_rank_alibi
+from accelgen.model.transformers_adapter.falcon import split_multi_query_heads_by_slicing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,24 +44,6 @@ class Architecture:
     row_parallel: tuple[str, ...] = ()
 
 
-def _split_multi_query_heads_by_slicing(model: torch.nn.Module, world: World) -> None:
-    """Falcon's multi-query attention splits its fused projection with ``fused_qkv[..., [-2], :]``: indexing
-    with a Python list, which copies the index from the host on every call (transformers 4.55 and 5.x).
-    Slices select the same values without it."""
-    from transformers.models.falcon.modeling_falcon import FalconAttention
-
-    for module in model.modules():
-        if isinstance(module, FalconAttention) and module.multi_query and not module.new_decoder_architecture:
-            module._split_heads = types.MethodType(_split_heads_by_slicing, module)
-
-
-def _split_heads_by_slicing(self, fused_qkv: torch.Tensor):
-    """fused_qkv [B, T, (H + 2) * D] -> query [B, T, H, D], key [B, T, 1, D], value [B, T, 1, D]."""
-    batch_size, seq_length, _ = fused_qkv.shape
-    fused_qkv = fused_qkv.view(batch_size, seq_length, self.num_heads + 2, self.head_dim)
-    return fused_qkv[..., :-2, :], fused_qkv[..., -2:-1, :], fused_qkv[..., -1:, :]
-
-
 def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
     """Falcon states its key/value heads in three ways, by generation."""
     if config.new_decoder_architecture:
@@ -74,7 +56,7 @@ def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
 ARCHITECTURES = {
     "bloom": Architecture(takes_4d_mask=True, make_capturable=use_rank_alibi, decoder_layer="BloomBlock",
                           row_parallel=("self_attention.dense", "mlp.dense_4h_to_h")),
-    "falcon": Architecture(takes_4d_mask=True, make_capturable=_split_multi_query_heads_by_slicing,
+    "falcon": Architecture(takes_4d_mask=True, make_capturable=split_multi_query_heads_by_slicing,
                            count_key_value_heads=_falcon_key_value_heads),
     "gpt2": Architecture(takes_4d_mask=True),
     "llama": Architecture(takes_4d_mask=True, decoder_layer="LlamaDecoderLayer",

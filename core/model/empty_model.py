@@ -12,10 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from accelgen.common.settings import torch_dtype
-
-# transformers 4.56 renamed from_pretrained's ``torch_dtype`` to ``dtype``.
-_TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-DTYPE_KEYWORD = "dtype" if _TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype"
+from accelgen.model.transformers_adapter import DTYPE_KEYWORD
 
 
 def empty_model(config: transformers.PretrainedConfig, dtype: str, trust_remote_code: bool = False) -> torch.nn.Module:

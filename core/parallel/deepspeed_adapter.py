@@ -52,7 +52,7 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inf
             f"DeepSpeed cannot shard {type(model).__name__} with AutoTP ({str(error).strip()}); "
             f"run it with --world-size 1."
         ) from None
-    return engine.module  # BLOOM's ALiBi bias is sliced per rank where the model is called (accelgen.model.alibi)
+    return engine.module  # BLOOM's ALiBi bias is sliced per rank where the model is called (accelgen.model.transformers_adapter.alibi)
 
 
 def _injection_policy(model: torch.nn.Module) -> dict:

@@ -14,6 +14,7 @@ from accelgen.common.prompts import check_prompts
 from accelgen.generation.calibration import calibration_pass
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
+from accelgen.model.loaded_model import LoadedModel
 from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import init_process_group
 from accelgen.session.request import Request, build_request
@@ -51,8 +52,8 @@ def load_request(request: Request) -> Generator:
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     inject_fault_if_asked(world)
-    return Generator(model, loaded.tokenizer, accelerator, device, run, world, loaded.unsharded_parameter_bytes,
-                     loading_host_memory=loading_host_memory, placement=loaded.placement)
+    return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
+                                 loading_host_memory, loaded.placement), run)
 
 
 def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:

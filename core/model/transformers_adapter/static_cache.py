@@ -17,6 +17,7 @@ gets the head count wrong for multi-query models (Falcon) and sharded ones, and 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 
@@ -98,58 +99,66 @@ def _key_value_shapes(model: torch.nn.Module, device: torch.device) -> list[tupl
     return [(keys.shape[1], keys.shape[-1], values.shape[-1]) for keys, values in output.past_key_values]
 
 
-def rewind_static_cache(cache: StaticCache, length: int) -> None:
-    """Make the next write land at position ``length``, as if only ``length`` tokens had been written.
-
-    Graph capture may run the decode step to warm up; this undoes its advance of the write position.
-    Positions past ``length`` are overwritten before they are attended to, so their content is moot.
-    """
+def write_each_row_at(cache: StaticCache, write_positions: torch.Tensor) -> None:
+    """Make every layer of ``cache`` (B rows, made by :func:`new_static_cache`) write row b's keys and values
+    of a one-token step at position ``write_positions[b]`` ([B], read at every call), instead of at one
+    position for the whole batch, and return the whole cache to attend over."""
+    batch_size = cache.accelgen_batch_size
     for layer in cache.layers:
-        write_position = getattr(layer, "cumulative_length", None)
-        if isinstance(write_position, torch.Tensor):
-            write_position.fill_(length)
-        elif write_position is not None:
-            layer.cumulative_length = length
+        layer.update = _each_row_update(layer, write_positions, batch_size)
 
 
-
-class RowWrites:
-    """Where the slot cache's layers write: in a decode step, each row at its own ``write_positions`` [B] (the
-    slot step's buffer); while prompts are prefilled (``prompt_slots`` [k] set), prompt k's keys and values
-    into row ``prompt_slots[k]``, positions [0, P)."""
-
-    def __init__(self, write_positions: torch.Tensor):
-        self.write_positions = write_positions
-        self.prompt_slots: torch.Tensor | None = None
-
-
-def write_rows_separately(cache: StaticCache, write_positions: torch.Tensor) -> RowWrites:
-    """Make every layer of ``cache`` (B rows, made by :func:`new_static_cache`) write each row where the
-    returned :class:`RowWrites` says, instead of at one position for the whole batch: the cache of the slot
-    step, whose rows hold prompts inserted at different times."""
-    rows = RowWrites(write_positions)
-    for layer in cache.layers:
-        layer.update = _row_update(layer, rows, cache.accelgen_batch_size)
-    return rows
-
-
-def _row_update(layer, rows: RowWrites, batch_size: int):
+def _each_row_update(layer, write_positions: torch.Tensor, batch_size: int):
     def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """A prefill's key_states [k, heads, P, dim] -> themselves (the prompts attend within themselves);
-        a decode step's [B, heads, 1, dim] -> the layer's keys and values [B, heads, L, dim]."""
-        if not getattr(layer, "is_initialized", True):  # transformers >= 4.56: memory on first use, for B rows
-            layer.lazy_initialization(key_states[:1, :, :1].expand(batch_size, -1, -1, -1),
-                                      value_states[:1, :, :1].expand(batch_size, -1, -1, -1))
-            layer.is_initialized = True
+        """key_states [B, heads, 1, dim] -> the layer's keys and values [B, heads, L, dim]."""
+        _give_memory(layer, key_states, value_states, batch_size)
         key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
-        if rows.prompt_slots is not None:
-            length = key_states.shape[2]
-            layer.keys.narrow(2, 0, length).index_copy_(0, rows.prompt_slots, key_states)
-            layer.values.narrow(2, 0, length).index_copy_(0, rows.prompt_slots, value_states)
-            return key_states, value_states
-        index = rows.write_positions.view(-1, 1, 1, 1)
+        index = write_positions.view(-1, 1, 1, 1)
         layer.keys.scatter_(2, index.expand_as(key_states), key_states)
         layer.values.scatter_(2, index.expand_as(value_states), value_states)
         return layer.keys, layer.values
 
     return update
+
+
+def prompt_rows(cache: StaticCache, slots: torch.Tensor, whole_rows: bool) -> StaticCache:
+    """A view of ``cache`` to prefill k prompts through: the keys and values of prompt i [k, heads, P, dim] go to
+    positions [0, P) of row ``slots[i]`` ([k], read at every call) of ``cache``. The model attends over what
+    the view returns: the prompts' own keys and values (``whole_rows`` False, for a model given the core's
+    4D mask of P keys), or the whole rows [k, heads, L, dim] (for a model that sizes its mask from the cache).
+
+    A layer that takes its memory on first use (transformers >= 4.56) takes it for the cache's B rows: run one
+    prefill through a view before capturing anything over the cache (see :func:`needs_first_write`)."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for view_layer, layer in zip(view.layers, cache.layers):
+        view_layer.update = _prompt_rows_update(layer, slots, whole_rows, cache.accelgen_batch_size)
+    return view
+
+
+def _prompt_rows_update(layer, slots: torch.Tensor, whole_rows: bool, batch_size: int):
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        _give_memory(layer, key_states, value_states, batch_size)
+        key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
+        length = key_states.shape[2]
+        layer.keys.narrow(2, 0, length).index_copy_(0, slots, key_states)
+        layer.values.narrow(2, 0, length).index_copy_(0, slots, value_states)
+        if whole_rows:
+            return layer.keys.index_select(0, slots), layer.values.index_select(0, slots)
+        return key_states, value_states
+
+    return update
+
+
+def _give_memory(layer, key_states: torch.Tensor, value_states: torch.Tensor, batch_size: int) -> None:
+    """A layer that takes its memory on first use (transformers >= 4.56) takes it now, for ``batch_size`` rows."""
+    if not getattr(layer, "is_initialized", True):
+        layer.lazy_initialization(key_states[:1, :, :1].expand(batch_size, -1, -1, -1),
+                                  value_states[:1, :, :1].expand(batch_size, -1, -1, -1))
+        layer.is_initialized = True
+
+
+def needs_first_write(cache: StaticCache) -> bool:
+    """Whether ``cache``'s layers take their memory on their first write (transformers >= 4.56) and have not
+    yet: then one step must run through the cache before anything is captured over it."""
+    return not all(getattr(layer, "is_initialized", True) for layer in cache.layers)

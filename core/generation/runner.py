@@ -1,0 +1,246 @@
+"""The runner: the device side of the engine, which carries out the scheduler's plans.
+
+It owns the KV cache's memory (one :class:`~accelgen.model.transformers_adapter.static_cache.CacheStorage`,
+checked against the device's free memory before it grows), and for each cache length the slots are made
+for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the decode step's buffers
+(:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
+before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
+first time it is met. A later run of the same shapes replays what was captured. It never calls back up:
+what it needs (the model called on a cache, the accelerator, the settings) it is given when made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from typing import Callable, Iterator
+
+import torch
+
+from accelgen.common.errors import GraphCaptureWarning, first_line
+from accelgen.common.settings import RunSettings, World
+from accelgen.generation import decoding
+from accelgen.generation.scheduler import Insertion
+from accelgen.generation.stats import GenerationStats
+from accelgen.model.memory import check_cache_fits
+from accelgen.model.transformers_adapter.forward import ModelForward
+from accelgen.model.transformers_adapter.static_cache import (
+    CacheStorage,
+    needs_first_write,
+    new_static_cache,
+    prompt_rows,
+    write_each_row_at,
+)
+from accelgen.plugin.contract import Accelerator
+
+
+class PrefillShape:
+    """The fixed-address buffers of one prefill shape (k rows, a bucket of P tokens), and its step. Iterating
+    gives the buffers in the order the step takes them."""
+
+    def __init__(self, rows: int, bucket_length: int, device: torch.device):
+        longs = decoding.long_zeros(device)
+        self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
+        self.prompt_mask = longs(rows, bucket_length)  # [k, P] 1 = real token
+        self.row_indices = longs(rows)  # [k] the prompt numbers
+        self.slots = longs(rows)  # [k] the cache rows the prompts go to
+        self.first_tokens = longs(rows)  # [k] each prompt's first new token
+        self.step: Callable[..., object] | None = None
+
+    def __iter__(self):
+        return iter((self.input_ids, self.prompt_mask, self.row_indices, self.slots, self.first_tokens))
+
+
+class SlotShape:
+    """Everything the slots need for one cache length, kept while the storage it views lives."""
+
+    def __init__(self, cache, state: decoding.DecodeState, forward: decoding.Forward):
+        self.cache = cache  # [B, heads, L, head_dim] per layer
+        self.state = state
+        self.forward = forward  # the model on this cache
+        self.decode_step: Callable[..., object] | None = None  # decode_step(*state): captured, or plain
+        self.prefill_shapes: dict[tuple[int, int], PrefillShape] = {}
+
+
+class SlotRunner:
+    """Runs plans for ``run.batch_size`` slots of ``model_forward``'s model on ``accelerator``."""
+
+    def __init__(self, model_forward: ModelForward, accelerator: Accelerator, device: torch.device, run: RunSettings,
+                 world: World, rules: decoding.TokenRules, stats: GenerationStats):
+        self.forward, self.accelerator, self.device = model_forward, accelerator, device
+        self.run, self.world, self.rules, self.stats = run, world, rules, stats
+        self.model = model_forward.model
+        #: a model that sizes its own masks from the cache position needs every row at one position
+        self.rows_aligned = not model_forward.builds_4d_mask
+        self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
+        self._storage: CacheStorage | None = None
+        self._shapes: dict[int, SlotShape] = {}  # by cache length
+        self.shape: SlotShape | None = None  # the one in use
+
+    @property
+    def cache_length_in_use(self) -> int | None:
+        """Positions per row of the KV cache memory held (its largest cache), None before any."""
+        return self._storage.capacity if self._storage else None
+
+    # -- the plan's parts, in order -----------------------------------------------------------------
+
+    def use_bucket(self, bucket: int) -> None:
+        """Slots for prompts of up to ``bucket`` tokens (only called while no slot holds a row)."""
+        cache_length = bucket + self.run.max_new_tokens
+        if self.shape is not None and self.shape.state.attention_mask.shape[1] == cache_length:
+            return
+        self._make_room_for(cache_length)
+        if cache_length not in self._shapes:
+            self._shapes[cache_length] = self._new_shape(cache_length)
+        self.shape = self._shapes[cache_length]
+
+    def insert(self, insertion: Insertion) -> None:
+        """Prefill the insertion's rows in one bucketed shape (its step captured the first time it is met),
+        their keys and values into their slots' rows of the cache, and start them (first token chosen)."""
+        shape = self.shape
+        key = (insertion.shape_rows, insertion.bucket_length)
+        prefill_shape = shape.prefill_shapes.get(key)
+        fresh = prefill_shape is None
+        if fresh:
+            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
+        with self._timed("prefill_seconds"):
+            rows, slots = insertion.rows, insertion.slots
+            padding = insertion.shape_rows - len(rows)  # padding rows repeat the first: the same values, written twice
+            input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in rows], insertion.bucket_length,
+                                                       insertion.shape_rows, self.rules.pad_token_id)
+            prefill_shape.input_ids.copy_(input_ids)
+            prefill_shape.prompt_mask.copy_(prompt_mask)
+            prefill_shape.slots.copy_(torch.tensor(slots + slots[:1] * padding))
+            prefill_shape.row_indices.copy_(torch.tensor([row.number for row in rows] + [rows[0].number] * padding))
+            if fresh:
+                prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
+                                                    "prefill_captures")
+            prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
+            count = len(rows)
+            decoding.insert_rows(shape.state, prefill_shape.slots[:count], prefill_shape.first_tokens[:count],
+                                 prefill_shape.prompt_mask[:count], prefill_shape.row_indices[:count], self.rules)
+            self.accelerator.mark_step()
+        self.stats.prefills += 1
+        self.stats.prefill_rows += insertion.shape_rows
+        self.stats.slot_tokens += insertion.shape_rows
+
+    def decode(self, steps: int) -> None:
+        """Replay the decode step ``steps`` times (timed up to the next look, which reads the device)."""
+        shape = self.shape
+        self._decode_started = time.perf_counter()
+        for _ in range(steps):
+            shape.decode_step(*shape.state)
+            self.accelerator.mark_step()
+        self.stats.decode_steps += steps
+        self.stats.slot_tokens += self.run.batch_size * steps
+
+    def finished_slots(self) -> list[bool]:
+        """Which slots' rows have ended: the one wait for the device between two plans."""
+        finished = self.shape.state.finished.tolist()
+        self.stats.decode_seconds += time.perf_counter() - self._decode_started
+        return finished
+
+    def new_tokens(self, slots: list[int]) -> list[list[int]]:
+        """The new tokens of ``slots``' rows (padding after each row's end)."""
+        return self.shape.state.new_tokens[slots, : self.run.max_new_tokens].tolist()
+
+    # -- shapes -------------------------------------------------------------------------------------
+
+    def _new_shape(self, cache_length: int) -> SlotShape:
+        """The cache, buffers and forward of slots with ``cache_length`` positions per row."""
+        cache = new_static_cache(self.model, cache_length, self.run.torch_dtype, self.device, self._storage)
+        self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
+        state = decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device)
+        write_each_row_at(cache, state.write_positions)
+        shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache))
+        if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
+            one = torch.ones((1, 1), dtype=torch.long, device=self.device)
+            first = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._forward_into_rows(cache, cache_length, first)(one * self.rules.pad_token_id, one, one * 0, first)
+            self.accelerator.mark_step()
+        self._make_decode_step(shape)
+        return shape
+
+    def _make_decode_step(self, shape: SlotShape) -> None:
+        """The shape's decode step, captured before any row is in it (a warm-up run harms nothing then), or
+        plain; none when no row takes a decode step."""
+        if self.run.max_new_tokens <= 1:
+            return
+        forward, rules, rows_aligned = shape.forward, self.rules, self.rows_aligned
+
+        def decode_step(*buffers: torch.Tensor) -> torch.Tensor:
+            return decoding.decode_one_token(forward, decoding.DecodeState(*buffers), rules, rows_aligned)
+
+        shape.decode_step = self._captured(decode_step, tuple(shape.state), "graph_captures")
+
+    def _prefill_step(self, prefill_shape: PrefillShape) -> Callable[..., torch.Tensor]:
+        """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
+        named by its ``slots``, each prompt's first token into its ``first_tokens``."""
+        rules = self.rules
+        forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
+
+        def prefill_step(input_ids, prompt_mask, row_indices, slots, first_tokens):
+            return first_tokens.copy_(decoding.prefill(forward, input_ids, prompt_mask, row_indices, rules))
+
+        return prefill_step
+
+    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor) -> decoding.Forward:
+        """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache``."""
+        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, whole_rows=self.rows_aligned))
+        if not self.rows_aligned:
+            return on_view
+
+        def forward(input_ids, prompt_mask, position_ids, cache_position):
+            # the model attends over whole cache rows, with a mask sized to match
+            mask = torch.nn.functional.pad(prompt_mask, (0, cache_length - prompt_mask.shape[1]))
+            return on_view(input_ids, mask, position_ids, cache_position)
+
+        return forward
+
+    def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...], counter: str) -> Callable:
+        """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else ``step``
+        itself. Any failure to capture other than running out of memory leaves steps eager, with one warning:
+        the eager step runs the very same code, so a real bug in it still surfaces there, as itself."""
+        if not self.run.use_graphs or self.capture_failure is not None:
+            return step
+        started = time.perf_counter()
+        try:
+            captured = self.accelerator.capture(step, buffers, self.run)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            if self.accelerator.is_out_of_memory(error):
+                raise
+            self.capture_failure = first_line(error)
+            warnings.warn(
+                f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
+                f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
+                f"slower (pass --no-graphs to skip the attempt)",
+                GraphCaptureWarning, stacklevel=2,
+            )
+            return step
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self.stats.capture_seconds += time.perf_counter() - started
+        return captured
+
+    def _make_room_for(self, cache_length: int) -> None:
+        """A cache storage of at least ``cache_length`` positions, checked against the device's free memory. A
+        larger one replaces the old, and the shapes whose caches (and graphs) lived in the old one go first."""
+        if self._storage is not None and cache_length <= self._storage.capacity:
+            return
+        self._shapes.clear()
+        self.shape = self._storage = None
+        check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=self.run.batch_size, cache_length=cache_length,
+                         world_size=self.world.size, device_name=self.accelerator.name,
+                         free_bytes=self.accelerator.memory_stats().get("free_bytes"),
+                         device_is_host=self.accelerator.shares_host_memory)
+        self._storage = CacheStorage(self.run.batch_size, cache_length)
+
+    @contextlib.contextmanager
+    def _timed(self, field: str) -> Iterator[None]:
+        """Add the block's device-synchronised seconds to ``stats.<field>``."""
+        self.accelerator.synchronize()
+        started = time.perf_counter()
+        yield
+        self.accelerator.synchronize()
+        setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - started)

@@ -1,0 +1,188 @@
+"""The scheduler: which rows run in which slots, decided on the host without touching the device.
+
+Rows come in as :class:`Row` objects (their number, prompt ids, prompt bucket, budget of decode steps) and
+wait; :meth:`Scheduler.plan` puts waiting rows into free slots and says, in a plain :class:`Plan`, which
+cache length the slots need, which rows a prefill inserts into which slots, and how many decode steps run
+before the host looks again. After each look, :meth:`Scheduler.collect` names the slots whose rows can be
+read back and :meth:`Scheduler.finish` frees them and gives out, in the order the rows came in, every row
+whose predecessors are all done. The runner (``accelgen.generation.runner``) carries the plan out.
+
+Two policies of the same scheduler:
+
+A row that cannot end early (``--ignore-eos``) ends when its budget does: the host then looks only when the
+next row ends.
+
+- ``continuous``: a finished row's slot takes the next waiting row at the next look. Rows are read only as
+  slots free up (for a data-parallel replica, reading a row is taking it from the others), and a row starts
+  only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the oldest row not yet given out,
+  which bounds the finished rows held back for order. The cache holds the largest bucket met so far; a row
+  that needs more waits until the slots are empty, and the slots are then made anew for it.
+- ``static``: fixed batches. B rows are inserted together into empty slots, in one prefill, with a cache
+  sized for that batch's bucket; no slot is refilled until every row of the batch has ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from accelgen.common.errors import UsageError
+from accelgen.common.prompts import PromptError
+from accelgen.generation.decoding import choose_bucket
+
+#: Decode steps between two looks at which rows have finished (each look waits for the device), per policy:
+#: a finished row's slot idles until the next look; a fixed batch only stops early at one.
+LOOK_INTERVAL = {"continuous": 4, "static": 8}
+#: How many rows ahead of the oldest row not yet given out a row may start, in multiples of the slot count.
+READ_AHEAD_SLOTS = 4
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """One prompt on its way through the slots."""
+
+    place: int  # its place among the rows given to one run: results come out in this order
+    number: int  # its prompt number: keys its sampling draws, names it in errors
+    prompt_ids: list[int]
+    bucket: int  # the prompt bucket it is padded to
+    budget: int  # decode steps it may still take (its first token comes from the prefill)
+    state: str = "waiting"  # -> "running" -> "finished"
+    slot: int | None = None
+    new_tokens: list[int] | None = None  # read back once finished: its new tokens, padding after its end
+
+
+@dataclasses.dataclass(frozen=True)
+class Insertion:
+    """Prefill ``rows`` (as one shape of ``shape_rows`` rows of ``bucket_length`` tokens) into ``slots``."""
+
+    rows: list[Row]
+    slots: list[int]
+    shape_rows: int
+    bucket_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the runner does before the host looks again, in this order."""
+
+    cache_bucket: int  # the slots must hold prompts of this bucket (made anew when they hold another)
+    insertion: Insertion | None
+    steps: int  # decode steps
+
+
+class Scheduler:
+    """Rows into ``slots`` slots, by ``policy`` ("continuous" or "static")."""
+
+    def __init__(self, slots: int, policy: str, buckets: tuple[int, ...], context_limit: int | None, max_new_tokens: int,
+                 rows_end_early: bool):
+        self.slots, self.policy, self.max_new_tokens = slots, policy, max_new_tokens
+        #: whether a row may end before its budget (at end-of-sequence); if not, the host knows every row's end
+        #: and looks only then
+        self.rows_end_early = rows_end_early
+        self.buckets, self.context_limit = tuple(sorted(buckets)), context_limit
+        self.waiting: collections.deque[Row] = collections.deque()
+        self.running: dict[int, Row] = {}  # by slot
+        self.finished: dict[int, Row] = {}  # by place: ended, held until every row before it is given out
+        self.cache_bucket: int | None = None
+        self._places = 0  # rows added so far
+        self._next_out = 0  # the place of the next row to give out
+
+    # -- rows in ----------------------------------------------------------------------------------------
+
+    def room(self) -> int:
+        """How many more rows to read now: what the free slots can start, less the rows already waiting."""
+        return max(0, self.slots - len(self.running) - len(self.waiting))
+
+    def add(self, number: int, prompt_ids: list[int]) -> Row:
+        """A new waiting row; a prompt too long for every bucket or the model's context is refused, by number."""
+        try:
+            bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
+        except UsageError as error:
+            raise PromptError(number, f": {error}") from None
+        row = Row(self._places, number, prompt_ids, bucket, budget=self.max_new_tokens - 1)
+        self._places += 1
+        self.waiting.append(row)
+        return row
+
+    @property
+    def idle(self) -> bool:
+        """No row waits or runs."""
+        return not self.waiting and not self.running
+
+    # -- the plan ---------------------------------------------------------------------------------------
+
+    def plan(self) -> Plan | None:
+        """What to run next; None when no row waits or runs. Commits the plan's steps to the rows' budgets."""
+        if self.idle:
+            return None
+        insertion = self._insertion()
+        if insertion is None and not self.running:  # the next row needs larger slots: the slots are empty
+            self.cache_bucket = self._bucket_for_next_rows()
+            insertion = self._insertion()
+        budgets = [row.budget for row in self.running.values()]
+        if self.rows_end_early:
+            steps = min(LOOK_INTERVAL[self.policy], max(budgets, default=0))
+        else:  # until the next row ends (with fixed batches, until the batch ends)
+            ends = [budget for budget in budgets if budget > 0] or [0]
+            steps = max(ends) if self.policy == "static" else min(ends)
+        for row in self.running.values():
+            row.budget = max(0, row.budget - steps)
+        return Plan(self.cache_bucket, insertion, steps)
+
+    def _insertion(self) -> Insertion | None:
+        """Waiting rows into free slots, as the policy allows; None when none goes in."""
+        if self.policy == "static":
+            if self.running or not self.waiting:
+                return None
+            self.cache_bucket = self._bucket_for_next_rows()
+        elif self.cache_bucket is None:
+            self.cache_bucket = self._bucket_for_next_rows()
+        free = [slot for slot in range(self.slots) if slot not in self.running]
+        limit = self._next_out + READ_AHEAD_SLOTS * self.slots
+        rows = []
+        while self.waiting and len(rows) < len(free) and self.waiting[0].place < limit:
+            if self.waiting[0].bucket > self.cache_bucket:
+                break  # wait for the slots to empty, then grow
+            rows.append(self.waiting.popleft())
+        if not rows:
+            return None
+        slots = free[: len(rows)]
+        for slot, row in zip(slots, rows):
+            row.state, row.slot = "running", slot
+            self.running[slot] = row
+        return Insertion(rows, slots, _prefill_rows(len(rows), self.slots), max(row.bucket for row in rows))
+
+    def _bucket_for_next_rows(self) -> int:
+        """The bucket slots made now hold: the largest among the rows that can fill them."""
+        return max(row.bucket for row in list(self.waiting)[: self.slots])
+
+    # -- rows out ---------------------------------------------------------------------------------------
+
+    def collect(self, finished_slots: list[bool]) -> list[int]:
+        """Given which slots' rows have ended (read from the device at a look), the slots to read back now:
+        every ended row's, or with fixed batches only once the whole batch has ended."""
+        ended = [slot for slot in self.running if finished_slots[slot]]
+        if self.policy == "static" and len(ended) < len(self.running):
+            return []
+        return sorted(ended)
+
+    def finish(self, new_tokens: dict[int, list[int]]) -> list[Row]:
+        """Free the slots of ``new_tokens`` (slot -> the row's tokens read back) and return the rows now ready
+        to give out, in the order they came in."""
+        for slot, tokens in new_tokens.items():
+            row = self.running.pop(slot)
+            row.state, row.slot, row.new_tokens = "finished", None, tokens
+            self.finished[row.place] = row
+        ready = []
+        while self._next_out in self.finished:
+            ready.append(self.finished.pop(self._next_out))
+            self._next_out += 1
+        return ready
+
+
+def _prefill_rows(rows: int, slots: int) -> int:
+    """The row count of the prefill shape for ``rows`` prompts: the next power of two, at most ``slots``."""
+    shape_rows = 1
+    while shape_rows < rows:
+        shape_rows *= 2
+    return min(shape_rows, slots)

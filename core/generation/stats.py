@@ -1,0 +1,39 @@
+"""What a generator did, counted the same way whatever the batching."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class BatchTiming:
+    """Device-synchronised timings of one call of the generator (all the rows it was given)."""
+
+    prefill_seconds: float  # prefill forward passes, first tokens and insertions into slots
+    decode_seconds: float  # decode steps, and the looks at which rows have finished
+    decode_steps: int  # decode steps taken
+
+    @property
+    def seconds_per_decode_step(self) -> float:
+        return self.decode_seconds / max(self.decode_steps, 1)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    graph_captures: int = 0  # decode steps captured (one per cache length the slots were made for)
+    prefill_captures: int = 0  # prefill steps captured (one per prefill shape: row count and bucket)
+    capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
+    batches: int = 0  # times rows were given out (a fixed batch; continuous: the rows ready at one look)
+    prefills: int = 0  # prefill forward passes (each inserts one or more rows into free slots)
+    prefill_rows: int = 0  # rows of the prefill shapes run, padding rows included
+    decode_steps: int = 0  # decode steps taken
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    new_tokens: int = 0  # tokens given out: each row's new tokens up to its end
+    slot_tokens: int = 0  # token places computed: rows of every prefill shape and every slot of every step
+    timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
+
+    @property
+    def slot_occupancy(self) -> float | None:
+        """The share of computed token places that produced a kept token."""
+        return self.new_tokens / self.slot_tokens if self.slot_tokens else None
