@@ -105,7 +105,7 @@ def decode_step_bytes(generator: Generator, batch_size: int, prompt_tokens: int,
 
 def prompt_token_count(generator: Generator, prompt: str) -> int:
     """How many tokens ``prompt`` is for this generator's tokenizer (after any truncation)."""
-    return len(generator.tokenize([prompt])[0][0])
+    return len(generator.text.encode([prompt])[0][0])
 
 
 def roofline_percent(step_bytes: int, peak_bandwidth_gbps: float | None, seconds_per_step: float) -> float | None:

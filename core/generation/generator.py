@@ -22,7 +22,6 @@ from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row, Scheduler
 from accelgen.generation.stats import BatchTiming, GenerationStats
 from accelgen.generation.text import Completion, PromptCodec, eos_token_ids
-from accelgen.model.architectures import architecture_of
 from accelgen.model.loaded_model import LoadedModel
 from accelgen.model.shape import context_limit
 from accelgen.model.transformers_adapter.forward import ModelForward
@@ -39,15 +38,20 @@ class Generator:
         self.world = loaded.world
         self.stats = GenerationStats()
         self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens)
+        forward = ModelForward(self.model, self.world, run.torch_dtype)
         #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
-        self.batching = self._batching_mode()
+        self.batching = "static" if forward.builds_4d_mask is False and run.batching == "continuous" else run.batching
+        if self.batching != run.batching:
+            warnings.warn(AccelgenWarning(
+                f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "
+                f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
+                stacklevel=2)
         eos_ids = eos_token_ids(self.model, self.tokenizer)
         self._eos_token_id_set = set(eos_ids)
         rules = decoding.TokenRules(
             sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos,
         )
-        forward = ModelForward(self.model, self.world, run.torch_dtype)
         self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats)
 
     def with_batch_size(self, batch_size: int) -> "Generator":
@@ -96,10 +100,6 @@ class Generator:
                 completions.append(self.text.completion(row.number, prompt, row.prompt_ids, truncated, tokens, reason))
             yield completions
 
-    def tokenize(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
-        """Token ids per prompt (truncated to ``run.max_input_tokens``), and which prompts were truncated."""
-        return self.text.encode(prompts, first_index)
-
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
         rows = [row for ready in self._run_rows(enumerate((list(ids) for ids in prompts), start=first_index)) for row in ready]
@@ -138,17 +138,6 @@ class Generator:
                                          stats.decode_steps - before[2]))
         if source_error is not None:
             raise source_error
-
-    def _batching_mode(self) -> str:
-        """``run.batching``, or "static" (with one warning) for a model that does not take the core's 4D
-        attention mask, which alone lets rows inserted at different times share the step."""
-        if self.run.batching != "continuous" or architecture_of(self.model.config).takes_4d_mask:
-            return self.run.batching
-        warnings.warn(AccelgenWarning(
-            f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "
-            f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
-            stacklevel=3)
-        return "static"
 
     def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:
         """The new tokens up to and including the first EOS (all of them with ignore_eos)."""

@@ -13,6 +13,8 @@ Each workaround names the releases or families it is for, so that it can be drop
 - :mod:`.forward`: the model called with static-shape inputs. Hugging Face's mask helpers differ by release and
   some copy host data on every call (5.17's ``eager_mask``; 4.x BLOOM's ALiBi slopes), which no captured graph
   can hold, so for the families of ``accelgen.model.architectures`` the core builds the 4D additive mask itself.
+  newer transformers 5.x releases (5.24 here; not 5.17) renamed the forward's ``past_key_values`` to ``cache``
+  (the old name warns, and goes in 5.40).
 - :mod:`.alibi`: BLOOM (4.x builds its ALiBi slopes from host data in every forward pass; under tensor
   parallelism each rank must add only its own heads' slopes).
 - :mod:`.falcon`: Falcon's multi-query head split indexes with a Python list, a host copy on every call

@@ -36,6 +36,8 @@ class ModelForward:
         if architecture.make_capturable:
             architecture.make_capturable(model, world)
         self._takes_position_ids = forward_accepts(model, "position_ids")
+        # newer 5.x releases (5.24; not 5.17) renamed ``past_key_values`` to ``cache``: the old name warns
+        self._cache_keyword = "cache" if forward_accepts(model, "cache") else "past_key_values"
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache) -> torch.Tensor:
@@ -44,7 +46,7 @@ class ModelForward:
             attention_mask=additive_causal_mask(attention_mask, cache_position, self.dtype)
             if self.builds_4d_mask
             else attention_mask,
-            past_key_values=cache,
+            **{self._cache_keyword: cache},
             cache_position=cache_position,
             use_cache=True,
         )
