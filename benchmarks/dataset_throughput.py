@@ -15,19 +15,29 @@ Contenders, in one process, interleaved round by round (machine noise hits all a
     hf_generate          Hugging Face generate() over padded batches of the same size
     hf_generate_batch    Hugging Face generate_batch() (transformers 5.x continuous batching, paged attention)
 
+With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
+a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
+others, so a change of the engine is measured against the code before it in the same run. Every accelgen
+contender also reports its decode step (ms per step: decode time over decode steps).
+
 Kept tokens are each row's new tokens up to its end; slot occupancy (accelgen) is kept tokens over the token
 places computed. accelgen's two modes write the same text (same seed); Hugging Face draws its own samples.
 
     python benchmarks/dataset_throughput.py                            # 192 prompts, batch 16, 128-token cap
     python benchmarks/dataset_throughput.py --prompts 64 --rounds 1    # quick look
+    python benchmarks/dataset_throughput.py --baseline HEAD~1          # against the previous commit's fixed batches
     python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,12 +84,55 @@ def accelgen_contender(folder, arguments, batching):
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching)
 
     def run(prompts):
-        before = (generator.stats.new_tokens, generator.stats.slot_tokens)
+        stats = generator.stats
+        before = (stats.new_tokens, stats.slot_tokens, len(stats.timings))
         completions = generator.generate(prompts)
-        kept, places = generator.stats.new_tokens - before[0], generator.stats.slot_tokens - before[1]
-        return [len(completion.completion_token_ids) for completion in completions], kept / places
+        kept, places = stats.new_tokens - before[0], stats.slot_tokens - before[1]
+        timings = stats.timings[before[2]:]  # one per batch or one per call, as the version counts them
+        step_ms = 1000 * sum(timing.decode_seconds for timing in timings) / max(sum(timing.decode_steps for timing in timings), 1)
+        return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms
 
     return run
+
+
+def baseline_contender(folder, arguments, scratch: Path):
+    """accelgen's fixed batches at commit ``arguments.baseline``, in a worker process driven round by round."""
+    tree = scratch / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), arguments.baseline], check=True,
+                   capture_output=True, cwd=Path(__file__).resolve().parent)
+    imports = scratch / "baseline-imports"
+    imports.mkdir()
+    for package, where in (("accelgen", "core"), ("accelgen_cpu", "plugins/cpu")):
+        (imports / package).symlink_to(tree / where)
+    environment = {**os.environ, "PYTHONPATH": str(imports)}
+    worker = subprocess.Popen([sys.executable, __file__, "--worker", str(folder), *sys.argv[1:]], env=environment,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(prompts):
+        worker.stdin.write(json.dumps(prompts) + "\n")
+        worker.stdin.flush()
+        while not (line := worker.stdout.readline()).startswith("["):  # libraries' own prints pass by
+            if not line:
+                raise RuntimeError(f"the baseline worker ({arguments.baseline}) ended")
+        return tuple(json.loads(line))
+
+    def close():
+        worker.stdin.close()
+        worker.wait()
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], capture_output=True,
+                       cwd=Path(__file__).resolve().parent)
+
+    return run, close
+
+
+def serve_as_worker(folder: str, arguments) -> None:
+    """The baseline's side: accelgen (as imported from PYTHONPATH) runs each line's prompts, answers one line."""
+    import accelgen as imported
+
+    assert Path(imported.__file__).resolve().parent != Path(__file__).resolve().parent.parent / "core"
+    run = accelgen_contender(folder, arguments, "static")
+    for line in sys.stdin:
+        print(json.dumps(run(json.loads(line))), flush=True)
 
 
 def hugging_face_contender(folder, arguments, ending, continuous: bool):
@@ -99,13 +152,13 @@ def hugging_face_contender(folder, arguments, ending, continuous: bool):
             with torch.no_grad():
                 output = model.generate(**inputs, generation_config=config)
             lengths += [kept_length(row, ending_set) for row in output[:, inputs.input_ids.shape[1] :].tolist()]
-        return lengths, None
+        return lengths, None, None
 
     def run_continuous(prompts):
         inputs = [tokenizer(prompt)["input_ids"] for prompt in prompts]
         with torch.no_grad():
             outputs = model.generate_batch(inputs=inputs, generation_config=config)
-        return [kept_length(output.generated_tokens, ending_set) for output in outputs.values()], None
+        return [kept_length(output.generated_tokens, ending_set) for output in outputs.values()], None, None
 
     return run_continuous if continuous else run_padded
 
@@ -123,8 +176,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--baseline", help="a git revision whose fixed batches run as a contender too")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.worker:
+        serve_as_worker(arguments.worker, arguments)
+        return
     names = arguments.contenders.split(",")
+    closers = []
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
@@ -135,31 +194,39 @@ def main() -> None:
                 contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
             else:
                 contenders[name] = hugging_face_contender(folder, arguments, ending, continuous=name == "hf_generate_batch")
+        if arguments.baseline:
+            names.append("baseline_static")
+            contenders["baseline_static"], close = baseline_contender(folder, arguments, Path(scratch))
+            closers.append(close)
         for run in contenders.values():  # warm-up: captures, compilation, allocator
             run(prompts[: arguments.batch_size])
         results = {name: [] for name in names}
         for _ in range(arguments.rounds):
             for name, run in contenders.items():
                 started = time.perf_counter()
-                lengths, occupancy = run(prompts)
+                lengths, occupancy, step_ms = run(prompts)
                 seconds = time.perf_counter() - started
-                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy))
+                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy, step_ms))
+        for close in closers:
+            close()
 
     print(f"workload: {len(prompts)} prompts of 3-40 words, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
           f"new tokens, ending set of {len(ending)} tokens; Llama {arguments.layers} layers, hidden {arguments.hidden}, "
           f"{arguments.dtype} on {arguments.device}, {torch.get_num_threads()} threads; medians of {arguments.rounds} round(s)")
-    print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | vs static |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | decode step ms | vs static |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     static_rate = statistics.median(rate for rate, *_ in results["accelgen_static"]) if "accelgen_static" in results else None
     for name, rows in results.items():
         rate = statistics.median(row[0] for row in rows)
         seconds = statistics.median(row[1] for row in rows)
         lengths = rows[-1][2]
         occupancy = rows[-1][3]
+        step_ms = None if rows[-1][4] is None else statistics.median(row[4] for row in rows)
         at_cap = sum(length == arguments.max_new_tokens for length in lengths) / len(lengths)
         print(f"| {name} | {rate:.0f} | {seconds:.2f} | {sum(lengths)} | {statistics.mean(lengths):.1f} / "
               f"{statistics.median(lengths):.0f} | {100 * at_cap:.0f}% | "
               f"{'' if occupancy is None else f'{100 * occupancy:.0f}%'} | "
+              f"{'' if step_ms is None else f'{step_ms:.2f}'} | "
               f"{'' if not static_rate else f'{rate / static_rate:.2f}x'} |")
 
 

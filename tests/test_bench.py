@@ -16,6 +16,7 @@ from accelerators import CapturingCpu, plugin_manager_with
 from accelgen.bench.protocol import PUBLISHED_PROMPT
 from accelgen.bench.result_file import SCHEMA, SCHEMA_VERSION
 from accelgen.cli import main
+from accelgen.generation.decoding import DecodeState
 from accelgen.loading.random_weights import resolve_model_config
 from accelgen.model.empty_model import empty_model
 from accelgen_cpu import CpuAccelerator
@@ -102,7 +103,8 @@ class ClockedCpu(CapturingCpu):
 
     def capture(self, step, example_inputs, run):
         def replay(*inputs):
-            self.clock.now += self.step_seconds
+            if len(inputs) == len(DecodeState._fields):  # the decode step (a captured prefill is timed as a prefill)
+                self.clock.now += self.step_seconds
             return step(*inputs)
 
         return replay

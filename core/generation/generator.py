@@ -40,7 +40,7 @@ class Generator:
         self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
-        self.batching = "static" if forward.builds_4d_mask is False and run.batching == "continuous" else run.batching
+        self.batching = "static" if not forward.builds_4d_mask and run.batching == "continuous" else run.batching
         if self.batching != run.batching:
             warnings.warn(AccelgenWarning(
                 f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "

@@ -78,6 +78,7 @@ class SlotRunner:
         self._storage: CacheStorage | None = None
         self._shapes: dict[int, SlotShape] = {}  # by cache length
         self.shape: SlotShape | None = None  # the one in use
+        self._decode_started = 0.0  # when the decode steps up to the next look began
 
     @property
     def cache_length_in_use(self) -> int | None:
