@@ -72,7 +72,7 @@ def test_an_offloaded_model_generates_what_hugging_face_generates(four_layer_mod
     model = four_layer_model(architecture)
     assert model.bytes > CAP
     generator = offloaded(model)
-    placement = generator.placement
+    placement = generator.loaded.placement
     # the cap holds the weights kept on the device, the room for the largest layer and one batch's cache
     assert 0 < placement.device_bytes < CAP and placement.disk_bytes > 0 and placement.host_bytes == 0
     assert placement.device_bytes + placement.disk_bytes == model.bytes
@@ -88,7 +88,7 @@ def test_seeded_sampling_with_offload_is_the_sampling_without(four_layer_model):
     model = four_layer_model("llama")
     sampling = dict(do_sample=True, seed=7, temperature=1.3, batch_size=2)
     generator = offloaded(model, cap=2**20, **sampling)  # room for the cache of two rows
-    assert generator.placement.disk_bytes > 0
+    assert generator.loaded.placement.disk_bytes > 0
     with_offload = token_ids(generator.generate(PROMPTS))
     assert with_offload == token_ids(offloaded(model, cap=2**20, **sampling).generate(PROMPTS))
     assert with_offload == token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu",
@@ -104,7 +104,7 @@ def test_offloaded_weights_written_to_a_folder_are_read_from_it_and_removed_afte
     for path in run_folder.glob("offloaded-*.safetensors"):
         with safe_open(path, framework="pt") as file:
             written.update({name: file.get_tensor(name).numel() * 4 for name in file.keys()})
-    assert sum(written.values()) == generator.placement.disk_bytes
+    assert sum(written.values()) == generator.loaded.placement.disk_bytes
     assert token_ids(generator.generate(PROMPTS)) == reference_completions(str(model.folder), PROMPTS)
     del generator
     import gc
@@ -278,7 +278,7 @@ def test_int8_layers_offloaded_through_a_folder_generate_what_int8_without_offlo
                                            quantize="int8", max_new_tokens=NEW_TOKENS))
     folder = tmp_path / "offload"
     generator = offloaded(model, cap=INT8_CAP, dtype="float32", quantize="int8", offload_folder=str(folder))
-    placement = generator.placement
+    placement = generator.loaded.placement
     assert placement.device_bytes > 0 and placement.disk_bytes > 0
     [run_folder] = folder.iterdir()
     written = {}
@@ -302,7 +302,7 @@ def test_a_pre_quantized_folder_is_offloaded_in_place(four_layer_model, tmp_path
     expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
                                            quantize="int8", max_new_tokens=NEW_TOKENS))
     generator = offloaded(Model(sharded, None), cap=INT8_CAP, dtype="float32", quantize="int8")
-    assert generator.placement.disk_bytes > 0
+    assert generator.loaded.placement.disk_bytes > 0
     assert token_ids(generator.generate(PROMPTS)) == expected
 
 
