@@ -249,6 +249,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_with_every_finished_row_kept_and_resumable(tmp_path, cli_environment):
     prompts = [argument for row in ROWS * 3 for argument in ("--prompt", row["text"])]
     command = [sys.executable, "-m", "accelgen.cli", "run", *QUICK, *prompts]

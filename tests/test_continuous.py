@@ -202,6 +202,7 @@ def test_bench_keeps_fixed_batches_unless_asked_and_records_the_occupancy(tiny_m
         assert row["slot_occupancy"] == 1.0  # the protocol ignores EOS: every token place is kept
 
 
+@pytest.mark.slow
 def test_a_sampled_continuous_run_killed_mid_way_resumes_to_the_uninterrupted_file(ending_model, tmp_path, cli_environment):
     """SIGKILL while slots hold rows at every stage: the rows written are a prefix in dataset order, and the
     same command writes the rest, equal to a run that was never stopped."""

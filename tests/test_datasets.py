@@ -111,6 +111,7 @@ def test_a_different_run_on_an_existing_output_is_refused_unless_overwriting(tab
     assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_without_losing_or_repeating_a_row(tmp_path, cli_environment):
     """SIGKILL a real run mid-way, tear its last line, start it again: the file equals an uninterrupted run's."""
     rows = [{"text": f"Chapter {number}: And it came to pass that the king"} for number in range(16)]

@@ -1,7 +1,4 @@
-"""The loop's small pure functions, and the rule that the core names no device."""
-
-import re
-from pathlib import Path
+"""The loop's small pure functions."""
 
 import pytest
 import torch
@@ -9,8 +6,6 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
 from accelgen.generation import decoding, sampling
-
-CORE = Path(__file__).resolve().parents[1] / "core"
 
 
 def test_choose_bucket_takes_the_smallest_that_fits():
@@ -81,14 +76,3 @@ def test_seeds_of_any_size_hash_into_the_draw():
         for seed in (timestamp_seed, timestamp_seed + 1, timestamp_seed)
     ]
     assert draws[0] == draws[2] != draws[1]
-
-
-def test_core_names_no_device_and_imports_no_device_library():
-    pattern = re.compile(r"torch\.cuda|habana|\bhpu\b|[\"']cuda[\"']|torch\.xpu|torch_npu")
-    offenders = [
-        f"{path.name}:{number}: {line.strip()}"
-        for path in CORE.glob("*.py")
-        for number, line in enumerate(path.read_text().splitlines(), start=1)
-        if pattern.search(line)
-    ]
-    assert offenders == []

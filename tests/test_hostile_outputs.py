@@ -328,6 +328,7 @@ def _with_stdout_closed(command: list[str], environment: dict) -> subprocess.Com
     return subprocess.CompletedProcess(command, process.wait(timeout=120), None, error)
 
 
+@pytest.mark.slow
 def test_a_run_whose_reader_goes_away_ends_quietly_and_keeps_its_rows(tmp_path, cli_environment):
     command = [*ACCELGEN, "run", "--device", "cpu", "--max-new-tokens", "3", "--batch-size", "1", *PROMPTS]
     reference = tmp_path / "reference.jsonl"

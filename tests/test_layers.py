@@ -15,19 +15,55 @@ LAYERS = {
 }
 
 
-def imported_packages(source: str) -> set[str]:
-    """The accelgen subpackages a module's code imports, wherever the import statement is."""
+def module_name(source: ast.expr) -> str | None:
+    """The module a call to ``importlib.import_module``, ``import_module`` or ``__import__`` imports, when the
+    call names it by a string literal (relative names resolved against a literal ``package=``), else None."""
+    if not isinstance(source, ast.Call) or not source.args:
+        return None
+    function = source.func
+    called = function.attr if isinstance(function, ast.Attribute) else function.id if isinstance(function, ast.Name) else ""
+    name = source.args[0]
+    if called not in ("import_module", "__import__") or not isinstance(name, ast.Constant) or not isinstance(name.value, str):
+        return None
+    if not name.value.startswith("."):
+        return name.value
+    package = next((keyword.value for keyword in source.keywords if keyword.arg == "package"), None)
+    if called != "import_module" or not isinstance(package, ast.Constant) or not isinstance(package.value, str):
+        return None
+    level = len(name.value) - len(name.value.lstrip("."))
+    return resolved(package.value, level, name.value[level:])
+
+
+def resolved(package: str, level: int, module: str | None) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in a module of ``package``."""
+    base = package.split(".")[: len(package.split(".")) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module name a module of ``package`` (``accelgen.loading``) imports, wherever the import is written:
+    import statements, relative ones resolved against ``package``, and ``importlib.import_module("...")`` /
+    ``__import__("...")`` with a string literal. ``from a import b`` counts as both ``a`` and ``a.b``."""
     found = set()
     for node in ast.walk(ast.parse(source)):
-        names = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "accelgen":
-                found.add(parts[1] if len(parts) > 1 else "")
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = resolved(package, node.level, node.module) if node.level else node.module
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif (name := module_name(node)) is not None:
+            found.add(name)
+    return found
+
+
+def imported_packages(source: str, package: str) -> set[str]:
+    """The layers of accelgen a module of ``package`` imports ("" for the ``accelgen`` facade itself)."""
+    found = set()
+    for name in imported_modules(source, package):
+        parts = name.split(".")
+        if parts[0] == "accelgen":
+            found.add(parts[1] if len(parts) > 1 else "")
     return found & (set(LAYERS) | {""})
 
 
@@ -35,10 +71,13 @@ def upward_imports(core: pathlib.Path) -> list[str]:
     """``module imports package`` for every import of a package that is not below the module's own."""
     problems = []
     for path in sorted(core.rglob("*.py")):
-        package = path.relative_to(core).parts[0]
+        parts = path.relative_to(core).parts
+        package = parts[0]
         if package not in LAYERS:
             continue  # core/__init__.py: the facade over every layer
-        for imported in imported_packages(path.read_text()):
+        # The package a module's relative imports start from: its folder (for __init__.py, the package itself).
+        module_package = ".".join(("accelgen",) + parts[:-1])
+        for imported in sorted(imported_packages(path.read_text(), module_package)):
             if imported == "":
                 problems.append(f"{path.relative_to(core)} imports the accelgen facade (import the layer itself)")
             elif imported != package and LAYERS[imported] >= LAYERS[package]:
@@ -55,15 +94,49 @@ def test_every_subpackage_of_core_is_a_layer():
     assert packages == set(LAYERS)
 
 
-@pytest.mark.parametrize("statement", [
-    "from accelgen.session.request import Request",
-    "import accelgen.jobs.progress",
-    "def f():\n    from accelgen.cli import main",
-    "from accelgen.generation import generator",
+@pytest.mark.parametrize(("statement", "layer"), [
+    ("from accelgen.session.request import Request", "session"),
+    ("import accelgen.jobs.progress", "jobs"),
+    ("def f():\n    from accelgen.cli import main", "cli"),
+    ("from accelgen.generation import generator", "generation"),
+    ("from ...session import request", "session"),
+    ("from ...jobs.progress import Progress", "jobs"),
+    ("import importlib\nimportlib.import_module('accelgen.bench.measure')", "bench"),
+    ("from importlib import import_module\ndef f():\n    return import_module('accelgen.session')", "session"),
+    ("import importlib\nimportlib.import_module('...cli', package='accelgen.loading.nested')", "cli"),
+    ("__import__('accelgen.jobs.progress')", "jobs"),
 ])
-def test_an_upward_import_is_found_wherever_it_is_written(tmp_path, statement):
-    layer = tmp_path / "loading"
-    layer.mkdir()
-    (layer / "__init__.py").write_text("")
-    (layer / "planted.py").write_text("from accelgen.common.errors import UsageError\n" + statement + "\n")
-    assert upward_imports(tmp_path) == [f"loading/planted.py imports accelgen.{statement.split('accelgen.')[1].split('.')[0].split()[0]}"]
+def test_an_upward_import_is_found_however_it_is_written(tmp_path, statement, layer):
+    plant_in_loading_nested(tmp_path, statement)
+    assert upward_imports(tmp_path) == [f"loading/nested/planted.py imports accelgen.{layer}"]
+
+
+def plant_in_loading_nested(core: pathlib.Path, statement: str) -> None:
+    """``core``/loading/nested/planted.py: imports its own layer and lower ones (absolute and relative), then
+    ``statement``."""
+    nested = core / "loading" / "nested"
+    nested.mkdir(parents=True)
+    (core / "loading" / "__init__.py").write_text("")
+    (nested / "__init__.py").write_text("")
+    allowed = "from accelgen.common.errors import UsageError\nfrom .. import weights\nfrom . import sibling\nfrom ...model import shape\n"
+    (nested / "planted.py").write_text(allowed + statement + "\n")
+
+
+def test_a_layer_imported_relatively_from_the_top_is_found_with_the_facade(tmp_path):
+    plant_in_loading_nested(tmp_path, "from ... import generation")  # as `from accelgen import generation`
+    assert upward_imports(tmp_path) == [
+        "loading/nested/planted.py imports the accelgen facade (import the layer itself)",
+        "loading/nested/planted.py imports accelgen.generation",
+    ]
+
+
+def test_a_relative_import_in_a_layers_own_init_starts_from_that_layer(tmp_path):
+    (tmp_path / "loading").mkdir()
+    (tmp_path / "loading" / "__init__.py").write_text("from . import weights\nfrom ..model import shape\nfrom ..jobs import progress\n")
+    assert upward_imports(tmp_path) == ["loading/__init__.py imports accelgen.jobs"]
+
+
+def test_the_layers_allowed_imports_are_not_reported(tmp_path):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("from ..jobs import runner\nimport importlib\nimportlib.import_module('accelgen.bench')\n")
+    assert upward_imports(tmp_path) == []

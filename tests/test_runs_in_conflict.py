@@ -120,6 +120,7 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_sigint_ends_a_tensor_parallel_job_with_exit_130_and_no_process_left(tiny_model_folder, tmp_path, cli_environment):
     pytest.importorskip("deepspeed")
     marker = str(tmp_path / "sigint-out.jsonl")  # in every rank's command line
@@ -140,6 +141,7 @@ def test_sigint_ends_a_tensor_parallel_job_with_exit_130_and_no_process_left(tin
     assert _processes_with(marker) == []
 
 
+@pytest.mark.slow
 def test_a_stale_deepspeed_build_lock_is_cleared_in_one_line_not_a_hang(tiny_model_folder, tmp_path, cli_environment):
     pytest.importorskip("deepspeed")
     from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
@@ -164,6 +166,7 @@ def test_a_stale_deepspeed_build_lock_is_cleared_in_one_line_not_a_hang(tiny_mod
                         f"it for ever"]
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_takes_its_ranks_with_it(tiny_model_folder, tmp_path, cli_environment):
     """SIGKILL to the launcher (no handler of its own can run): the ranks end too, none waits for ever."""
     pytest.importorskip("deepspeed")

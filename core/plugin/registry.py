@@ -105,7 +105,7 @@ def accelerator_problem(accelerator: object) -> str | None:
                 f"whose defaults fill in every optional member")
     name = getattr(accelerator, "name", "")
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
-        return f"registers {kind} with the name {name!r}: a device name is a word such as 'npu'"
+        return f"registers {kind} with the name {name!r}: a device name is one word of letters, digits, '_' and '-'"
     if name == AUTO_DEVICE:
         return f"registers {kind} with the name {name!r}, which --device keeps for the best available device"
     unknown_dtypes = [dtype for dtype in accelerator.supported_dtypes if dtype not in DTYPES]
