@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
 import accelgen
 from accelgen.cli import main
-from accelgen.generation.scheduler import LOOK_INTERVAL
 
 NEW_TOKENS = 16
 PROMPTS = [
@@ -167,11 +166,6 @@ def test_a_bad_batching_mode_is_one_line(capsys):
         accelgen.load(device="cpu", batching="dynamic")
 
 
-def test_the_check_interval_is_short_next_to_a_completion():
-    assert LOOK_INTERVAL["continuous"] <= NEW_TOKENS // 2
-
-
-@pytest.mark.slow
 def test_two_ranks_batch_continuously_as_one_process_does(ending_model, tmp_path, cli_environment):
     pytest.importorskip("deepspeed")
     folder, _ = ending_model("llama")
