@@ -67,3 +67,13 @@ def job_environment(cli_environment):
     """Environment of a job whose processes can be found afterwards by a unique marker
     (``test_tensor_parallel.processes_of``)."""
     return dict(cli_environment, ACCELGEN_TEST_JOB=uuid.uuid4().hex)
+
+
+FAULT_DRILL = Path(__file__).parent / "fault_drill"
+
+
+def with_fault_drill(environment: dict, rank: int = 1, hook: str = "prepare_model") -> dict:
+    """``environment`` with the fault-drill plugin installed (``tests/fault_drill``): rank ``rank`` of the
+    processes started with it raises in the accelerator's ``hook``."""
+    path = os.pathsep.join(filter(None, [str(FAULT_DRILL), environment.get("PYTHONPATH")]))
+    return dict(environment, PYTHONPATH=path, ACCELGEN_FAULT_RANK=str(rank), ACCELGEN_FAULT_HOOK=hook)

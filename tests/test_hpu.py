@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, with_fault_drill
 from test_parity import MAX_NEW_TOKENS, reference_completions
 
 import accelgen
@@ -282,7 +282,7 @@ def test_two_replicas_started_by_deepspeeds_launcher_write_what_one_rank_writes(
 
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_deepspeed_job(tiny_model_folder, habana_double):
-    environment = dict(os.environ, ACCELGEN_FAULT_RANK="1", HF_HUB_OFFLINE="1")
+    environment = with_fault_drill(dict(os.environ, HF_HUB_OFFLINE="1"))
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2",
          "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--max-new-tokens", "200"],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import with_fault_drill
 from test_parity import MAX_NEW_TOKENS, reference_completions
 from tiny_models import build_model
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
@@ -218,7 +219,7 @@ def test_shard_refuses_an_existing_output_unless_told_to_overwrite(tiny_model_fo
 def test_a_shard_job_killed_half_way_leaves_nothing_that_passes_for_complete(tiny_model_folder, tmp_path, cli_environment,
                                                                             capsys):
     output = tmp_path / "llama-tp2"
-    failing = dict(cli_environment, ACCELGEN_FAULT_RANK="1")  # rank 1 fails once its files are written
+    failing = with_fault_drill(cli_environment, hook="shard")  # rank 1 fails once DeepSpeed has split the model
     result = shard(failing, tiny_model_folder("llama"), output)
     assert result.returncode != 0
     assert "injected fault on rank 1" in result.stderr

@@ -4,6 +4,7 @@ through the CPU plugin's fused kernel (torch's `_weight_int8pack_mm`)."""
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from transformers import LlamaConfig
 
 import accelgen
 from accelgen.cli import main
-from accelgen.model.int8_weights import Int8Linear, int8_product, quantize_rows
 from accelgen.model.memory import parameter_bytes, parameter_bytes_of_config
 from accelgen.parallel.launcher import free_port
+from accelgen.quantization.int8_layer import Int8Linear, int8_product, quantize_rows
+from accelgen.quantization.while_loading import QuantizingWeights
 from accelgen_cpu import int8_product_on_cpu
 
 MAX_NEW_TOKENS = 8
@@ -264,3 +266,41 @@ def test_pre_quantized_int8_weights_start_on_64_byte_boundaries_of_their_files(t
         starts += [8 + header_length + entry["data_offsets"][0] for name, entry in header.items()
                    if name != "__metadata__" and entry["dtype"] == "I8"]
     assert starts and all(start % 64 == 0 for start in starts)
+
+
+class SlowWeights:
+    """A weight source whose reads of ``layer.weight`` wait until released (or a second read starts)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.reads = weight, 0
+        self.reading, self.second_read, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def shape(self, name):
+        return tuple(self.weight.shape)
+
+    def copy_into(self, destination, name, part):
+        self.reads += 1
+        (self.second_read if self.reads > 1 else self.reading).set()
+        self.release.wait(timeout=10)
+        destination.copy_(self.weight)
+
+
+def test_a_layers_values_and_scales_asked_for_at_once_read_and_quantize_its_weight_once():
+    """Loading fills parameters from several threads: the values and the scales of one layer asked for at the same
+    time must come from one read of its weight (a second read would leave a half nobody takes, held forever)."""
+    weight = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    source = SlowWeights(weight)
+    weights = QuantizingWeights(source, {"layer"}, torch.float32)
+    values, scales = torch.empty(6, 8, dtype=torch.int8), torch.empty(6)
+    first = threading.Thread(target=weights.copy_into, args=(values, "layer.weight", None))
+    second = threading.Thread(target=weights.copy_into, args=(scales, "layer.weight_scale", None))
+    first.start()
+    assert source.reading.wait(timeout=10)
+    second.start()
+    source.second_read.wait(timeout=0.5)  # set at once where the second thread reads the weight again
+    source.release.set()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert source.reads == 1
+    expected_values, expected_scales = quantize_rows(weight)
+    assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)

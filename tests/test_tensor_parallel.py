@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from accelerators import plugin_manager_with
+from conftest import with_fault_drill
 
 import accelgen
 from accelgen.cli import main
@@ -119,7 +120,7 @@ def test_accelgen_runs_under_torchrun_started_by_hand(tiny_model_folder, tmp_pat
 
 def test_a_failing_worker_ends_the_whole_job(tiny_model_folder, job_environment):
     """Rank 1 raises after loading while rank 0 waits for it inside an all-reduce."""
-    environment = dict(job_environment, ACCELGEN_FAULT_RANK="1")
+    environment = with_fault_drill(job_environment)
     result = run_job(environment, "--device", "cpu", "--world-size", "2", "--model", str(tiny_model_folder("llama")),
                      "--prompt", "Hello", "--max-new-tokens", "200", timeout=120)
     assert result.returncode == 1

@@ -1,1 +1,1 @@
-"""Layer 6: measuring: the bench protocol, result files, accelgen compare's tables and charts."""
+"""Layer 7: measuring: the bench protocol, result files, accelgen compare's tables and charts."""

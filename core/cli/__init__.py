@@ -1,4 +1,4 @@
-"""Layer 7: the ``accelgen`` command line: the parser, the commands, what the terminal shows.
+"""Layer 8: the ``accelgen`` command line: the parser, the commands, what the terminal shows.
 
 ``python -m accelgen.cli`` runs it too (every launched rank does); see ``accelgen.cli.__main__``. ``main`` is
 imported when first asked for, so that a rank imports nothing before it is tied to its launcher."""

@@ -43,6 +43,7 @@ class Invocation:
     argv: list[str]
     arguments: argparse.Namespace
     worker: bool  # a rank started by a launcher (ours, torchrun or DeepSpeed's), not the user's own process
+    world: World  # this process among the job's ranks, read once from the launcher's environment (one replica)
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
@@ -50,11 +51,11 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
     reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    worker = running_as_worker()
+    worker, world = running_as_worker(), World.from_environment()
     with warnings.catch_warnings(), signals_stop_the_command(worker):
-        show_our_warnings_as_lines(shown=not worker or World.from_environment().is_main)
+        show_our_warnings_as_lines(shown=not worker or world.is_main)
         try:
-            status = _run(Invocation(argv, build_parser().parse_args(argv), worker), plugin_manager)
+            status = _run(Invocation(argv, build_parser().parse_args(argv), worker, world), plugin_manager)
             flush_output()
             return status
         except BrokenPipeError:
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             if not worker:
                 print(f"accelgen: error: {error}", file=sys.stderr)
             elif not record_worker_failure(error):  # torch's launcher would print it once for the whole job
-                print(f"accelgen: error: [rank {World.from_environment().rank}] {error}", file=sys.stderr)
+                print(f"accelgen: error: [rank {world.rank}] {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             if not worker:
@@ -138,16 +139,16 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
 
 
-def _replica_world(invocation: Invocation) -> World | None:
-    """A worker's place in the job, in its replica (``--data-parallel``), once the split is checked; None in
-    the user's own process (which launches the ranks, or is the whole job)."""
+def _replica_world(invocation: Invocation) -> World:
+    """This process's place in the job, in its replica (``--data-parallel``), once a worker's split is checked
+    (the user's own process launches the ranks, or is the whole job)."""
     from accelgen.parallel.launcher import check_data_parallel
 
+    job = invocation.world
     if not invocation.worker:
-        return None
-    job = World.from_environment()
+        return job
     check_data_parallel(job.size, invocation.arguments.data_parallel, job.local_size)
-    return World.from_environment(invocation.arguments.data_parallel)
+    return job.in_replicas(invocation.arguments.data_parallel)
 
 
 def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
@@ -187,7 +188,8 @@ def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     if arguments.output:
         check_output_path(arguments.output, arguments.overwrite)
     # sized for the largest batch of the sweep: what --offload keeps room for on the device
-    request = _request(arguments, plugin_manager, ignore_eos=True, batch_size=max(protocol.batch_sizes))
+    request = _request(arguments, plugin_manager, invocation.world, ignore_eos=True,
+                       batch_size=max(protocol.batch_sizes))
     return _here_or_launched(invocation, request, lambda: _measure(arguments, request, protocol))
 
 
@@ -225,7 +227,7 @@ def shard_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     arguments = invocation.arguments
     if arguments.world_size is None:
         raise UsageError("accelgen shard needs --world-size N: the number of ranks the runs will use.")
-    request = _request(arguments, plugin_manager)
+    request = _request(arguments, plugin_manager, invocation.world)
     check_shard_request(request, arguments.output, arguments.overwrite)
     return _here_or_launched(invocation, request, lambda: _shard(arguments, request))
 
@@ -276,10 +278,10 @@ def compare_command(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world: World | None = None,
+def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world: World,
              **fixed_settings) -> Request:
-    """The request the command's arguments make (``fixed_settings`` are not the user's to choose); ``world``:
-    default, the launcher's environment."""
+    """The request the command's arguments make for this process's ``world`` (``fixed_settings`` are not the
+    user's to choose)."""
     from accelgen.session.request import SETTING_NAMES, build_request
 
     settings = {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}

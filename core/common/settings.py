@@ -100,22 +100,31 @@ class World:
     local_size: int = 1  # ranks on this node
     replica: int = 0
     replicas: int = 1
+    master_addr: str | None = None  # where the job's store runs (rank 0's host), when launched
+    master_port: int | None = None
 
     @classmethod
-    def from_environment(cls, data_parallel: int = 1) -> "World":
+    def from_environment(cls) -> "World":
         """Read the variables set by torch's elastic launcher (``torchrun``) or DeepSpeed's launcher: the only
-        place that reads them; everything else is handed this object. ``data_parallel``: the job's replicas
-        (``--data-parallel``), which must divide its ranks (``accelgen.parallel.launcher.check_data_parallel``)."""
-        job_rank, job_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        size = max(job_size // data_parallel, 1)
+        place that reads them, once per process (the command line's ``main``, or the Python API when it is not
+        handed a world); everything else is handed this object. One replica: see :meth:`in_replicas`."""
+        port = os.environ.get("MASTER_PORT")
         return cls(
-            rank=job_rank % size,
-            size=size,
+            rank=int(os.environ.get("RANK", 0)),
+            size=int(os.environ.get("WORLD_SIZE", 1)),
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             local_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))),
-            replica=job_rank // size,
-            replicas=data_parallel,
+            master_addr=os.environ.get("MASTER_ADDR"),
+            master_port=None if port is None else int(port),
         )
+
+    def in_replicas(self, data_parallel: int) -> "World":
+        """This job's world split into ``data_parallel`` replicas (``--data-parallel``), which must divide its
+        ranks (``accelgen.parallel.launcher.check_data_parallel``): this process's place in its replica."""
+        job_rank, job_size = self.job_rank, self.size * self.replicas
+        size = max(job_size // data_parallel, 1)
+        return dataclasses.replace(self, rank=job_rank % size, size=size, replica=job_rank // size,
+                                   replicas=data_parallel)
 
     @property
     def job_rank(self) -> int:

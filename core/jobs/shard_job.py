@@ -31,9 +31,8 @@ from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import MANIFEST, rank_file_name, rank_metadata, write_manifest
 from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, groups_by_bytes, plan_loading
 from accelgen.model.memory import parameter_bytes
-from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
-from accelgen.parallel.quantized_layers import int8_layers, quantize_layer
+from accelgen.quantization.model_layers import int8_layers, quantize_layer
 from accelgen.session.request import Request
 
 STAGING_SUFFIX = ".partial"
@@ -122,7 +121,6 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     plan = plan_loading(model, opened.weights, world)
     quantized = int8_layers(model) if request.run.quantize else {}
     written = _write_in_files(model, opened.weights, plan, staging, world, max_file_bytes, quantized)
-    inject_fault_if_asked(world)
     files_by_rank = gather_from_ranks(written, world)
     if world.is_main:
         source = {"model": request.model.report_name, "identity": request.model.identity(),
@@ -174,7 +172,7 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
                     quantized: dict[str, str]) -> list[str]:
     """Fill, write and let go of this rank's parameters, a file of at most ``max_file_bytes`` at a time
     (a parameter larger than that gets a file of its own); the names of the files written. The weights of the
-    ``quantized`` layers (name: kind, ``accelgen.parallel.quantized_layers.int8_layers``) are written as int8
+    ``quantized`` layers (name: kind, ``accelgen.quantization.model_layers.int8_layers``) are written as int8
     values and their scales (``<layer>.weight_scale``), quantized in plan order on every rank (a row-parallel
     layer's ranks agree on its scales as they go). The int8 weights start on 64-byte boundaries of their files
     (``accelgen.loading.aligned_safetensors``), so runs use them in place."""

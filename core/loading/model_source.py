@@ -36,7 +36,7 @@ from accelgen.loading.weight_sources import PickleWeights, RandomWeights, Safete
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
-from accelgen.parallel.quantized_layers import empty_int8_layers
+from accelgen.quantization.model_layers import empty_int8_layers
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ With ``--quantize int8`` the linear layers are made int8 before anything is plac
 the device map is drawn in int8 bytes, the layers kept are filled with int8 values and scales, and the
 offloaded ones are int8 too: half the bytes of bfloat16 to keep and to bring in per step. Their values come from
 a pre-quantized checkpoint as they are (read in place), or from quantizing the checkpoint's weights layer by
-layer (``accelgen.loading.quantizing_weights``), written once into --offload-folder.
+layer (``accelgen.quantization.while_loading``), written once into --offload-folder.
 
 The generation pipeline is unchanged (buckets, static KV cache on the device), but the decode step is not
 captured: the hooks move weights in every step, which no graph can replay.
@@ -37,11 +37,11 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
-from accelgen.loading.quantizing_weights import QuantizingWeights
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.loading.weight_sources import SafetensorsWeights
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
-from accelgen.parallel.quantized_layers import empty_int8_layers, int8_layers
+from accelgen.quantization.model_layers import empty_int8_layers, int8_layers
+from accelgen.quantization.while_loading import QuantizingWeights
 
 
 @dataclasses.dataclass

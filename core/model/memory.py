@@ -118,7 +118,7 @@ def format_size(size: int, whole=None) -> str:
 def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str, quantize: str | None = None) -> int:
     """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used). With
     ``quantize`` (an 8-bit scheme), the linear layers but the output head hold one byte per weight and one
-    ``dtype`` scale per output channel, as ``accelgen.parallel.quantized_layers`` leaves them."""
+    ``dtype`` scale per output channel, as ``accelgen.quantization.model_layers`` leaves them."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]

@@ -14,6 +14,7 @@ given to DeepSpeed as its injection policy, so the split it makes is the one the
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -26,10 +27,13 @@ from accelgen.model.shape import check_shardable
 from accelgen.parallel.vocab_parallel import split_vocabulary
 
 
-def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inference_options) -> torch.nn.Module:
+def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, host_ranks: int | None = None,
+                         **inference_options) -> torch.nn.Module:
     """``model`` split over ``world.size`` ranks by ``deepspeed.init_inference`` (AutoTP): this rank's part.
     An empty model comes back with its parameters allocated, not filled, on the rank's device.
 
+    ``host_ranks``: how many ranks share this host's memory, for a plugin that uses DeepSpeed's CPU
+    shared-memory all-reduce, which reads it from ``LOCAL_SIZE`` (set by DeepSpeed's launcher only).
     ``inference_options`` go to ``init_inference`` (e.g. ``replace_with_kernel_inject=True``).
     """
     try:
@@ -43,6 +47,8 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, **inf
     # would keep the embedding whole on every rank and give the head an untied copy.
     split_vocabulary(model, world)
     options = dict(replace_with_kernel_inject=False, **_injection_policy(model)) | inference_options
+    if host_ranks is not None:
+        os.environ["LOCAL_SIZE"] = str(host_ranks)
     try:
         engine = deepspeed.init_inference(
             model, tensor_parallel={"tp_size": world.size}, dtype=torch_dtype(dtype), **options

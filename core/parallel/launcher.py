@@ -5,8 +5,7 @@ process starts, then runs ``python -m accelgen.cli run ...`` N times (``N / nnod
 device's own launcher or under ``torch.distributed.run``: the launcher's agent sets RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of them when one fails or
 when it is interrupted. Workers report a failure through the error file the agent gives them
-(:func:`record_worker_failure`), so the launcher can print it as one line. ``ACCELGEN_FAULT_RANK=N``
-makes rank N fail after loading, to drill exactly that (:func:`inject_fault_if_asked`).
+(:func:`record_worker_failure`), so the launcher can print it as one line.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
-from accelgen.common.settings import LaunchPlan, World
+from accelgen.common.settings import LaunchPlan
 from accelgen.parallel.worker_processes import (
     LAUNCHER_VARIABLE,
     StoppedWorkerWatch,
@@ -295,10 +294,3 @@ def record_worker_failure(error: BaseException) -> bool:
 
         ErrorHandler().record_exception(error)
     return LAUNCHER_VARIABLE in os.environ
-
-
-def inject_fault_if_asked(world: World) -> None:
-    """The failure drill: with ``ACCELGEN_FAULT_RANK=N``, rank N fails here (after loading its model)."""
-    fault_rank = os.environ.get("ACCELGEN_FAULT_RANK")
-    if fault_rank is not None and int(fault_rank) == world.rank:
-        raise RuntimeError(f"injected fault on rank {world.rank} (ACCELGEN_FAULT_RANK={fault_rank})")

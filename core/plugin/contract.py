@@ -130,7 +130,7 @@ class Accelerator(abc.ABC):
     ) -> "torch.nn.Module":
         """Return the model with its weights quantized to ``scheme`` (one of ``quantization_schemes``), for this
         device's kernels. Called after ``prepare_model``: the model is this rank's part, its weights in
-        ``run.dtype`` on the device. ``accelgen.parallel.quantized_layers`` quantizes every linear layer, split by
+        ``run.dtype`` on the device. ``accelgen.quantization.model_layers`` quantizes every linear layer, split by
         tensor parallelism or not, given the device's product (weight-only: activations stay in ``run.dtype``).
         A scheme that quantizes activations too needs their ranges: ``calibrate(model)`` runs the model given
         (as the quantizing library has prepared it to measure) over the core's calibration text, the same

@@ -11,12 +11,11 @@ from typing import Sequence
 
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
 from accelgen.common.prompts import check_prompts
-from accelgen.generation.calibration import calibration_pass
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
 from accelgen.model.loaded_model import LoadedModel
-from accelgen.parallel.launcher import inject_fault_if_asked
 from accelgen.parallel.process_groups import init_process_group
+from accelgen.quantization.calibration import calibration_pass
 from accelgen.session.request import Request, build_request
 
 
@@ -51,7 +50,6 @@ def load_request(request: Request) -> Generator:
         model = accelerator.quantize(model, run.quantize, run, calibrate)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
-    inject_fault_if_asked(world)
     return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
                                  loading_host_memory, loaded.placement), run)
 

@@ -35,14 +35,15 @@ class CpuAccelerator(Accelerator):
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
 
-        if prepare_shared_memory_all_reduce(world):
+        shared_memory = prepare_shared_memory_all_reduce(world)
+        if shared_memory:
             check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use
-        model = shard_with_deepspeed(model, world, run.dtype)
+        model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
         unlink_shared_memory_buffer(world)
         return model
 
     def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate) -> torch.nn.Module:
-        from accelgen.parallel.quantized_layers import quantize_linear_layers
+        from accelgen.quantization.model_layers import quantize_linear_layers
 
         return quantize_linear_layers(model, int8_product_on_cpu)
 
@@ -80,7 +81,7 @@ class CpuAccelerator(Accelerator):
 def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """torch's fused weight-only int8 kernel (``_weight_int8pack_mm``), which needs input rows of a multiple
     of 16 values (others give wrong values or crash); the plain product for other layers."""
-    from accelgen.model.int8_weights import int8_product
+    from accelgen.quantization.int8_layer import int8_product
 
     if x.shape[-1] % 16:
         return int8_product(x, weight, scales)

@@ -13,14 +13,13 @@ from accelgen.parallel.process_groups import wait_for_every_rank
 
 
 def prepare_shared_memory_all_reduce(world: World) -> bool:
-    """Get DeepSpeed's shared-memory all-reduce kernel right; True when it will be used. It runs when all
-    ranks share a machine, which DeepSpeed learns from LOCAL_SIZE, set by DeepSpeed's launcher but not
-    torch's: without it the kernel runs uninitialised and the rank dies with SIGSEGV. So: name the local
-    ranks on one node, and turn the kernel off across nodes, where gloo's all-reduce is used instead."""
+    """Get DeepSpeed's shared-memory all-reduce kernel right; True when it will be used, when all ranks share
+    a machine: then ``shard_with_deepspeed`` must be told how many (``host_ranks``), or the kernel runs
+    uninitialised and the rank dies with SIGSEGV. Across nodes the kernel is turned off, and gloo's all-reduce
+    is used instead."""
     import deepspeed.ops
 
     if world.local_size == world.size:
-        os.environ["LOCAL_SIZE"] = str(world.local_size)
         return True
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return False
@@ -35,8 +34,7 @@ def unlink_shared_memory_buffer(world: World) -> None:
     valid and the memory is freed when the last rank exits. Where DeepSpeed made no such buffer (several
     hosts) there is nothing to remove."""
     wait_for_every_rank()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{world.rank}")
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{world.master_addr}_{world.master_port}_{world.rank}"
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except FileNotFoundError:

@@ -1,5 +1,5 @@
 """The linear layers of a model, split by tensor parallelism or whole, made weight-only int8
-(``accelgen.model.int8_weights``) on each rank after loading: each rank quantizes only its own slices.
+(``accelgen.quantization.int8_layer``) on each rank after loading: each rank quantizes only its own slices.
 
 A column-parallel layer holds whole output rows, quantized as one process quantizes them. A row-parallel
 layer holds a slice of every row: its ranks agree on each row's largest magnitude first, so every rank's
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.model.int8_weights import Int8Linear, Int8Product, int8_product, quantize_rows
 from accelgen.parallel.deepspeed_adapter import row_parallel_largest, row_parallel_sum, split_linear_kind
+from accelgen.quantization.int8_layer import Int8Linear, Int8Product, int8_product, quantize_rows
 
 
 def int8_layers(model: torch.nn.Module) -> dict[str, str]:

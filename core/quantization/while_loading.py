@@ -1,7 +1,7 @@
-"""A checkpoint's full-precision weights read as weight-only int8 (``accelgen.model.int8_weights``): for a layer
-made int8, ``<layer>.weight`` reads as its int8 values and ``<layer>.weight_scale`` as its scales, the names
-a pre-quantized checkpoint (``accelgen shard --quantize int8``) holds. Any loader that fills parameters from a
-weight source then fills int8 layers too: the offloading loader uses it to keep offloaded layers in int8.
+"""A checkpoint's full-precision weights read as weight-only int8 (``accelgen.quantization.int8_layer``): for a
+layer made int8, ``<layer>.weight`` reads as its int8 values and ``<layer>.weight_scale`` as its scales, the
+names a pre-quantized checkpoint (``accelgen shard --quantize int8``) holds. Any loader that fills parameters
+from a weight source then fills int8 layers too: the offloading loader uses it to keep offloaded layers in int8.
 
 Each layer is quantized whole (one process: no tensor-parallel slices), as ``quantize_layer`` quantizes a whole
 layer, so the values are the ones quantizing after loading gives.
@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from accelgen.model.int8_weights import quantize_rows
+from accelgen.quantization.int8_layer import quantize_rows
 
 SCALE_SUFFIX = "_scale"
 
@@ -23,16 +23,18 @@ class QuantizingWeights:
     layer's full-precision weight read and quantized once (the half not yet asked for is kept until it is)."""
 
     def __init__(self, source, layers: set[str], dtype: torch.dtype):
-        self._source, self._weights, self._dtype = source, {f"{layer}.weight" for layer in layers}, dtype
+        self._source, self._dtype = source, dtype
+        # One lock per weight: fill_parameters reads from several threads, and two threads asking for a layer's
+        # values and its scales at once must not both read and quantize its weight.
+        self._locks = {f"{layer}.weight": threading.Lock() for layer in layers}
         self._waiting: dict[str, torch.Tensor] = {}  # the values or scales of a layer quantized, not yet asked for
-        self._lock = threading.Lock()  # fill_parameters reads from several threads
 
     def _weight_of(self, name: str) -> str | None:
         """The full-precision weight ``name`` comes from, when it is an int8 layer's values or scales."""
-        if name in self._weights:
+        if name in self._locks:
             return name
         weight = name.removesuffix(SCALE_SUFFIX)
-        return weight if name.endswith(SCALE_SUFFIX) and weight in self._weights else None
+        return weight if name.endswith(SCALE_SUFFIX) and weight in self._locks else None
 
     def shape(self, name: str) -> tuple[int, ...]:
         weight = self._weight_of(name)
@@ -48,13 +50,12 @@ class QuantizingWeights:
         if weight is None:
             self._source.copy_into(destination, name, part)
             return
-        with self._lock:
+        with self._locks[weight]:
             tensor = self._waiting.pop(name, None)
-        if tensor is None:
-            full = torch.empty(self._source.shape(weight), dtype=self._dtype)
-            self._source.copy_into(full, weight, None)
-            values, scales = quantize_rows(full)
-            tensor, other, other_name = (values, scales, weight + SCALE_SUFFIX) if name == weight else (scales, values, weight)
-            with self._lock:
+            if tensor is None:
+                full = torch.empty(self._source.shape(weight), dtype=self._dtype)
+                self._source.copy_into(full, weight, None)
+                values, scales = quantize_rows(full)
+                tensor, other, other_name = (values, scales, weight + SCALE_SUFFIX) if name == weight else (scales, values, weight)
                 self._waiting[other_name] = other
         destination.copy_(tensor)
