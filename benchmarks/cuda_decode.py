@@ -101,7 +101,7 @@ def accelgen_generator(model, tokenizer, input_ids: torch.Tensor, accelerator, d
     def generate(new_tokens: int) -> None:
         if new_tokens not in generators:  # one generator (and captured graph) per token count, as a user keeps
             run = RunSettings(dtype="bfloat16", batch_size=len(prompts), max_new_tokens=new_tokens, ignore_eos=True,
-                              use_graphs=True)
+                              use_graphs=True, batching="static")
             generators[new_tokens] = Generator(LoadedModel(model, tokenizer, accelerator, device, World(), parameter_bytes(model)), run)
         generators[new_tokens].generate_token_ids(prompts)
         failure = generators[new_tokens].capture_failure

@@ -57,7 +57,8 @@ def accelgen_runner(model, tokenizer, input_ids, arguments, use_graphs: bool):
 
     def generate(new_tokens: int) -> None:
         if new_tokens not in generators:  # one generator (and captured graph) per token count, as a user keeps
-            run = RunSettings(dtype=arguments.dtype, max_new_tokens=new_tokens, ignore_eos=True, use_graphs=use_graphs)
+            run = RunSettings(dtype=arguments.dtype, max_new_tokens=new_tokens, ignore_eos=True, use_graphs=use_graphs,
+                              batching="static")
             generators[new_tokens] = Generator(LoadedModel(model, tokenizer, accelerator, torch.device("cpu"), World(), parameter_bytes(model)), run)
         with torch.no_grad():
             generators[new_tokens].generate_token_ids([input_ids[0].tolist()])

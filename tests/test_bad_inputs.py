@@ -302,7 +302,7 @@ def test_the_ranges_are_in_the_help(capsys):
         main(["run", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--seed SEED decides the sampled draws of every row (default 0); a whole number from 0 to 18446744073709551615" in help_text
-    assert "--top-p TOP_P 1.0 (default): off; a number above 0 and at most 1" in help_text
+    assert "--top-p TOP_P 1.0: off (default 1.0); a number above 0 and at most 1" in help_text
 
 
 def test_the_python_api_checks_the_same_ranges():

@@ -3,6 +3,7 @@ installs only the packages listed, so a subpackage left out imports in a checkou
 and every data file listed exists where it is looked for."""
 
 import pathlib
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -12,6 +12,8 @@ from accelgen.common.prompts import prompt_problem
 from accelgen.common.value_ranges import check_settings
 
 PUBLISHED_PROMPT = "DeepSpeed is a machine learning framework"
+#: How ``accelgen bench`` batches by default: fixed batches, as the published protocol measures.
+BENCH_BATCHING = "static"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 
 from accelgen.bench.compare import METRICS
-from accelgen.bench.protocol import PUBLISHED_PROMPT
+from accelgen.bench.protocol import BENCH_BATCHING, PUBLISHED_PROMPT, BenchProtocol
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import BATCHING_MODES, DEFAULT_BUCKETS, DTYPES, OFFLOAD_MODES, QUANTIZATION_SCHEMES
+from accelgen.common.settings import (
+    BATCHING_MODES,
+    DTYPES,
+    OFFLOAD_MODES,
+    QUANTIZATION_SCHEMES,
+    RunSettings,
+    SamplingSettings,
+)
 from accelgen.common.value_ranges import RANGES
 from accelgen.plugin.registry import AUTO_DEVICE
 
@@ -37,19 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
     data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
-    run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("default 100", "max_new_tokens"))
+    run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=RunSettings.max_new_tokens,
+                     help=_with_range(f"default {RunSettings.max_new_tokens}", "max_new_tokens"))
     run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))
-    run.add_argument("--batch-size", type=_number("batch_size"), default=1, help=_with_range("rows decoded together: the batch shape", "batch_size"))
-    run.add_argument("--batching", choices=BATCHING_MODES, default="continuous",
-                     help="continuous (default): a finished row's slot takes the next prompt at once; "
-                          "static: fixed batches, each decoded until its longest row ends")
-    run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=DEFAULT_BUCKETS, help="prompt length buckets, e.g. 32,64,128")
+    run.add_argument("--batch-size", type=_number("batch_size"), default=RunSettings.batch_size, help=_with_range("rows decoded together: the batch shape", "batch_size"))
+    run.add_argument("--batching", choices=BATCHING_MODES, default=RunSettings.batching,
+                     help=f"continuous: a finished row's slot takes the next prompt at once; static: fixed batches, "
+                          f"each decoded until its longest row ends (default {RunSettings.batching})")
+    run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=RunSettings.buckets, help="prompt length buckets, e.g. 32,64,128")
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    run.add_argument("--temperature", type=_number("temperature"), default=1.0, help=_with_range("default 1.0", "temperature"))
-    run.add_argument("--top-k", type=_number("top_k"), default=0, help=_with_range("0 (default): off", "top_k"))
-    run.add_argument("--top-p", type=_number("top_p"), default=1.0, help=_with_range("1.0 (default): off", "top_p"))
-    run.add_argument("--seed", type=_number("seed"), default=0, help=_with_range("decides the sampled draws of every row (default 0)", "seed"))
+    sampling = SamplingSettings()
+    run.add_argument("--temperature", type=_number("temperature"), default=sampling.temperature,
+                     help=_with_range(f"default {sampling.temperature}", "temperature"))
+    run.add_argument("--top-k", type=_number("top_k"), default=sampling.top_k,
+                     help=_with_range(f"0: off (default {sampling.top_k})", "top_k"))
+    run.add_argument("--top-p", type=_number("top_p"), default=sampling.top_p,
+                     help=_with_range(f"1.0: off (default {sampling.top_p})", "top_p"))
+    run.add_argument("--seed", type=_number("seed"), default=sampling.seed,
+                     help=_with_range(f"decides the sampled draws of every row (default {sampling.seed})", "seed"))
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
     _add_offload_arguments(run)
@@ -63,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-config", help="with --random-weights: a built-in config (bloom, bloomz, bloomz-7b1, bloom-560m), "
                                               "a config.json or model folder, or a Hub id")
     bench.add_argument("--random-weights", action="store_true", help="build the model from its config, no weights read")
-    bench.add_argument("--batch-sizes", type=RANGES["batch_sizes"].parse_list, default=(1,), help="batch sizes to sweep, e.g. 1,8,32 (default 1)")
-    bench.add_argument("--batching", choices=BATCHING_MODES, default="static",
-                       help="static (default): fixed batches, as the published protocol measures; or continuous")
-    bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=100, help=_with_range("new tokens per run, always generated (default 100)", "max_new_tokens"))
-    bench.add_argument("--runs", type=_number("runs"), default=5, help=_with_range("timed runs per batch size (default 5)", "runs"))
-    bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=1, help=_with_range("untimed runs first, graph capture included (default 1)", "warmup_runs"))
+    bench.add_argument("--batch-sizes", type=RANGES["batch_sizes"].parse_list, default=BenchProtocol.batch_sizes,
+                       help=f"batch sizes to sweep, e.g. 1,8,32 (default {','.join(map(str, BenchProtocol.batch_sizes))})")
+    bench.add_argument("--batching", choices=BATCHING_MODES, default=BENCH_BATCHING,
+                       help=f"static: fixed batches, as the published protocol measures; or continuous (default {BENCH_BATCHING})")
+    bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=BenchProtocol.max_new_tokens,
+                       help=_with_range(f"new tokens per run, always generated (default {BenchProtocol.max_new_tokens})", "max_new_tokens"))
+    bench.add_argument("--runs", type=_number("runs"), default=BenchProtocol.runs,
+                       help=_with_range(f"timed runs per batch size (default {BenchProtocol.runs})", "runs"))
+    bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=BenchProtocol.warmup_runs,
+                       help=_with_range(f"untimed runs first, graph capture included (default {BenchProtocol.warmup_runs})", "warmup_runs"))
     bench.add_argument("--prompt", default=PUBLISHED_PROMPT, help=f"default: {PUBLISHED_PROMPT!r}, as published")
     bench.add_argument("--label", help="column name in 'accelgen compare' (default: the device's name)")
     bench.add_argument("--output", help="write the result file (JSON) here")

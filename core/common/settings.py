@@ -27,6 +27,9 @@ OFFLOAD_MODES = ("cpu", "disk")
 #: How rows share the batch: "continuous" (a finished row's slot takes the next prompt at once) or "static"
 #: (fixed batches, each decoded until its longest row ends).
 BATCHING_MODES = ("continuous", "static")
+#: The batching of ``accelgen run`` and the Python API; ``accelgen bench`` measures fixed batches by default, as the
+#: published protocol does (``accelgen.bench.protocol.BENCH_BATCHING``).
+DEFAULT_BATCHING = "continuous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,9 @@ class OffloadSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-    """What a generation run asks of the core and of the accelerator (built by ``accelgen.session.request``)."""
+    """What a generation run asks of the core and of the accelerator (built by ``accelgen.session.request``).
+    The defaults here (and :class:`SamplingSettings`') are every setting's one default: the Python API and the
+    command line take theirs from these."""
 
     dtype: str
     batch_size: int = 1
@@ -65,7 +70,7 @@ class RunSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
-    batching: str = "static"
+    batching: str = DEFAULT_BATCHING
     quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
 
     @property
