@@ -4,7 +4,9 @@ and every data file listed exists where it is looked for."""
 
 import pathlib
 
-import tomllib
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
