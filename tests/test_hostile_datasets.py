@@ -255,7 +255,7 @@ def test_a_parquet_column_of_numbers_or_missing_texts_is_named(tmp_path, capsys)
 
     pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "numbers.parquet")
     error = run_fails(capsys, "--dataset", str(tmp_path / "numbers.parquet"))
-    assert "Column 'text' holds int64, not text (the dataset has no text column)." in error
+    assert "Column 'text' holds int64, not text nor a conversation (the dataset has no text column)." in error
     pq.write_table(pa.table({"text": ["a", None, ""]}), tmp_path / "gaps.parquet")
     error = run_fails(capsys, "--dataset", str(tmp_path / "gaps.parquet"))
     assert "row 1, column 'text', is null (no text)" in error

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import warnings
@@ -27,7 +28,7 @@ from accelgen.cli.terminal import (
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
 
@@ -123,7 +124,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
-    request = _request(arguments, plugin_manager, world=_replica_world(invocation))
+    request = _request(arguments, plugin_manager, _replica_world(invocation),
+                       chat_template=_chat_template(arguments.chat_template_file))
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming,
@@ -137,6 +139,15 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of the ``--chat-template`` file, or None."""
+    if path is None:
+        return None
+    with user_errors(f"Cannot read --chat-template {path!r}", "pass a readable UTF-8 file holding a Jinja chat template"):
+        with open(os.path.expanduser(path), encoding="utf-8") as file:
+            return file.read()
 
 
 def _replica_world(invocation: Invocation) -> World:

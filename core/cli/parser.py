@@ -40,10 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
     data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
     data.add_argument("--split", default="train", help="split to complete (default: train)")
-    data.add_argument("--column", default="text", help="column holding the prompts (default: text)")
+    data.add_argument("--column", default="text", help="column holding the prompts: text, or conversations (lists of "
+                                                       "{role, content} or ShareGPT {from, value} messages) (default: text)")
     data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
     data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
+    chat = run.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
+    chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
+    chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
+    chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
+                      help="a Jinja chat template to render conversations with, instead of the tokenizer's")
     run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=RunSettings.max_new_tokens,
                      help=_with_range(f"default {RunSettings.max_new_tokens}", "max_new_tokens"))
     run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))

@@ -1,17 +1,76 @@
-"""What makes a text usable as a prompt, checked in one place for prompts given on the command line or to
-the Python API and for the rows of a dataset."""
+"""What makes a text or a conversation usable as a prompt, checked in one place for prompts given on the
+command line or to the Python API and for the rows of a dataset."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from accelgen.common.errors import UsageError
+
+#: ShareGPT's speakers (``{"from": ..., "value": ...}``) as chat roles; the roles themselves map to themselves.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
+                  "assistant": "assistant", "tool": "tool", "function_call": "assistant", "observation": "tool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """A prompt made of chat messages (``{"role", "content"}``, in order), rendered by the model's chat template
+    with the generation prompt added; one that ends with an assistant message is continued, not answered."""
+
+    messages: tuple[dict, ...]
+
+    @classmethod
+    def of_user(cls, text: str) -> "Conversation":
+        """``text`` as one user message (``--chat``)."""
+        return cls(({"role": "user", "content": text},))
+
+    @property
+    def continues_reply(self) -> bool:
+        return self.messages[-1]["role"] == "assistant"
+
+    def with_system_prompt(self, text: str | None) -> "Conversation":
+        """The conversation with a system message ``text`` first, unless it opens with its own."""
+        if text is None or self.messages[0]["role"] == "system":
+            return self
+        return Conversation(({"role": "system", "content": text}, *self.messages))
+
+    def answered(self, reply: str) -> list[dict]:
+        """The messages with the assistant's ``reply`` added (appended to a continued assistant message)."""
+        messages = [dict(message) for message in self.messages]
+        if self.continues_reply:
+            messages[-1]["content"] += reply
+        else:
+            messages.append({"role": "assistant", "content": reply})
+        return messages
+
+
+def as_conversation(value: object) -> tuple[Conversation | None, str | None]:
+    """``value`` (a list of ``{role, content}`` or ShareGPT ``{from, value}`` messages) as a conversation, or
+    why it cannot be one, as a clause."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None, "is not a conversation (a non-empty list of {role, content} messages): fix it, or remove that row"
+    messages = []
+    for number, message in enumerate(value):
+        if isinstance(message, dict) and "from" in message and "role" not in message:  # ShareGPT
+            role = SHAREGPT_ROLES.get(message.get("from"), message.get("from"))
+            message = {"role": role, "content": message.get("value")}
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return None, (f"message {number} is not {{role, content}} text (or ShareGPT's {{from, value}}): fix it, "
+                          f"or remove that row")
+        messages.append({"role": message["role"], "content": message["content"]})
+    if not any(message["content"].strip() for message in messages):
+        return None, "is a conversation with no text: give it some, or remove that row"
+    return Conversation(tuple(messages)), None
 
 
 def prompt_problem(text: object) -> str | None:
     """Why ``text`` cannot be a prompt, with the fix, as a clause ("is empty: give it some text"); None when
     it can. A dataset's missing value is None; bytes that are not UTF-8 reach Python from a shell as lone
-    surrogates (their ``surrogateescape`` form)."""
+    surrogates (their ``surrogateescape`` form). A :class:`Conversation` is checked when it is made."""
+    if isinstance(text, Conversation):
+        return None
     if text is None:
         return "is null (no text): fill it in, or remove that row"
     if not isinstance(text, str):

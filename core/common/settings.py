@@ -44,6 +44,17 @@ class SamplingSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChatSettings:
+    """How prompts meet an instruction model's chat template. ``text_as_user`` (``--chat``): each text prompt is
+    one user message; ``system_prompt``: a system message put first in every conversation that has none;
+    ``template``: a Jinja chat template used instead of the tokenizer's own."""
+
+    text_as_user: bool = False
+    system_prompt: str | None = None
+    template: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadSettings:
     """Weights beyond ``max_device_bytes`` of device memory kept in host memory (``mode`` "cpu") or in files
     ("disk") and brought to the device layer by layer in every forward pass (``accelgen.loading.offload``).
@@ -72,6 +83,7 @@ class RunSettings:
     offload: OffloadSettings | None = None
     batching: str = DEFAULT_BATCHING
     quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
+    chat: ChatSettings = ChatSettings()
 
     @property
     def torch_dtype(self):
@@ -86,7 +98,10 @@ class RunSettings:
         del settings["use_graphs"], settings["offload"], settings["batching"]
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
-        return {**settings, "buckets": list(self.buckets), **sampling}
+        chat = settings.pop("chat")
+        del chat["template"]  # its text decides as its hash, which the job records (``chat_template_sha256``)
+        chat = {key: value for key, value in chat.items() if value not in (None, False)}  # older records match
+        return {**settings, "buckets": list(self.buckets), **sampling, **chat}
 
 
 @dataclasses.dataclass(frozen=True)

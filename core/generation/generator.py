@@ -37,7 +37,7 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens, run.chat)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
         self.batching = "static" if not forward.builds_4d_mask and run.batching == "continuous" else run.batching

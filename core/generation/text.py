@@ -1,5 +1,9 @@
-"""Text in and out of the generator: prompts become token ids (checked, truncated), new token ids become
-completions. The generator itself works on token ids only."""
+"""Text in and out of the generator: prompts (texts or conversations) become token ids (checked, truncated),
+new token ids become completions. The generator itself works on token ids only.
+
+A conversation is rendered and tokenized by the tokenizer's chat template in one call
+(``apply_chat_template(tokenize=True)``), so its ids are the tokenizer's own: no second BOS from tokenizing
+rendered text again."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from accelgen.common.errors import UsageError
-from accelgen.common.prompts import check_prompts
+from accelgen.common.errors import UsageError, first_line
+from accelgen.common.prompts import Conversation, PromptError, check_prompts
+from accelgen.common.settings import ChatSettings
 
 
 @dataclasses.dataclass
@@ -24,22 +29,56 @@ class Completion:
     completion_token_ids: list[int]
     prompt_token_count: int
     finish_reason: str  # "eos" (the model ended it) or "length" (max_new_tokens reached)
+    messages: list[dict] | None = None  # a conversation's messages with the assistant's reply added
+
+    def as_row(self) -> dict:
+        """The completion as an output line's fields (``messages`` only for a conversation)."""
+        row = dataclasses.asdict(self)
+        if self.messages is None:
+            del row["messages"]
+        return row
+
+
+NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conversations with: pass --chat-template "
+                    "FILE (a Jinja template), or complete text prompts without --chat.")
 
 
 class PromptCodec:
     """Encodes prompts for one model and decodes its completions, with ``tokenizer``."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_input_tokens: int | None):
-        self.tokenizer, self.vocab_size, self.max_input_tokens = tokenizer, vocab_size, max_input_tokens
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_input_tokens: int | None,
+                 chat: ChatSettings = ChatSettings()):
+        self.tokenizer, self.vocab_size, self.max_input_tokens, self.chat = tokenizer, vocab_size, max_input_tokens, chat
 
-    def encode(self, prompts: Sequence[str], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
+    def conversation(self, prompt: str | Conversation) -> Conversation | None:
+        """The conversation ``prompt`` is (a text is one with ``--chat``), with the system prompt; None for text."""
+        if isinstance(prompt, str):
+            if not self.chat.text_as_user:
+                if self.chat.system_prompt is not None:
+                    raise UsageError("--system-prompt goes with conversations: add --chat to make each text prompt "
+                                     "one user message, or complete a column of messages.")
+                return None
+            prompt = Conversation.of_user(prompt)
+        return prompt.with_system_prompt(self.chat.system_prompt)
+
+    def encode(self, prompts: Sequence[str | Conversation], first_index: int = 0) -> tuple[list[list[int]], list[bool]]:
         """Token ids per prompt, truncated to their first ``max_input_tokens`` tokens, and which prompts were
-        truncated. ``first_index`` is the first prompt's number, for error messages."""
+        truncated (a conversation is refused instead: cutting it would cut its generation prompt).
+        ``first_index`` is the first prompt's number, for error messages."""
         check_prompts(prompts, first_index)
-        token_ids = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
         limit = self.max_input_tokens
-        truncated = [limit is not None and len(ids) > limit for ids in token_ids]
-        token_ids = [ids[:limit] for ids in token_ids] if limit is not None else token_ids
+        token_ids, truncated = [], []
+        for index, prompt in enumerate(prompts, start=first_index):
+            conversation = self.conversation(prompt)
+            if conversation is None:
+                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            else:
+                ids = self._conversation_ids(conversation, index)
+                if limit is not None and len(ids) > limit:
+                    raise PromptError(index, f" makes {len(ids)} tokens with its chat template, over --max-input-tokens "
+                                             f"{limit}: shorten the conversation, or raise --max-input-tokens.")
+            truncated.append(limit is not None and len(ids) > limit)
+            token_ids.append(ids[:limit] if limit is not None else ids)
         for index, ids in enumerate(token_ids, start=first_index):
             if not ids:
                 raise UsageError(f"Prompt {index} makes no tokens: give it some text (or drop that row from the dataset).")
@@ -50,19 +89,39 @@ class PromptCodec:
                 )
         return token_ids, truncated
 
-    def completion(self, index: int, prompt: str, prompt_token_ids: list[int], truncated: bool,
+    def _conversation_ids(self, conversation: Conversation, number: int) -> list[int]:
+        """The ids of ``conversation`` rendered by the chat template (``--chat-template``, else the tokenizer's)."""
+        template = self.chat.template or self.tokenizer.chat_template
+        if template is None:
+            raise UsageError(NO_CHAT_TEMPLATE)
+        continues = conversation.continues_reply
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                list(conversation.messages), chat_template=template, tokenize=True, return_dict=True,
+                add_generation_prompt=not continues, continue_final_message=continues)
+        except Exception as error:  # noqa: BLE001 - a template's own refusal (raise_exception) or a Jinja error
+            raise PromptError(number, f": the chat template cannot render it ({first_line(error)}); fix the "
+                                      f"conversation, or pass another --chat-template.") from None
+        return list(encoded["input_ids"])
+
+    def completion(self, index: int, prompt: str | Conversation, prompt_token_ids: list[int], truncated: bool,
                    new_token_ids: list[int], finish_reason: str) -> Completion:
         """The completion of prompt ``index`` from its new token ids."""
         # Decode prompt and completion together so word boundaries (e.g. SentencePiece spaces) come out right.
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         full_text = self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)
+        text = full_text[len(prompt_text) :]
+        conversation = self.conversation(prompt)
+        if conversation is not None:  # what the model saw: the rendered template, its markers included
+            prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         return Completion(
             index=index,
             prompt=prompt_text if truncated else prompt,  # what the model saw
-            completion=full_text[len(prompt_text) :],
+            completion=text,
             completion_token_ids=new_token_ids,
             prompt_token_count=len(prompt_token_ids),
             finish_reason=finish_reason,
+            messages=None if conversation is None else conversation.answered(text),
         )
 
 

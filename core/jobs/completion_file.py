@@ -25,8 +25,10 @@ from accelgen.jobs.output_lock import OutputLock
 #: what decides is ``model_identity``, its content).
 DESCRIPTIVE_FIELDS = ("model",)
 
+#: The fields a line may hold besides :data:`LINE_FIELDS`: a conversation's messages.
+OPTIONAL_LINE_FIELDS = ("messages",)
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
-LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion))
+LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion) if field.name not in OPTIONAL_LINE_FIELDS)
 
 
 def run_record_path(output: str) -> str:
@@ -103,7 +105,7 @@ class CompletionFile:
         """Append ``completions``, one line each, each line in one write; a failed write (a full disk) stops
         the run in one line, the rows written before it kept."""
         for completion in completions:
-            line = (json.dumps(dataclasses.asdict(completion), ensure_ascii=False) + "\n").encode()
+            line = (json.dumps(completion.as_row(), ensure_ascii=False) + "\n").encode()
             with user_errors(f"Cannot write --output {self.path!r}",
                              f"{self.completed_rows} rows are kept; make room (or move the file and its .run.json) "
                              f"and run the same command again to resume after them"):
@@ -139,7 +141,7 @@ def _line_problem(line: bytes, index: int) -> str | None:
         row = json.loads(line)
     except ValueError as error:  # not JSON, or not UTF-8
         return f"is not a JSON line ({reason(error)})"
-    if not isinstance(row, dict) or set(row) != set(LINE_FIELDS):
+    if not isinstance(row, dict) or not set(LINE_FIELDS) <= set(row) <= {*LINE_FIELDS, *OPTIONAL_LINE_FIELDS}:
         return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
     if row["index"] != index:
         return f"is row {row['index']}, not row {index}"

@@ -20,7 +20,7 @@ from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
-from accelgen.generation.text import Completion
+from accelgen.generation.text import NO_CHAT_TEMPLATE, Completion
 from accelgen.jobs.completion_file import CompletionFile, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
@@ -139,6 +139,8 @@ def open_job(
         check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
+    if request.run.chat.text_as_user or rows.conversational:
+        source["chat_template_sha256"] = chat_template_hash(request)
     lock_output = request.world.is_main if lock_output is None else lock_output
     writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output) if output else None
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
@@ -169,6 +171,15 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
         if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
             raise UsageError(f"--output {output!r} would overwrite the dataset being read ({dataset_source!r}): "
                              f"write the completions to a file outside it.")
+
+
+def chat_template_hash(request: Request) -> str:
+    """The hash of the chat template conversations are rendered with (``--chat-template``, else the
+    tokenizer's), read before any model loads; a model without one is refused in one line."""
+    template = request.run.chat.template or request.model.tokenizer().chat_template
+    if template is None:
+        raise UsageError(NO_CHAT_TEMPLATE)
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
 
 
 def run_record(request: Request, source: dict) -> dict:

@@ -2,7 +2,8 @@
 
 A source is a Hub dataset id (with ``--dataset-config`` and ``--split``), a local JSON / JSONL / CSV /
 Parquet file or a folder of them, or a folder written by ``save_to_disk``. Rows come out in dataset
-order, one text (the chosen column) each.
+order, one prompt (the chosen column) each: a text, or a conversation when the column holds lists of
+``{role, content}`` messages (or ShareGPT's ``{from, value}``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import re
 from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
-from accelgen.common.prompts import prompt_problem
+from accelgen.common.prompts import Conversation, as_conversation, prompt_problem
 from accelgen.common.value_ranges import check_settings
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 
 TEXT_TYPES = ("string", "large_string")
+#: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
+MESSAGE_KEYS = ({"role", "content"}, {"from", "value"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +38,13 @@ class DatasetRequest:
 
 @dataclasses.dataclass
 class TextRows:
-    """Texts in dataset order, and how many there are (None when streaming without --limit)."""
+    """Prompts in dataset order (texts, or conversations), and how many there are (None when streaming without
+    --limit)."""
 
-    texts: Iterator[str]
+    texts: Iterator[str | Conversation]
     total: int | None
     revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
+    conversational: bool = False  # the rows are conversations
 
 
 def open_rows(request: DatasetRequest) -> TextRows:
@@ -53,26 +58,26 @@ def open_rows(request: DatasetRequest) -> TextRows:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
     logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     dataset, revision = _load_split(request)
-    _check_column(dataset, request)
+    conversational = _check_column(dataset, request)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
     if not request.streaming:
-        for _ in _row_texts(dataset, request):
+        for _ in _row_texts(dataset, request, conversational):
             pass
-    texts = _row_texts(dataset, request)
+    texts = _row_texts(dataset, request, conversational)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision)
+    return TextRows(itertools.chain([first], texts), total, revision, conversational)
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest) -> Iterator[str]:
-    """The column's texts in dataset order; a row that cannot be read, or is no prompt, stops with its index."""
+def _row_texts(dataset, request: DatasetRequest, conversational: bool) -> Iterator[str | Conversation]:
+    """The column's prompts in dataset order; a row that cannot be read, or is no prompt, stops with its index."""
     rows = dataset.select_columns([request.column])
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
@@ -83,7 +88,10 @@ def _row_texts(dataset, request: DatasetRequest) -> Iterator[str]:
         if batch is None:
             return
         for text in batch[request.column]:
-            problem = prompt_problem(text)
+            if conversational:
+                text, problem = as_conversation(text)
+            else:
+                problem = prompt_problem(text)
             if problem:
                 raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem} "
                                  f"(rows count from 0, as the output's \"index\").")
@@ -223,7 +231,8 @@ def _saved_split(saved, request: DatasetRequest):
     return saved.to_iterable_dataset() if request.streaming else saved
 
 
-def _check_column(dataset, request: DatasetRequest) -> None:
+def _check_column(dataset, request: DatasetRequest) -> bool:
+    """Raise UsageError unless the column exists and holds text or conversations; True for conversations."""
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
@@ -235,11 +244,26 @@ def _check_column(dataset, request: DatasetRequest) -> None:
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
     feature = features[request.column]
-    if feature is not None and getattr(feature, "dtype", None) not in TEXT_TYPES:
+    if feature is None:  # known once read: a list value is taken for a conversation
+        first_value = next(iter(dataset.take(1)))[request.column]
+        return isinstance(first_value, list)
+    if _is_conversation(feature):
+        return True
+    if getattr(feature, "dtype", None) not in TEXT_TYPES:
         text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
         kind = getattr(feature, "dtype", type(feature).__name__)
-        raise UsageError(f"Column {request.column!r} holds {kind}, not text ({hint}).")
+        raise UsageError(f"Column {request.column!r} holds {kind}, not text nor a conversation ({hint}).")
+    return False
+
+
+def _is_conversation(feature) -> bool:
+    """Whether a column's feature is a list of messages: of dicts with the keys of :data:`MESSAGE_KEYS`, or of
+    JSON objects (what ``datasets`` makes of dicts whose keys differ from row to row; each row is checked)."""
+    item = feature[0] if isinstance(feature, list) and len(feature) == 1 else getattr(feature, "feature", None)
+    if type(item).__name__ == "Json":
+        return True
+    return isinstance(item, dict) and any(keys <= set(item) for keys in MESSAGE_KEYS)
 
 
 def _explain_value_error(error: ValueError, request: DatasetRequest) -> str | None:

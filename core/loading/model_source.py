@@ -165,6 +165,13 @@ class ModelSource:
                                  before_filling=empty_int8_layers if pre_quantized else None)
         return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer runs of this model use, read alone (no weights): to check prompts before loading."""
+        if self.random_weights:
+            return tokenizer_for(str(self.name or DEFAULT_MODEL), self.trust_remote_code)
+        with loading_errors_as_usage_errors(self.location):
+            return load_tokenizer(self.location, self.trust_remote_code)
+
     def open(self, dtype: str, world: World) -> OpenedModel:
         """The empty model, its weight source and its tokenizer (every rank must call this)."""
         config = self.config()

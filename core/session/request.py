@@ -15,10 +15,12 @@ import os
 from typing import Sequence
 
 from accelgen.common.errors import UsageError
+from accelgen.common.prompts import prompt_problem
 from accelgen.common.settings import (
     BATCHING_MODES,
     OFFLOAD_MODES,
     QUANTIZATION_SCHEMES,
+    ChatSettings,
     OffloadSettings,
     RunSettings,
     SamplingSettings,
@@ -90,13 +92,19 @@ def run_settings(
     offload_folder: str | os.PathLike | None = None,
     batching: str = RunSettings.batching,
     quantize: str | None = None,
+    chat: bool = ChatSettings.text_as_user,
+    system_prompt: str | None = ChatSettings.system_prompt,
+    chat_template: str | None = ChatSettings.template,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
     "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
-    ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it."""
+    ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it.
+    ``chat`` makes each text prompt one user message of a conversation; ``system_prompt`` puts a system message
+    first in each conversation; ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's
+    own template."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -120,6 +128,7 @@ def run_settings(
         offload=offload_settings(offload, max_device_memory, offload_folder),
         batching=batching,
         quantize=quantize,
+        chat=ChatSettings(chat, system_prompt, chat_template),
     )
     _check(run)
     return run
@@ -168,3 +177,7 @@ def _check(run: RunSettings) -> None:
                    seed=sampling.seed)
     if not run.buckets:
         raise UsageError("--buckets must list prompt lengths, e.g. 32,64,128.")
+    if run.chat.system_prompt is not None and (problem := prompt_problem(run.chat.system_prompt)):
+        raise UsageError(f"--system-prompt {problem}.")
+    if run.chat.template is not None and not run.chat.template.strip():
+        raise UsageError("--chat-template is empty: give a Jinja chat template, or drop it to use the tokenizer's.")

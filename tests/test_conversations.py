@@ -1,0 +1,175 @@
+"""Conversations for instruction models: a column of messages (``--column messages``), ShareGPT's rows, ``--chat``
+and ``--system-prompt``, rendered by the tokenizer's chat template (or ``--chat-template FILE``) into the very ids
+Hugging Face's ``apply_chat_template`` gives, completed as Hugging Face ``generate`` completes those ids."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import one_error_line
+from test_parity import _new_dtype_keyword
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from accelgen.cli import main
+
+MAX_NEW_TOKENS = 10
+#: A template in the usual shape: BOS once, a marker per role, EOS after each message, the assistant's marker as
+#: the generation prompt.
+TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+OTHER_TEMPLATE = TEMPLATE.replace("<|{{ message['role'] }}|>", "[{{ message['role'] }}]: ")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there, how are you"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}],
+    [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello"},
+     {"role": "user", "content": "Again, and more"}],
+    [{"role": "user", "content": "Start a story"}, {"role": "assistant", "content": "Once upon a"}],  # continued
+]
+
+
+@pytest.fixture
+def chat_model(tiny_model_folder, tmp_path):
+    """The tiny Llama with a chat template in its tokenizer."""
+    folder = tmp_path / "chat-llama"
+    shutil.copytree(tiny_model_folder("llama"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_rows(path, rows, column="messages"):
+    path.write_text("".join(json.dumps({column: row}) + "\n" for row in rows))
+    return path
+
+
+def run_rows(capsys, *arguments):
+    status = main(["run", "--device", "cpu", "--max-new-tokens", str(MAX_NEW_TOKENS), "--quiet", *map(str, arguments)])
+    error = capsys.readouterr().err
+    assert status == 0, error
+    return error
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def template_ids(folder, messages, template=None):
+    """Hugging Face's own ids for ``messages``: the generation prompt added, or a final assistant turn continued."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    continues = messages[-1]["role"] == "assistant"
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                            add_generation_prompt=not continues, continue_final_message=continues)
+    return list(encoded["input_ids"])
+
+
+def hf_greedy(folder, ids):
+    """Hugging Face ``generate``'s new tokens for ``ids`` (greedy, float32), cut after EOS."""
+    dtype = {"dtype" if _new_dtype_keyword() else "torch_dtype": torch.float32}
+    model = AutoModelForCausalLM.from_pretrained(folder, **dtype)
+    output = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=model.config.pad_token_id)
+    new = output[0, len(ids):].tolist()
+    eos = model.config.eos_token_id
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+def test_conversations_are_the_templates_own_ids_and_complete_as_hugging_face_does(chat_model, tmp_path, capsys):
+    dataset, output = write_rows(tmp_path / "chats.jsonl", CONVERSATIONS), tmp_path / "out.jsonl"
+    run_rows(capsys, "--model", chat_model, "--dataset", dataset, "--column", "messages", "--output", output,
+             "--batch-size", "2")
+    rows = rows_of(output)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    for row, messages in zip(rows, CONVERSATIONS, strict=True):
+        ids = template_ids(chat_model, messages)
+        assert ids.count(tokenizer.bos_token_id) == 1  # the template's BOS, not a second one from tokenizing again
+        assert row["prompt_token_count"] == len(ids)
+        assert row["prompt"] == tokenizer.decode(ids)  # what the model saw, markers included
+        assert row["completion_token_ids"] == hf_greedy(chat_model, ids)
+        assert row["messages"][: len(messages) - 1] == messages[:-1]
+    # an answered conversation gains the assistant's reply; a final assistant turn is continued in place
+    assert rows[0]["messages"][-1] == {"role": "assistant", "content": rows[0]["completion"]}
+    assert len(rows[0]["messages"]) == 2
+    assert rows[3]["messages"][-1] == {"role": "assistant", "content": "Once upon a" + rows[3]["completion"]}
+    assert len(rows[3]["messages"]) == 2
+
+
+def test_sharegpt_rows_are_the_same_conversations(chat_model, tmp_path, capsys):
+    speakers = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt = [[{"from": speakers[message["role"]], "value": message["content"]} for message in conversation]
+                for conversation in CONVERSATIONS]
+    outputs = []
+    for name, rows in (("openai", CONVERSATIONS), ("sharegpt", sharegpt)):
+        dataset, output = write_rows(tmp_path / f"{name}.jsonl", rows, column="conversations"), tmp_path / f"{name}-out.jsonl"
+        run_rows(capsys, "--model", chat_model, "--dataset", dataset, "--column", "conversations", "--output", output)
+        outputs.append([(row["completion_token_ids"], row["messages"]) for row in rows_of(output)])
+    assert outputs[0] == outputs[1]
+
+
+def test_a_system_prompt_comes_first_in_conversations_without_one(chat_model, tmp_path, capsys):
+    dataset, output = write_rows(tmp_path / "chats.jsonl", CONVERSATIONS[:2]), tmp_path / "out.jsonl"
+    run_rows(capsys, "--model", chat_model, "--dataset", dataset, "--column", "messages", "--output", output,
+             "--system-prompt", "You are a pirate.")
+    rows = rows_of(output)
+    with_system = [{"role": "system", "content": "You are a pirate."}, *CONVERSATIONS[0]]
+    assert rows[0]["prompt_token_count"] == len(template_ids(chat_model, with_system))
+    assert rows[0]["messages"][:2] == with_system
+    assert rows[1]["messages"][0] == CONVERSATIONS[1][0]  # the row's own system message is kept
+
+
+def test_chat_makes_each_prompt_one_user_message(chat_model, tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    run_rows(capsys, "--model", chat_model, "--prompt", "Hello there, how are you", "--chat", "--output", output)
+    [row] = rows_of(output)
+    ids = template_ids(chat_model, CONVERSATIONS[0])
+    assert row["prompt_token_count"] == len(ids) and row["completion_token_ids"] == hf_greedy(chat_model, ids)
+    assert row["messages"][0] == CONVERSATIONS[0][0]
+
+
+def test_a_template_file_renders_instead_of_the_tokenizers_and_a_resume_with_another_is_refused(
+        chat_model, tmp_path, capsys):
+    template = tmp_path / "template.jinja"
+    template.write_text(OTHER_TEMPLATE)
+    dataset, output = write_rows(tmp_path / "chats.jsonl", CONVERSATIONS), tmp_path / "out.jsonl"
+    command = ["--model", chat_model, "--dataset", dataset, "--column", "messages", "--output", output]
+    run_rows(capsys, *command, "--chat-template", template)
+    assert [row["prompt_token_count"] for row in rows_of(output)] == [
+        len(template_ids(chat_model, messages, OTHER_TEMPLATE)) for messages in CONVERSATIONS]
+    status = main(["run", "--device", "cpu", "--max-new-tokens", str(MAX_NEW_TOKENS), *map(str, command)])
+    assert status == 2  # the tokenizer's own template now: not the run that wrote the file
+    assert "holds completions of another run (different chat_template_sha256)" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(("rows", "arguments", "message"), [
+    ([[{"role": "user", "content": "hi"}], [{"speaker": "user", "text": "hi"}]], [],
+     "row 1, column 'messages', message 0 is not {role, content} text"),
+    ([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "  "}]], [],
+     "row 1, column 'messages', is a conversation with no text"),
+    ([[{"role": "user", "content": "hi " * 40}]], ["--max-input-tokens", "8"],
+     "row 0 (column 'messages') makes"),
+])
+def test_bad_conversations_are_one_line_naming_the_row(chat_model, tmp_path, capsys, rows, arguments, message):
+    dataset = write_rows(tmp_path / "chats.jsonl", rows)
+    status = main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--column",
+                   "messages", "--max-new-tokens", "2", *arguments])
+    line = one_error_line(capsys)
+    assert status == 2 and message in line, line
+    if arguments:
+        assert "over --max-input-tokens 8: shorten the conversation, or raise --max-input-tokens" in line
+
+
+def test_a_model_without_a_chat_template_asked_for_conversations_is_one_line_naming_chat_template(
+        tiny_model_folder, tmp_path, capsys):
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "hi", "--chat",
+                   "--output", str(tmp_path / "out.jsonl")])
+    assert status == 2
+    assert "has no chat template to render conversations with: pass --chat-template FILE" in one_error_line(capsys)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_system_prompt_without_conversations_is_one_line(tiny_model_folder, capsys):
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "hi",
+                   "--system-prompt", "Be brief."])
+    assert status == 2 and "--system-prompt goes with conversations: add --chat" in one_error_line(capsys)
