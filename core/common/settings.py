@@ -84,6 +84,7 @@ class RunSettings:
     batching: str = DEFAULT_BATCHING
     quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
     chat: ChatSettings = ChatSettings()
+    stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
 
     @property
     def torch_dtype(self):
@@ -101,6 +102,10 @@ class RunSettings:
         chat = settings.pop("chat")
         del chat["template"]  # its text decides as its hash, which the job records (``chat_template_sha256``)
         chat = {key: value for key, value in chat.items() if value not in (None, False)}  # older records match
+        if self.stop:
+            settings["stop"] = list(self.stop)
+        else:
+            del settings["stop"]
         return {**settings, "buckets": list(self.buckets), **sampling, **chat}
 
 

@@ -18,6 +18,7 @@ import torch
 from accelgen.common.errors import AccelgenWarning
 from accelgen.common.settings import RunSettings
 from accelgen.generation import decoding
+from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row, Scheduler
 from accelgen.generation.stats import BatchTiming, GenerationStats
@@ -37,7 +38,8 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens, run.chat)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens, run.chat,
+                                run.stop)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
         self.batching = "static" if not forward.builds_4d_mask and run.batching == "continuous" else run.batching
@@ -47,7 +49,7 @@ class Generator:
                 f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
                 stacklevel=2)
         eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self._eos_token_id_set = set(eos_ids)
+        self.ends = RowEnds(self.text, eos_ids, run.ignore_eos, run.max_new_tokens)
         rules = decoding.TokenRules(
             sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos,
@@ -95,7 +97,7 @@ class Generator:
             completions = []
             for row in rows:
                 prompt, truncated = texts.pop(row.place)
-                tokens, reason = self._trim(row.new_tokens)
+                tokens, reason = self.ends.trim(row)
                 self.stats.new_tokens += len(tokens)
                 completions.append(self.text.completion(row.number, prompt, row.prompt_ids, truncated, tokens, reason))
             yield completions
@@ -103,7 +105,7 @@ class Generator:
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
         rows = [row for ready in self._run_rows(enumerate((list(ids) for ids in prompts), start=first_index)) for row in ready]
-        return [self._trim(row.new_tokens) for row in rows]
+        return [self.ends.trim(row) for row in rows]
 
     # -- the engine -------------------------------------------------------------------------------
 
@@ -113,7 +115,7 @@ class Generator:
         that cannot be read or used stops the run once the rows read before it are given out."""
         run, runner, stats = self.run, self.runner, self.stats
         scheduler = Scheduler(run.batch_size, self.batching, run.buckets, context_limit(self.model.config),
-                              run.max_new_tokens, rows_end_early=not run.ignore_eos)
+                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop))
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
@@ -129,7 +131,7 @@ class Generator:
                 runner.use_bucket(plan.cache_bucket)
                 runner.insert(plan.insertion)
             runner.decode(plan.steps)
-            ended = scheduler.collect(runner.finished_slots())
+            ended = scheduler.collect(self._with_stopped(scheduler, runner.finished_slots()))
             ready = scheduler.finish(dict(zip(ended, runner.new_tokens(ended)))) if ended else []
             if ready:
                 stats.batches += 1
@@ -139,10 +141,10 @@ class Generator:
         if source_error is not None:
             raise source_error
 
-    def _trim(self, row_tokens: list[int]) -> tuple[list[int], str]:
-        """The new tokens up to and including the first EOS (all of them with ignore_eos)."""
-        if not self.run.ignore_eos:
-            for position, token in enumerate(row_tokens):
-                if token in self._eos_token_id_set:
-                    return row_tokens[: position + 1], "eos"
-        return row_tokens, "length"
+    def _with_stopped(self, scheduler: Scheduler, finished: list[bool]) -> list[bool]:
+        """``finished`` (per slot) with the running rows whose text has reached a stop text marked too."""
+        running = {slot: row for slot, row in scheduler.running.items() if not finished[slot]}
+        if self.ends.stop_texts and running:
+            for slot in self.ends.stopped(running, self.runner.new_tokens(list(running))):
+                finished[slot] = True
+        return finished

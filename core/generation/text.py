@@ -28,7 +28,7 @@ class Completion:
     completion: str
     completion_token_ids: list[int]
     prompt_token_count: int
-    finish_reason: str  # "eos" (the model ended it) or "length" (max_new_tokens reached)
+    finish_reason: str  # "eos" (the model ended it), "stop" (a stop text did) or "length" (max_new_tokens reached)
     messages: list[dict] | None = None  # a conversation's messages with the assistant's reply added
 
     def as_row(self) -> dict:
@@ -47,8 +47,9 @@ class PromptCodec:
     """Encodes prompts for one model and decodes its completions, with ``tokenizer``."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_input_tokens: int | None,
-                 chat: ChatSettings = ChatSettings()):
+                 chat: ChatSettings = ChatSettings(), stop: tuple[str, ...] = ()):
         self.tokenizer, self.vocab_size, self.max_input_tokens, self.chat = tokenizer, vocab_size, max_input_tokens, chat
+        self.stop = stop
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
         """The conversation ``prompt`` is (a text is one with ``--chat``), with the system prompt; None for text."""
@@ -104,13 +105,40 @@ class PromptCodec:
                                       f"conversation, or pass another --chat-template.") from None
         return list(encoded["input_ids"])
 
+    def new_text(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> str:
+        """The text ``new_token_ids`` add to the prompt: decoded together, so that word boundaries (e.g.
+        SentencePiece spaces) come out right."""
+        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)[len(prompt_text):]
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the first stop text begins in ``text``, or None."""
+        found = [position for stop in self.stop if (position := text.find(stop)) >= 0]
+        return min(found) if found else None
+
+    def tokens_to_stop(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> int | None:
+        """How many of ``new_token_ids`` it takes for their text to hold a stop text (the token completing it
+        included), or None when it holds none. Where a stop is found depends only on the tokens, not on when
+        the host looked at them."""
+        if not self.stop or self._stop_at(self.new_text(prompt_token_ids, new_token_ids)) is None:
+            return None
+        low, high = 1, len(new_token_ids)  # the shortest prefix whose text holds a stop text
+        while low < high:
+            middle = (low + high) // 2
+            if self._stop_at(self.new_text(prompt_token_ids, new_token_ids[:middle])) is None:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
     def completion(self, index: int, prompt: str | Conversation, prompt_token_ids: list[int], truncated: bool,
                    new_token_ids: list[int], finish_reason: str) -> Completion:
-        """The completion of prompt ``index`` from its new token ids."""
-        # Decode prompt and completion together so word boundaries (e.g. SentencePiece spaces) come out right.
+        """The completion of prompt ``index`` from its new token ids (its text cut before the stop text, when a
+        stop text ended it)."""
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
-        full_text = self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)
-        text = full_text[len(prompt_text) :]
+        text = self.new_text(prompt_token_ids, new_token_ids)
+        if finish_reason == "stop":
+            text = text[: self._stop_at(text)]
         conversation = self.conversation(prompt)
         if conversation is not None:  # what the model saw: the rendered template, its markers included
             prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)

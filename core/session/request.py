@@ -95,6 +95,7 @@ def run_settings(
     chat: bool = ChatSettings.text_as_user,
     system_prompt: str | None = ChatSettings.system_prompt,
     chat_template: str | None = ChatSettings.template,
+    stop: Sequence[str] = RunSettings.stop,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -104,7 +105,7 @@ def run_settings(
     ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it.
     ``chat`` makes each text prompt one user message of a conversation; ``system_prompt`` puts a system message
     first in each conversation; ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's
-    own template."""
+    own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept)."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -129,6 +130,7 @@ def run_settings(
         batching=batching,
         quantize=quantize,
         chat=ChatSettings(chat, system_prompt, chat_template),
+        stop=tuple(stop),
     )
     _check(run)
     return run
@@ -179,5 +181,8 @@ def _check(run: RunSettings) -> None:
         raise UsageError("--buckets must list prompt lengths, e.g. 32,64,128.")
     if run.chat.system_prompt is not None and (problem := prompt_problem(run.chat.system_prompt)):
         raise UsageError(f"--system-prompt {problem}.")
+    for text in run.stop:
+        if not isinstance(text, str) or not text:
+            raise UsageError(f"--stop {text!r} is not a text to stop at: give at least one character.")
     if run.chat.template is not None and not run.chat.template.strip():
         raise UsageError("--chat-template is empty: give a Jinja chat template, or drop it to use the tokenizer's.")

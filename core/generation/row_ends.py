@@ -1,0 +1,48 @@
+"""Where a row's completion ends, decided on the host from its tokens: at its first end token (unless
+``--ignore-eos``), at the token completing its first stop text (``--stop``), or at its token budget.
+
+End tokens are also found on the device, inside the decode step, which frees a row's slot at the next look;
+stop texts are found by decoding, at the looks, the tokens of the rows still running. Where a row ends
+depends only on its tokens, never on when the host looked.
+"""
+
+from __future__ import annotations
+
+from accelgen.generation.scheduler import Row
+from accelgen.generation.text import PromptCodec
+
+
+class RowEnds:
+    """Ends rows for one run: ``eos_token_ids`` end a row unless ``ignore_eos``; ``text``'s stop texts end it."""
+
+    def __init__(self, text: PromptCodec, eos_token_ids: list[int], ignore_eos: bool, max_new_tokens: int):
+        self.text, self.max_new_tokens = text, max_new_tokens
+        self.eos_token_ids = set() if ignore_eos else set(eos_token_ids)
+
+    @property
+    def stop_texts(self) -> bool:
+        """Whether rows may end at a stop text (then the host reads running rows' tokens at each look)."""
+        return bool(self.text.stop)
+
+    def stopped(self, running: dict[int, Row], tokens: list[list[int]]) -> list[int]:
+        """The slots among ``running`` (slot -> row, each with its tokens so far read back in ``tokens``, in the
+        same order) whose text has reached a stop text."""
+        stopped = []
+        for (slot, row), row_tokens in zip(running.items(), tokens):
+            made = self.max_new_tokens - row.budget  # its first token and the steps it has taken
+            if self.text.tokens_to_stop(row.prompt_ids, row_tokens[:made]) is not None:
+                stopped.append(slot)
+        return stopped
+
+    def trim(self, row: Row) -> tuple[list[int], str]:
+        """The row's new tokens up to and including its first end token or the token completing its first stop
+        text, whichever comes first, and why it ended ("eos", "stop" or "length")."""
+        tokens, reason = row.new_tokens, "length"
+        for position, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                tokens, reason = tokens[: position + 1], "eos"
+                break
+        stop = self.text.tokens_to_stop(row.prompt_ids, tokens)
+        if stop is not None:
+            return tokens[:stop], "stop"
+        return tokens, reason
