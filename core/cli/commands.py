@@ -128,7 +128,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
                        chat_template=_chat_template(arguments.chat_template_file))
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
-        limit=arguments.limit, streaming=arguments.streaming,
+        limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)

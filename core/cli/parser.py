@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "{role, content} or ShareGPT {from, value} messages) (default: text)")
     data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
     data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
+    data.add_argument("--skip-bad-rows", action="store_true",
+                      help="write a row that cannot be completed (empty, not a prompt, too long, refused by the chat "
+                           "template) as an error row (finish_reason error, error: why) and go on, instead of stopping")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
     chat = run.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
     chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")

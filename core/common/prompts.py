@@ -65,12 +65,21 @@ def as_conversation(value: object) -> tuple[Conversation | None, str | None]:
     return Conversation(tuple(messages)), None
 
 
+@dataclasses.dataclass(frozen=True)
+class BadPrompt:
+    """A dataset row that cannot be a prompt, kept in its place (``--skip-bad-rows``): why, as a clause."""
+
+    problem: str
+
+
 def prompt_problem(text: object) -> str | None:
     """Why ``text`` cannot be a prompt, with the fix, as a clause ("is empty: give it some text"); None when
     it can. A dataset's missing value is None; bytes that are not UTF-8 reach Python from a shell as lone
     surrogates (their ``surrogateescape`` form). A :class:`Conversation` is checked when it is made."""
     if isinstance(text, Conversation):
         return None
+    if isinstance(text, BadPrompt):
+        return text.problem
     if text is None:
         return "is null (no text): fill it in, or remove that row"
     if not isinstance(text, str):
@@ -93,6 +102,11 @@ class PromptError(UsageError):
     def __init__(self, number: int, rest: str):
         super().__init__(f"Prompt {number}{rest}")
         self.number, self.rest = number, rest
+
+    @property
+    def problem(self) -> str:
+        """The problem alone, as an error row says it ("is empty: give it some text, or remove it")."""
+        return self.rest.lstrip(" :").removesuffix(".")
 
     def in_dataset(self, source: str, column: str) -> UsageError:
         """The same problem, said of row ``number`` of the dataset ``source``."""

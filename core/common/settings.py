@@ -85,6 +85,7 @@ class RunSettings:
     quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
     chat: ChatSettings = ChatSettings()
     stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
+    skip_bad_rows: bool = False  # a row that cannot be completed becomes an error row instead of stopping the run
 
     @property
     def torch_dtype(self):
@@ -96,7 +97,7 @@ class RunSettings:
         JSON values."""
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
-        del settings["use_graphs"], settings["offload"], settings["batching"]
+        del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
         chat = settings.pop("chat")

@@ -38,8 +38,7 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run.max_input_tokens, run.chat,
-                                run.stop)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
         self.batching = "static" if not forward.builds_4d_mask and run.batching == "continuous" else run.batching
@@ -87,9 +86,9 @@ class Generator:
         its place among the others, decides its sampling draws and names it in errors."""
         texts: dict[int, tuple[str, bool]] = {}  # by place: the prompt, and whether it was truncated
 
-        def encoded() -> Iterator[tuple[int, list[int]]]:
+        def encoded() -> Iterator[tuple[int, list[int] | str]]:
             for place, (number, prompt) in enumerate(numbered_prompts):
-                [ids], [truncated] = self.text.encode([prompt], first_index=number)
+                ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
                 texts[place] = (prompt, truncated)
                 yield number, ids
 
@@ -97,9 +96,10 @@ class Generator:
             completions = []
             for row in rows:
                 prompt, truncated = texts.pop(row.place)
-                tokens, reason = self.ends.trim(row)
+                tokens, reason = self.ends.trim(row) if row.error is None else ([], "error")
                 self.stats.new_tokens += len(tokens)
-                completions.append(self.text.completion(row.number, prompt, row.prompt_ids, truncated, tokens, reason))
+                completions.append(self.text.completion(row.number, prompt, row.prompt_ids, truncated, tokens, reason,
+                                                        row.error))
             yield completions
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
@@ -110,29 +110,37 @@ class Generator:
     # -- the engine -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int]]]) -> Iterator[list[Row]]:
+    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str]]) -> Iterator[list[Row]]:
         """Rows through the slots: read as the scheduler has room, run by the runner, given out in order. A row
-        that cannot be read or used stops the run once the rows read before it are given out."""
+        given as a string is an error row; one that cannot be read or used stops the run once the rows read
+        before it are given out (or, with --skip-bad-rows, ends as an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
         scheduler = Scheduler(run.batch_size, self.batching, run.buckets, context_limit(self.model.config),
-                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop))
+                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop),
+                              bad_rows_end=run.skip_bad_rows)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
+            read = 0
             try:
                 for number, ids in itertools.islice(source, scheduler.room()):
-                    scheduler.add(number, ids)
+                    scheduler.add_error(number, ids) if isinstance(ids, str) else scheduler.add(number, ids)
+                    read += 1
             except Exception as error:  # noqa: BLE001 - raised once the rows before it are out
                 source, source_error = iter(()), error
             plan = scheduler.plan()
-            if plan is None:
+            if plan is None:  # nothing to run: error rows alone were read, or none at all
+                if ready := scheduler.finish():
+                    yield ready
+                if read:
+                    continue
                 break
             if plan.insertion is not None:
                 runner.use_bucket(plan.cache_bucket)
                 runner.insert(plan.insertion)
             runner.decode(plan.steps)
-            ended = scheduler.collect(self._with_stopped(scheduler, runner.finished_slots()))
-            ready = scheduler.finish(dict(zip(ended, runner.new_tokens(ended)))) if ended else []
+            ended = scheduler.collect(self.ends.with_stopped(runner.finished_slots(), scheduler.running, runner))
+            ready = scheduler.finish(dict(zip(ended, runner.new_tokens(ended))))
             if ready:
                 stats.batches += 1
                 yield ready
@@ -140,11 +148,3 @@ class Generator:
                                          stats.decode_steps - before[2]))
         if source_error is not None:
             raise source_error
-
-    def _with_stopped(self, scheduler: Scheduler, finished: list[bool]) -> list[bool]:
-        """``finished`` (per slot) with the running rows whose text has reached a stop text marked too."""
-        running = {slot: row for slot, row in scheduler.running.items() if not finished[slot]}
-        if self.ends.stop_texts and running:
-            for slot in self.ends.stopped(running, self.runner.new_tokens(list(running))):
-                finished[slot] = True
-        return finished

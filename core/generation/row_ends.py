@@ -8,6 +8,7 @@ depends only on its tokens, never on when the host looked.
 
 from __future__ import annotations
 
+from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row
 from accelgen.generation.text import PromptCodec
 
@@ -19,20 +20,17 @@ class RowEnds:
         self.text, self.max_new_tokens = text, max_new_tokens
         self.eos_token_ids = set() if ignore_eos else set(eos_token_ids)
 
-    @property
-    def stop_texts(self) -> bool:
-        """Whether rows may end at a stop text (then the host reads running rows' tokens at each look)."""
-        return bool(self.text.stop)
-
-    def stopped(self, running: dict[int, Row], tokens: list[list[int]]) -> list[int]:
-        """The slots among ``running`` (slot -> row, each with its tokens so far read back in ``tokens``, in the
-        same order) whose text has reached a stop text."""
-        stopped = []
-        for (slot, row), row_tokens in zip(running.items(), tokens):
+    def with_stopped(self, finished: list[bool], running: dict[int, Row], runner: SlotRunner) -> list[bool]:
+        """``finished`` (per slot) with the ``running`` rows (by slot) whose text has reached a stop text marked
+        too: their tokens so far are read back from ``runner``, only when there are stop texts."""
+        running = {slot: row for slot, row in running.items() if not finished[slot]}
+        if not self.text.stop or not running:
+            return finished
+        for (slot, row), row_tokens in zip(running.items(), runner.new_tokens(list(running))):
             made = self.max_new_tokens - row.budget  # its first token and the steps it has taken
             if self.text.tokens_to_stop(row.prompt_ids, row_tokens[:made]) is not None:
-                stopped.append(slot)
-        return stopped
+                finished[slot] = True
+        return finished
 
     def trim(self, row: Row) -> tuple[list[int], str]:
         """The row's new tokens up to and including its first end token or the token completing its first stop

@@ -49,6 +49,7 @@ class Row:
     state: str = "waiting"  # -> "running" -> "finished"
     slot: int | None = None
     new_tokens: list[int] | None = None  # read back once finished: its new tokens, padding after its end
+    error: str | None = None  # why it could not be completed (an error row, given out in its place)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +75,10 @@ class Scheduler:
     """Rows into ``slots`` slots, by ``policy`` ("continuous" or "static")."""
 
     def __init__(self, slots: int, policy: str, buckets: tuple[int, ...], context_limit: int | None, max_new_tokens: int,
-                 rows_end_early: bool):
+                 rows_end_early: bool, bad_rows_end: bool = False):
         self.slots, self.policy, self.max_new_tokens = slots, policy, max_new_tokens
+        #: whether a row that cannot be completed ends as an error row (else it stops the run)
+        self.bad_rows_end = bad_rows_end
         #: whether a row may end before its budget (at end-of-sequence); if not, the host knows every row's end
         #: and looks only then
         self.rows_end_early = rows_end_early
@@ -94,14 +97,24 @@ class Scheduler:
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
     def add(self, number: int, prompt_ids: list[int]) -> Row:
-        """A new waiting row; a prompt too long for every bucket or the model's context is refused, by number."""
+        """A new waiting row; a prompt too long for every bucket or the model's context is refused, by number
+        (or ends at once as an error row, with ``bad_rows_end``)."""
         try:
             bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
         except UsageError as error:
-            raise PromptError(number, f": {error}") from None
+            if not self.bad_rows_end:
+                raise PromptError(number, f": {error}") from None
+            return self.add_error(number, str(error).removesuffix("."))
         row = Row(self._places, number, prompt_ids, bucket, budget=self.max_new_tokens - 1)
         self._places += 1
         self.waiting.append(row)
+        return row
+
+    def add_error(self, number: int, error: str) -> Row:
+        """A row that cannot be completed, ended at once: given out in its place, as an error row."""
+        row = Row(self._places, number, [], 0, 0, state="finished", new_tokens=[], error=error)
+        self._places += 1
+        self.finished[row.place] = row
         return row
 
     @property
@@ -166,10 +179,10 @@ class Scheduler:
             return []
         return sorted(ended)
 
-    def finish(self, new_tokens: dict[int, list[int]]) -> list[Row]:
+    def finish(self, new_tokens: dict[int, list[int]] | None = None) -> list[Row]:
         """Free the slots of ``new_tokens`` (slot -> the row's tokens read back) and return the rows now ready
         to give out, in the order they came in."""
-        for slot, tokens in new_tokens.items():
+        for slot, tokens in (new_tokens or {}).items():
             row = self.running.pop(slot)
             row.state, row.slot, row.new_tokens = "finished", None, tokens
             self.finished[row.place] = row

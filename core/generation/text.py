@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, check_prompts
-from accelgen.common.settings import ChatSettings
+from accelgen.common.settings import RunSettings
 
 
 @dataclasses.dataclass
@@ -28,15 +28,17 @@ class Completion:
     completion: str
     completion_token_ids: list[int]
     prompt_token_count: int
-    finish_reason: str  # "eos" (the model ended it), "stop" (a stop text did) or "length" (max_new_tokens reached)
+    finish_reason: str  # "eos" (the model ended it), "stop" (a stop text did), "length" (max_new_tokens reached),
+    # or "error" (the prompt could not be completed: ``error`` says why; --skip-bad-rows)
     messages: list[dict] | None = None  # a conversation's messages with the assistant's reply added
+    error: str | None = None
 
     def as_row(self) -> dict:
-        """The completion as an output line's fields (``messages`` only for a conversation)."""
-        row = dataclasses.asdict(self)
-        if self.messages is None:
-            del row["messages"]
-        return row
+        """The completion as an output line's fields (``messages`` only for a conversation, ``error`` only for
+        an error row)."""
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if value is not None or name not in ("messages", "error")}
+
 
 
 NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conversations with: pass --chat-template "
@@ -44,12 +46,12 @@ NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conve
 
 
 class PromptCodec:
-    """Encodes prompts for one model and decodes its completions, with ``tokenizer``."""
+    """Encodes prompts for one model and decodes its completions, with ``tokenizer``, as ``run`` says (its
+    ``max_input_tokens``, ``chat`` and ``stop``)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_input_tokens: int | None,
-                 chat: ChatSettings = ChatSettings(), stop: tuple[str, ...] = ()):
-        self.tokenizer, self.vocab_size, self.max_input_tokens, self.chat = tokenizer, vocab_size, max_input_tokens, chat
-        self.stop = stop
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, run: RunSettings):
+        self.tokenizer, self.vocab_size, self.max_input_tokens = tokenizer, vocab_size, run.max_input_tokens
+        self.chat, self.stop = run.chat, run.stop
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
         """The conversation ``prompt`` is (a text is one with ``--chat``), with the system prompt; None for text."""
@@ -89,6 +91,17 @@ class PromptCodec:
                     f"the tokenizer does not belong to this model."
                 )
         return token_ids, truncated
+
+    def encode_row(self, number: int, prompt: str | Conversation, errors_as_rows: bool) -> tuple[list[int] | str, bool]:
+        """One prompt's ids and whether they were truncated; with ``errors_as_rows``, a prompt that cannot be
+        completed gives its problem (a string: an error row) instead of stopping the run."""
+        try:
+            [ids], [truncated] = self.encode([prompt], first_index=number)
+        except PromptError as error:
+            if not errors_as_rows:
+                raise
+            return error.problem, False
+        return ids, truncated
 
     def _conversation_ids(self, conversation: Conversation, number: int) -> list[int]:
         """The ids of ``conversation`` rendered by the chat template (``--chat-template``, else the tokenizer's)."""
@@ -132,9 +145,11 @@ class PromptCodec:
         return low
 
     def completion(self, index: int, prompt: str | Conversation, prompt_token_ids: list[int], truncated: bool,
-                   new_token_ids: list[int], finish_reason: str) -> Completion:
+                   new_token_ids: list[int], finish_reason: str, error: str | None = None) -> Completion:
         """The completion of prompt ``index`` from its new token ids (its text cut before the stop text, when a
-        stop text ended it)."""
+        stop text ended it); its error row when ``error`` says why it could not be completed."""
+        if error is not None:
+            return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=error)
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         text = self.new_text(prompt_token_ids, new_token_ids)
         if finish_reason == "stop":

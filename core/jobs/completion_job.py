@@ -82,6 +82,7 @@ class RunReport:
     unsharded_parameter_bytes: int
     rank_memory: list[dict]  # per rank: parameter_bytes, host memory while loading, the device's memory_stats()
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
+    error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
 
     @property
     def rows_per_second(self) -> float:
@@ -97,7 +98,7 @@ class RunReport:
 
 
 def run_report(generator: Generator, load_seconds: float, generate_seconds: float, rows: int,
-               replicas: list[ReplicaReport] | None = None) -> RunReport:
+               replicas: list[ReplicaReport] | None = None, error_rows: int = 0) -> RunReport:
     """The report of a run by ``generator`` that completed ``rows`` (every rank of a replica must call this:
     the ranks' memory figures are gathered). ``replicas``: each replica's figures, which then make the job's."""
     stats = generator.stats
@@ -115,7 +116,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
-        rank_memory=rank_memory, replicas=replicas,
+        rank_memory=rank_memory, replicas=replicas, error_rows=error_rows,
     )
 
 
@@ -136,7 +137,8 @@ def open_job(
             earlier = _resumed_run_record(output, overwrite)
             source.update(resumable_pin(dataset, pin, earlier, output, reread=lambda: open_rows(dataset).texts))
     else:
-        check_prompts(prompts)
+        if not request.run.skip_bad_rows:  # else a prompt that cannot be one becomes an error row
+            check_prompts(prompts)
         rows = TextRows(iter(prompts), len(prompts))
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
     if request.run.chat.text_as_user or rows.conversational:
@@ -209,6 +211,7 @@ def complete(
                    else _batches(job, generator, written))
         try:
             for number, completions in enumerate(batches, start=first_batch):
+                written.errors += sum(completion.finish_reason == "error" for completion in completions)
                 if is_main and job.writer:
                     job.writer.write(completions)
                 if is_main and on_batch:
@@ -229,7 +232,8 @@ def complete(
         if request.accelerator.is_out_of_memory(error):
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None
         raise
-    return run_report(generator, loaded - started, time.perf_counter() - loaded, written.rows, written.replicas)
+    return run_report(generator, loaded - started, time.perf_counter() - loaded, written.rows, written.replicas,
+                      written.errors)
 
 
 @dataclasses.dataclass
@@ -239,6 +243,7 @@ class RowCount:
 
     rows: int = 0
     replicas: list[ReplicaReport] | None = None
+    errors: int = 0  # error rows among those the writer wrote
 
     def add(self, completions: list[Completion]) -> None:
         self.rows += len(completions)

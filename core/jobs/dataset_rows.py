@@ -17,7 +17,7 @@ import re
 from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
-from accelgen.common.prompts import Conversation, as_conversation, prompt_problem
+from accelgen.common.prompts import BadPrompt, Conversation, as_conversation, prompt_problem
 from accelgen.common.value_ranges import check_settings
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 
@@ -34,6 +34,7 @@ class DatasetRequest:
     config: str | None = None
     limit: int | None = None  # the first N rows only
     streaming: bool = False  # read rows as they are needed instead of loading the split
+    skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class TextRows:
     """Prompts in dataset order (texts, or conversations), and how many there are (None when streaming without
     --limit)."""
 
-    texts: Iterator[str | Conversation]
+    texts: Iterator[str | Conversation | BadPrompt]
     total: int | None
     revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
     conversational: bool = False  # the rows are conversations
@@ -58,26 +59,27 @@ def open_rows(request: DatasetRequest) -> TextRows:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
     logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     dataset, revision = _load_split(request)
-    conversational = _check_column(dataset, request)
+    kind = _check_column(dataset, request)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
     if not request.streaming:
-        for _ in _row_texts(dataset, request, conversational):
+        for _ in _row_texts(dataset, request, kind):
             pass
-    texts = _row_texts(dataset, request, conversational)
+    texts = _row_texts(dataset, request, kind)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision, conversational)
+    return TextRows(itertools.chain([first], texts), total, revision, conversational=kind == "conversation")
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest, conversational: bool) -> Iterator[str | Conversation]:
-    """The column's prompts in dataset order; a row that cannot be read, or is no prompt, stops with its index."""
+def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Conversation | BadPrompt]:
+    """The column's prompts in dataset order (``kind``: see :func:`_check_column`); a row that cannot be read, or is
+    no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
     rows = dataset.select_columns([request.column])
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
@@ -88,11 +90,13 @@ def _row_texts(dataset, request: DatasetRequest, conversational: bool) -> Iterat
         if batch is None:
             return
         for text in batch[request.column]:
-            if conversational:
+            if kind == "conversation" or (kind == "mixed" and isinstance(text, list)):
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
-            if problem:
+            if problem and request.skip_bad_rows:
+                text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
+            elif problem:
                 raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem} "
                                  f"(rows count from 0, as the output's \"index\").")
             yield text
@@ -231,8 +235,9 @@ def _saved_split(saved, request: DatasetRequest):
     return saved.to_iterable_dataset() if request.streaming else saved
 
 
-def _check_column(dataset, request: DatasetRequest) -> bool:
-    """Raise UsageError unless the column exists and holds text or conversations; True for conversations."""
+def _check_column(dataset, request: DatasetRequest) -> str:
+    """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
+    "mixed" (values of several types, each row read as what it is)."""
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
@@ -244,17 +249,16 @@ def _check_column(dataset, request: DatasetRequest) -> bool:
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
     feature = features[request.column]
-    if feature is None:  # known once read: a list value is taken for a conversation
-        first_value = next(iter(dataset.take(1)))[request.column]
-        return isinstance(first_value, list)
+    if feature is None or type(feature).__name__ == "Json":  # known row by row
+        return "mixed"
     if _is_conversation(feature):
-        return True
+        return "conversation"
     if getattr(feature, "dtype", None) not in TEXT_TYPES:
         text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
         kind = getattr(feature, "dtype", type(feature).__name__)
         raise UsageError(f"Column {request.column!r} holds {kind}, not text nor a conversation ({hint}).")
-    return False
+    return "text"
 
 
 def _is_conversation(feature) -> bool:

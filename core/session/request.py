@@ -96,6 +96,7 @@ def run_settings(
     system_prompt: str | None = ChatSettings.system_prompt,
     chat_template: str | None = ChatSettings.template,
     stop: Sequence[str] = RunSettings.stop,
+    skip_bad_rows: bool = RunSettings.skip_bad_rows,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -105,7 +106,9 @@ def run_settings(
     ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it.
     ``chat`` makes each text prompt one user message of a conversation; ``system_prompt`` puts a system message
     first in each conversation; ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's
-    own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept)."""
+    own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept).
+    ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
+    place instead of stopping the run."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -131,6 +134,7 @@ def run_settings(
         quantize=quantize,
         chat=ChatSettings(chat, system_prompt, chat_template),
         stop=tuple(stop),
+        skip_bad_rows=skip_bad_rows,
     )
     _check(run)
     return run
