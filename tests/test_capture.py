@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
+from accelgen.generation.decoding import DecodeState
 from accelgen.generation.scheduler import LOOK_INTERVAL
 from accelgen_cuda.graph_pool import SharedGraphPool
 
@@ -91,7 +92,7 @@ def test_between_replays_the_host_only_checks_every_few_steps_whether_all_rows_f
     with log:
         generator.generate(PROMPTS[:2])
     [timing] = generator.stats.timings
-    decode_step_inputs = 8
+    decode_step_inputs = len(DecodeState._fields)
     gaps = log.gaps_between_replays(decode_step_inputs)
     assert timing.decode_steps > LOOK_INTERVAL["static"]  # at least one look
     assert len(gaps) + 1 == timing.decode_steps and not any(gaps)
@@ -107,7 +108,7 @@ def test_between_slot_steps_the_host_only_looks_at_finished_rows_every_few_steps
         completions = generator.generate(PROMPTS[:3])  # the third waits for a slot
     assert [len(completion.completion_token_ids) for completion in completions] == [NEW_TOKENS] * 3
     assert generator.stats.graph_captures == 1
-    slot_step_inputs = 8  # the slot step's buffers (its prefill steps take others)
+    slot_step_inputs = len(DecodeState._fields)  # the slot step's buffers (its prefill steps take others)
     gaps = log.gaps_between_replays(slot_step_inputs)
     # the first two rows take NEW_TOKENS - 1 steps (their first token came from the prefill), looked at every
     # LOOK_INTERVAL["continuous"] steps or sooner; then the third is prefilled into a freed slot and takes as many

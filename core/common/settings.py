@@ -86,6 +86,7 @@ class RunSettings:
     chat: ChatSettings = ChatSettings()
     stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
     skip_bad_rows: bool = False  # a row that cannot be completed becomes an error row instead of stopping the run
+    logprobs: bool = False  # record each chosen token's log-probability under the model's own distribution
 
     @property
     def torch_dtype(self):
@@ -107,6 +108,8 @@ class RunSettings:
             settings["stop"] = list(self.stop)
         else:
             del settings["stop"]
+        if not self.logprobs:
+            del settings["logprobs"]
         return {**settings, "buckets": list(self.buckets), **sampling, **chat}
 
 

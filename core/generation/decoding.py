@@ -25,7 +25,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
-from accelgen.generation.sampling import choose_tokens
+from accelgen.generation.sampling import choose_tokens, chosen_logprobs
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -44,6 +44,7 @@ class DecodeState(NamedTuple):
     new_tokens: torch.Tensor  # [B, N + 1] each row's tokens so far; column N takes a finished row's tokens
     finished: torch.Tensor  # [B] the row has ended (or the slot holds nothing)
     row_indices: torch.Tensor  # [B] each row's prompt number, which decides its sampling draws
+    logprobs: torch.Tensor  # [B, N + 1] float32: each chosen token's log-probability (written with --logprobs)
 
     @classmethod
     def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
@@ -52,7 +53,7 @@ class DecodeState(NamedTuple):
             input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
             attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
             new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
-            row_indices=longs(slots),
+            row_indices=longs(slots), logprobs=torch.zeros(slots, new_tokens + 1, dtype=torch.float32, device=device),
         )
 
     @property
@@ -73,6 +74,7 @@ class TokenRules:
     eos_token_ids: torch.Tensor  # [E] on the device; a row that produces one has finished
     pad_token_id: int  # what a finished row produces from then on
     stop_at_eos: bool  # False with ignore_eos: every row produces every new token
+    logprobs: bool = False  # record each chosen token's log-probability
 
 
 def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int) -> int:
@@ -119,23 +121,26 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, row_indices: torch.Tensor,
-            rules: TokenRules) -> torch.Tensor:
+            rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the padded prompts input_ids [k, P] (mask [k, P], numbers ``row_indices`` [k]) through ``forward``,
-    which writes their keys and values, and return each one's first new token [k] (step 0 of its draws)."""
+    which writes their keys and values, and return each one's first new token [k] (step 0 of its draws) and
+    its log-probability [k] (zeros unless ``rules.logprobs``)."""
     bucket_length = input_ids.shape[1]
     logits = forward(input_ids, prompt_mask, positions_from_mask(prompt_mask),
                      torch.arange(bucket_length, device=input_ids.device))
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    return choose_tokens(logits, rules.sampling, row_indices, first_step)
+    tokens = choose_tokens(logits, rules.sampling, row_indices, first_step)
+    logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
+    return tokens, logprobs
 
 
 def insert_rows(
-    state: DecodeState, slots: torch.Tensor, first_tokens: torch.Tensor, prompt_mask: torch.Tensor,
-    row_indices: torch.Tensor, rules: TokenRules,
+    state: DecodeState, slots: torch.Tensor, first_tokens: torch.Tensor, first_logprobs: torch.Tensor,
+    prompt_mask: torch.Tensor, row_indices: torch.Tensor, rules: TokenRules,
 ) -> None:
     """Give ``slots`` [k] new rows whose prompts (mask [k, P], their keys and values already at positions
-    [0, P) of those rows of the cache) chose ``first_tokens`` [k]: each row attends to its prompt, decodes
-    next at position P, and has recorded its first token (it may have finished with it)."""
+    [0, P) of those rows of the cache) chose ``first_tokens`` [k] (of ``first_logprobs``): each row attends to
+    its prompt, decodes next at position P, and has recorded its first token (it may have finished with it)."""
     bucket_length = prompt_mask.shape[1]
     state.attention_mask.index_fill_(0, slots, 0)
     state.attention_mask[:, :bucket_length].index_copy_(0, slots, prompt_mask)
@@ -145,6 +150,8 @@ def insert_rows(
     state.row_indices.index_copy_(0, slots, row_indices)
     state.new_tokens.index_fill_(0, slots, rules.pad_token_id)
     state.new_tokens[:, 0].index_copy_(0, slots, first_tokens)
+    state.logprobs.index_fill_(0, slots, 0)
+    state.logprobs[:, 0].index_copy_(0, slots, first_logprobs)
     ended = torch.full_like(first_tokens, state.max_new_tokens <= 1, dtype=torch.bool)
     if rules.stop_at_eos:
         ended |= torch.isin(first_tokens, rules.eos_token_ids)
@@ -167,19 +174,24 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
     else:
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
-    next_tokens = record_tokens(state, choose_tokens(logits, rules.sampling, state.row_indices, state.steps), rules)
+    chosen = choose_tokens(logits, rules.sampling, state.row_indices, state.steps)
+    next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)
     state.write_positions.add_(1).clamp_(max=cache_length - 1)  # a finished row writes on in its own row
     return next_tokens
 
 
-def record_tokens(state: DecodeState, tokens: torch.Tensor, rules: TokenRules) -> torch.Tensor:
-    """Write ``tokens`` [B] at each row's step of ``new_tokens`` (a finished row's into the spare column, as
-    padding), mark the rows that end here (end-of-sequence, or their last new token), advance the steps."""
+def record_tokens(state: DecodeState, tokens: torch.Tensor, rules: TokenRules,
+                  logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``tokens`` [B] (and their ``logprobs``, when given) at each row's step of ``new_tokens`` (a finished
+    row's into the spare column, as padding), mark the rows that end here (end-of-sequence, or their last new
+    token), advance the steps."""
     last = state.max_new_tokens
     tokens = tokens.masked_fill(state.finished, rules.pad_token_id)
     state.new_tokens.scatter_(1, state.steps.unsqueeze(-1), tokens.unsqueeze(-1))
+    if logprobs is not None:
+        state.logprobs.scatter_(1, state.steps.unsqueeze(-1), logprobs.unsqueeze(-1))
     ends = state.steps >= last - 1
     if rules.stop_at_eos:
         ends |= torch.isin(tokens, rules.eos_token_ids)

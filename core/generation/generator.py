@@ -51,7 +51,7 @@ class Generator:
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos, run.max_new_tokens)
         rules = decoding.TokenRules(
             sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=loaded.device),
-            pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos,
+            pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
         )
         self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats)
 
@@ -98,8 +98,7 @@ class Generator:
                 prompt, truncated = texts.pop(row.place)
                 tokens, reason = self.ends.trim(row) if row.error is None else ([], "error")
                 self.stats.new_tokens += len(tokens)
-                completions.append(self.text.completion(row.number, prompt, row.prompt_ids, truncated, tokens, reason,
-                                                        row.error))
+                completions.append(self.text.completion(row, prompt, truncated, tokens, reason))
             yield completions
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
@@ -140,7 +139,7 @@ class Generator:
                 runner.insert(plan.insertion)
             runner.decode(plan.steps)
             ended = scheduler.collect(self.ends.with_stopped(runner.finished_slots(), scheduler.running, runner))
-            ready = scheduler.finish(dict(zip(ended, runner.new_tokens(ended))))
+            ready = scheduler.finish(*runner.read_back(ended))
             if ready:
                 stats.batches += 1
                 yield ready

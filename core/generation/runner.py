@@ -47,10 +47,12 @@ class PrefillShape:
         self.row_indices = longs(rows)  # [k] the prompt numbers
         self.slots = longs(rows)  # [k] the cache rows the prompts go to
         self.first_tokens = longs(rows)  # [k] each prompt's first new token
+        self.first_logprobs = torch.zeros(rows, dtype=torch.float32, device=device)  # [k] its log-probability
         self.step: Callable[..., object] | None = None
 
     def __iter__(self):
-        return iter((self.input_ids, self.prompt_mask, self.row_indices, self.slots, self.first_tokens))
+        return iter((self.input_ids, self.prompt_mask, self.row_indices, self.slots, self.first_tokens,
+                     self.first_logprobs))
 
 
 class SlotShape:
@@ -121,7 +123,8 @@ class SlotRunner:
             prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
             count = len(rows)
             decoding.insert_rows(shape.state, prefill_shape.slots[:count], prefill_shape.first_tokens[:count],
-                                 prefill_shape.prompt_mask[:count], prefill_shape.row_indices[:count], self.rules)
+                                 prefill_shape.first_logprobs[:count], prefill_shape.prompt_mask[:count],
+                                 prefill_shape.row_indices[:count], self.rules)
             self.accelerator.mark_step()
         self.stats.prefills += 1
         self.stats.prefill_rows += insertion.shape_rows
@@ -146,6 +149,14 @@ class SlotRunner:
     def new_tokens(self, slots: list[int]) -> list[list[int]]:
         """The new tokens of ``slots``' rows (padding after each row's end)."""
         return self.shape.state.new_tokens[slots, : self.run.max_new_tokens].tolist()
+
+    def read_back(self, slots: list[int]) -> tuple[dict[int, list[int]], dict[int, list[float]] | None]:
+        """The new tokens of ``slots``' rows by slot, and their log-probabilities when they are recorded
+        (``--logprobs``); nothing is read from the device for no slot."""
+        if not slots:
+            return {}, None
+        logprobs = self.shape.state.logprobs[slots, : self.run.max_new_tokens].tolist() if self.rules.logprobs else None
+        return dict(zip(slots, self.new_tokens(slots))), None if logprobs is None else dict(zip(slots, logprobs))
 
     # -- shapes -------------------------------------------------------------------------------------
 
@@ -182,8 +193,10 @@ class SlotRunner:
         rules = self.rules
         forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
 
-        def prefill_step(input_ids, prompt_mask, row_indices, slots, first_tokens):
-            return first_tokens.copy_(decoding.prefill(forward, input_ids, prompt_mask, row_indices, rules))
+        def prefill_step(input_ids, prompt_mask, row_indices, slots, first_tokens, first_logprobs):
+            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, row_indices, rules)
+            first_logprobs.copy_(logprobs)
+            return first_tokens.copy_(tokens)
 
         return prefill_step
 

@@ -52,6 +52,12 @@ def choose_tokens(
     return (probs / noise).argmax(-1)
 
 
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log-probability [B] of each row's chosen token under the model's own distribution (``log_softmax``
+    of its logits, before temperature, top-k and top-p), computed on the device."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def exponential_noise(seed: int, row_indices: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [B, V] that is a pure function of (seed, row index, step, token id).
 

@@ -50,6 +50,7 @@ class Row:
     slot: int | None = None
     new_tokens: list[int] | None = None  # read back once finished: its new tokens, padding after its end
     error: str | None = None  # why it could not be completed (an error row, given out in its place)
+    logprobs: list[float] | None = None  # read back with its tokens, with --logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +180,14 @@ class Scheduler:
             return []
         return sorted(ended)
 
-    def finish(self, new_tokens: dict[int, list[int]] | None = None) -> list[Row]:
-        """Free the slots of ``new_tokens`` (slot -> the row's tokens read back) and return the rows now ready
-        to give out, in the order they came in."""
+    def finish(self, new_tokens: dict[int, list[int]] | None = None,
+               logprobs: dict[int, list[float]] | None = None) -> list[Row]:
+        """Free the slots of ``new_tokens`` (slot -> the row's tokens read back, and their ``logprobs`` when
+        recorded) and return the rows now ready to give out, in the order they came in."""
         for slot, tokens in (new_tokens or {}).items():
             row = self.running.pop(slot)
             row.state, row.slot, row.new_tokens = "finished", None, tokens
+            row.logprobs = None if logprobs is None else logprobs[slot]
             self.finished[row.place] = row
         ready = []
         while self._next_out in self.finished:

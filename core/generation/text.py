@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, check_prompts
 from accelgen.common.settings import RunSettings
+from accelgen.generation.scheduler import Row
 
 
 @dataclasses.dataclass
@@ -32,12 +33,13 @@ class Completion:
     # or "error" (the prompt could not be completed: ``error`` says why; --skip-bad-rows)
     messages: list[dict] | None = None  # a conversation's messages with the assistant's reply added
     error: str | None = None
+    logprobs: list[float] | None = None  # each new token's log-probability under the model, with --logprobs
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (``messages`` only for a conversation, ``error`` only for
-        an error row)."""
+        an error row, ``logprobs`` only when recorded)."""
         return {name: value for name, value in dataclasses.asdict(self).items()
-                if value is not None or name not in ("messages", "error")}
+                if value is not None or name not in ("messages", "error", "logprobs")}
 
 
 
@@ -144,12 +146,13 @@ class PromptCodec:
                 high = middle
         return low
 
-    def completion(self, index: int, prompt: str | Conversation, prompt_token_ids: list[int], truncated: bool,
-                   new_token_ids: list[int], finish_reason: str, error: str | None = None) -> Completion:
-        """The completion of prompt ``index`` from its new token ids (its text cut before the stop text, when a
-        stop text ended it); its error row when ``error`` says why it could not be completed."""
-        if error is not None:
-            return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=error)
+    def completion(self, row: Row, prompt: str | Conversation, truncated: bool, new_token_ids: list[int],
+                   finish_reason: str) -> Completion:
+        """The completion of ``row`` (its ``prompt``) from its kept new token ids (its text cut before the stop
+        text, when a stop text ended it); its error row when the row could not be completed."""
+        index, prompt_token_ids = row.number, row.prompt_ids
+        if row.error is not None:
+            return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=row.error)
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         text = self.new_text(prompt_token_ids, new_token_ids)
         if finish_reason == "stop":
@@ -165,6 +168,7 @@ class PromptCodec:
             prompt_token_count=len(prompt_token_ids),
             finish_reason=finish_reason,
             messages=None if conversation is None else conversation.answered(text),
+            logprobs=None if row.logprobs is None else row.logprobs[: len(new_token_ids)],
         )
 
 

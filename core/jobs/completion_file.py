@@ -26,7 +26,7 @@ from accelgen.jobs.output_lock import OutputLock
 DESCRIPTIVE_FIELDS = ("model",)
 
 #: The fields a line may hold besides :data:`LINE_FIELDS`: a conversation's messages.
-OPTIONAL_LINE_FIELDS = ("messages", "error")
+OPTIONAL_LINE_FIELDS = ("messages", "error", "logprobs")
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
 LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion) if field.name not in OPTIONAL_LINE_FIELDS)
 

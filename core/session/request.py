@@ -97,6 +97,7 @@ def run_settings(
     chat_template: str | None = ChatSettings.template,
     stop: Sequence[str] = RunSettings.stop,
     skip_bad_rows: bool = RunSettings.skip_bad_rows,
+    logprobs: bool = RunSettings.logprobs,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -108,7 +109,8 @@ def run_settings(
     first in each conversation; ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's
     own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept).
     ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
-    place instead of stopping the run."""
+    place instead of stopping the run. ``logprobs``: each completion also holds its tokens' log-probabilities
+    under the model's own distribution (before temperature, top-k and top-p)."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -135,6 +137,7 @@ def run_settings(
         chat=ChatSettings(chat, system_prompt, chat_template),
         stop=tuple(stop),
         skip_bad_rows=skip_bad_rows,
+        logprobs=logprobs,
     )
     _check(run)
     return run
