@@ -16,6 +16,7 @@ import accelgen
 from accelgen.cli import main
 from accelgen.common.settings import World
 from accelgen.generation.text import Completion
+from accelgen.jobs import row_exchange
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
 from accelgen.parallel.launcher import free_port
 
@@ -57,11 +58,15 @@ def completion(number: int) -> Completion:
     return Completion(number, f"prompt {number}", "text", [number], 1, "length")
 
 
+def taking(store, world: World, first_row: int, rows_ahead: int = 1024) -> RowTaking:
+    return RowTaking(store, world, first_row, ReplicaResults(store, world, first_row), rows_ahead)
+
+
 def test_rows_go_to_whichever_replica_asks_next_not_in_shares_fixed_up_front():
     store = torch.distributed.HashStore()
     texts = [f"text {number}" for number in range(10)]
-    fast = RowTaking(store, replica(0), first_row=3).numbered_texts(iter(texts))
-    slow = RowTaking(store, replica(1), first_row=3).numbered_texts(iter(texts))
+    fast = taking(store, replica(0), first_row=3).numbered_texts(iter(texts))
+    slow = taking(store, replica(1), first_row=3).numbered_texts(iter(texts))
     taken = [next(fast), next(fast), next(slow), next(fast), next(fast), next(slow)]
     assert taken == [(3, "text 3"), (4, "text 4"), (5, "text 5"), (6, "text 6"), (7, "text 7"), (8, "text 8")]
     assert list(fast) == [(9, "text 9")] and list(slow) == []  # past the last row each replica stops
@@ -70,9 +75,9 @@ def test_rows_go_to_whichever_replica_asks_next_not_in_shares_fixed_up_front():
 def test_every_rank_of_a_replica_takes_its_leaders_rows():
     store = torch.distributed.HashStore()
     texts = [f"text {number}" for number in range(6)]
-    other_replica = RowTaking(store, replica(1), 0).numbered_texts(iter(texts))
-    leader = RowTaking(store, replica(0, size=2, rank=0), 0).numbered_texts(iter(texts))
-    follower = RowTaking(store, replica(0, size=2, rank=1), 0).numbered_texts(iter(texts))
+    other_replica = taking(store, replica(1), 0).numbered_texts(iter(texts))
+    leader = taking(store, replica(0, size=2, rank=0), 0).numbered_texts(iter(texts))
+    follower = taking(store, replica(0, size=2, rank=1), 0).numbered_texts(iter(texts))
     next(other_replica)
     led = list(leader)
     assert led == [(1, "text 1"), (2, "text 2"), (3, "text 3"), (4, "text 4"), (5, "text 5")]
@@ -94,6 +99,65 @@ def test_the_writer_gets_every_row_in_dataset_order_whoever_finished_it_first():
     other.finish(ReplicaReport(1, rows=4, new_tokens=4, seconds=1.0))
     assert [[row.index for row in rows] for rows in writer.rest()] == [[8]]
     assert [report.rows for report in writer.reports()] == [3, 4]
+
+
+TEXTS = [f"text {number}" for number in range(10)]
+
+
+def two_replicas(store, rows_ahead: int):
+    """The writer's replica (0) and another (1): each one's results, and its rows as it takes them."""
+    sides = []
+    for world in (replica(0), replica(1)):
+        results = ReplicaResults(store, world, 0)
+        sides.append((results, RowTaking(store, world, 0, results, rows_ahead).numbered_texts(iter(TEXTS))))
+    return sides
+
+
+def test_while_a_slower_replica_holds_the_first_unwritten_row_the_others_take_at_most_rows_ahead_past_it(monkeypatch):
+    store = torch.distributed.HashStore()
+    (writer, slow), (fast_results, fast) = two_replicas(store, rows_ahead=3)
+    assert next(slow) == (0, "text 0")  # the writer's replica is the slow one: row 0 takes long
+    assert [next(fast), next(fast)] == [(1, "text 1"), (2, "text 2")]
+    assert fast_results.hand_in([completion(1), completion(2)]) == []  # finished, held for order in the store
+    looks = []
+
+    def held(seconds):  # the fast replica's leader, held: meanwhile the slow row finishes and is written
+        looks.append(store.add("rows taken", 0))
+        if len(looks) == 3:
+            assert [row.index for row in writer.hand_in([completion(0)])] == [0, 1, 2]
+
+    monkeypatch.setattr(row_exchange.time, "sleep", held)
+    assert next(fast) == (3, "text 3")
+    assert looks == [3, 3, 3]  # no fourth row was taken while row 0 was unwritten
+    assert writer.first_unwritten() == fast_results.first_unwritten() == 3
+
+
+def test_the_replica_holding_the_first_unwritten_row_is_never_held(monkeypatch):
+    store = torch.distributed.HashStore()
+    (writer, mine), (other_results, other) = two_replicas(store, rows_ahead=2)
+    monkeypatch.setattr(row_exchange.time, "sleep", lambda seconds: pytest.fail("held"))
+    assert next(mine) == (0, "text 0") and next(other) == (1, "text 1")
+    assert next(mine) == (2, "text 2")  # past the limit, but row 0 is its own: its decoding must go on
+    (writer2, first), (other2_results, second) = two_replicas(torch.distributed.HashStore(), rows_ahead=2)
+    assert next(second) == (0, "text 0") and next(first) == (1, "text 1")
+    other2_results.hand_in([completion(0)])
+    assert next(first) == (2, "text 2")  # the writer: row 0 is finished, only waiting for it to be written
+
+
+def test_the_summary_says_which_replicas_a_slower_one_held_back(capsys):
+    from accelgen.cli.terminal import print_summary
+    from accelgen.jobs.completion_job import RunReport
+
+    replicas = [ReplicaReport(0, 5, 50, 2.0), ReplicaReport(1, 7, 70, 2.0, waited_seconds=1.25)]
+    report = RunReport(rows=12, new_tokens=120, load_seconds=1.0, generate_seconds=2.0, decode_seconds=1.5,
+                       decode_steps=100, device="cpu", dtype="float32", quantize=None, world_size=1, graph_captures=0,
+                       capture_seconds=0.0, capture_failure=None, batching="continuous", slot_occupancy=0.9,
+                       offload=None, unsharded_parameter_bytes=100, rank_memory=[{"parameter_bytes": 100}],
+                       replicas=replicas)
+    print_summary(report)
+    stderr = capsys.readouterr().err
+    assert "held back by a slower replica's row: replica 1 waited 1.25 s" in stderr
+    assert replica_rows(stderr) == {0: 5, 1: 7}
 
 
 # -- whole jobs ------------------------------------------------------------------------------------------------
@@ -213,7 +277,9 @@ def test_a_killed_replica_ends_the_job_and_the_same_command_resumes_it_exactly(t
     (["--world-size", "2", "--data-parallel", "2", "--offload", "cpu"], "--offload runs the model in one process"),
 ])
 def test_bad_data_parallel_settings_are_one_line(tiny_model_folder, capsys, arguments, message):
-    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", *arguments])
+    folder = tiny_model_folder("llama")
+    capsys.readouterr()  # what building the model printed, when this test builds it first
+    status = main(["run", "--device", "cpu", "--model", str(folder), "--prompt", "Hello", *arguments])
     assert status == 2
     error = capsys.readouterr().err
     assert error.startswith("accelgen: error: ") and message in error

@@ -79,13 +79,22 @@ def print_summary(report: "RunReport") -> None:
         print("accelgen: " + "; ".join(
             f"replica {replica.replica}: {replica.rows} rows, {replica.new_tokens} kept tokens in {replica.seconds:.2f} s"
             for replica in report.replicas) + f"; the job: {report.rows} rows in {report.generate_seconds:.2f} s "
-            f"({report.rows_per_second:.2f} rows/s)", file=sys.stderr)
+            f"({report.rows_per_second:.2f} rows/s)" + _held_back(report.replicas), file=sys.stderr)
     if report.error_rows:
         print(f"accelgen: {report.error_rows} row(s) could not be completed and were written as error rows "
               f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
     if report.offload is not None:
         print(f"accelgen: {report.offload}", file=sys.stderr)
     print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)
+
+
+def _held_back(replicas: list) -> str:
+    """What the summary says of replicas held back by a slower one (``accelgen.jobs.row_exchange``), if any."""
+    held = [replica for replica in replicas if replica.waited_seconds > 0]
+    if not held:
+        return ""
+    return "; held back by a slower replica's row: " + ", ".join(
+        f"replica {replica.replica} waited {replica.waited_seconds:.2f} s" for replica in held)
 
 
 def _world_size(report: "RunReport") -> str:

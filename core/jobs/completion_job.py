@@ -264,12 +264,14 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
     have finished (then ``count.replicas`` holds their reports). Other ranks yield nothing."""
     store = job_store()
     results = ReplicaResults(store, world, job.done)
-    for completions in generator.generate_numbered(RowTaking(store, world, job.done).numbered_texts(job.rows.texts)):
+    taking = RowTaking(store, world, job.done, results)
+    for completions in generator.generate_numbered(taking.numbered_texts(job.rows.texts)):
         count.add(completions)
         if world.leads_replica and (ready := results.hand_in(completions)):
             yield ready
     if world.leads_replica:
-        results.finish(ReplicaReport(world.replica, count.rows, generator.stats.new_tokens, time.perf_counter() - started))
+        results.finish(ReplicaReport(world.replica, count.rows, generator.stats.new_tokens, time.perf_counter() - started,
+                                     taking.waited_seconds))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

@@ -16,8 +16,17 @@ The store's keys (under the job's prefix):
 - ``replica{r}/report``: what replica r did, set once it has handed in all its rows;
 - ``finished``: how many replicas have.
 
+- ``rows written``: the first row the writer has not written yet (set as it advances).
+
 A row's text is read by every rank from its own view of the dataset (the ranks skip the rows they do not
 take), so only numbers and finished rows cross the store.
+
+Finished rows wait for the writer while an earlier row is still being completed, so a slow replica holding
+one row would let the others fill the store and the writer's memory without end. So a replica's leader does
+not take a row while ``rows_ahead`` rows past the first unwritten one are taken already, and waits (counted
+in its report) until the writer moves on, except in two cases that would otherwise never end: the replica
+holds the first unwritten row itself (its decoding must go on, and its own rows ahead are bounded by its
+scheduler's read-ahead), or, on the writer, that row is finished and only waits to be written.
 """
 
 from __future__ import annotations
@@ -34,8 +43,11 @@ from accelgen.common.settings import World
 from accelgen.generation.text import Completion
 
 _PAST_THE_END = object()
-#: Seconds between the writer's looks for the rows of other replicas, once its own replica has finished.
+#: Seconds between the writer's looks for the rows of other replicas, once its own replica has finished, and
+#: between a held leader's looks at the rows written.
 POLL_SECONDS = 0.01
+#: How many rows past the first unwritten one the replicas may take: what bounds the rows held for order.
+ROWS_AHEAD = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +58,19 @@ class ReplicaReport:
     rows: int
     new_tokens: int
     seconds: float
+    waited_seconds: float = 0.0  # held before taking a row, while a slower replica held the first unwritten one
 
 
 class RowTaking:
     """The rows one replica completes: numbers from the job's counter, each taken as the replica's generator
-    asks for its next prompt, the same on every rank of the replica."""
+    asks for its next prompt, the same on every rank of the replica. ``results``: the replica's results, which
+    know the rows in flight and the first unwritten one (see the module docstring on ``rows_ahead``)."""
 
-    def __init__(self, store: torch.distributed.Store, world: World, first_row: int):
+    def __init__(self, store: torch.distributed.Store, world: World, first_row: int, results: "ReplicaResults",
+                 rows_ahead: int = ROWS_AHEAD):
         self.store, self.world, self.first_row = store, world, first_row
+        self.results, self.rows_ahead = results, rows_ahead
+        self.waited_seconds = 0.0
 
     def numbered_texts(self, texts: Iterator[str]) -> Iterator[tuple[int, str]]:
         """(row number, text) of each row this replica takes, in the order taken (increasing). ``texts`` are the
@@ -71,7 +88,9 @@ class RowTaking:
         """The replica's ``turn``-th row number: taken by its leader, read by its other ranks."""
         key = f"replica{self.world.replica}/take{turn}"
         if self.world.leads_replica:
+            self._wait_for_room()
             number = self.first_row + self.store.add("rows taken", 1) - 1
+            self.results.in_flight.add(number)
             if self.world.size > 1:
                 self.store.set(key, str(number))
             return number
@@ -82,18 +101,46 @@ class RowTaking:
         return number
 
 
+    def _wait_for_room(self) -> None:
+        """Hold the leader while ``rows_ahead`` rows past the first unwritten one are taken, unless it may not
+        wait (see the module docstring)."""
+        held_since = None
+        while True:
+            taken = self.first_row + self.store.add("rows taken", 0)
+            first_unwritten = self.results.first_unwritten()
+            if (taken - first_unwritten < self.rows_ahead or first_unwritten in self.results.in_flight
+                    or self.results.waits_to_be_written(first_unwritten)):
+                break
+            held_since = held_since or time.perf_counter()
+            time.sleep(POLL_SECONDS)
+        if held_since is not None:
+            self.waited_seconds += time.perf_counter() - held_since
+
+
 class ReplicaResults:
     """Completions going back to the writer: handed in by a replica's leader, collected in dataset order by the
     writer (the job's main rank, itself the leader of replica 0)."""
 
     def __init__(self, store: torch.distributed.Store, world: World, first_row: int):
-        self.store, self.world = store, world
+        self.store, self.world, self.first_row = store, world, first_row
         self.next_row = first_row  # the writer's: the first row not yet written
         self._own: dict[int, Completion] = {}  # the writer's replica's rows not yet written
+        self.in_flight: set[int] = set()  # on a leader: the rows its replica took and has not handed in
+
+    def first_unwritten(self) -> int:
+        """The first row the writer has not written (on the writer, its own count; elsewhere, as published)."""
+        if self.world.is_main:
+            return self.next_row
+        return int(self.store.get("rows written")) if self.store.check(["rows written"]) else self.first_row
+
+    def waits_to_be_written(self, number: int) -> bool:
+        """On the writer: row ``number`` is finished and waits only for the writer's next look."""
+        return self.world.is_main and (number in self._own or self.store.check([f"row{number}"]))
 
     def hand_in(self, completions: list[Completion]) -> list[Completion]:
         """Hand in a replica's finished rows (on its leader); on the writer, return the rows that can be written
         now, in order: its own and those other replicas have handed in."""
+        self.in_flight.difference_update(completion.index for completion in completions)
         if self.world.is_main:
             self._own.update((completion.index, completion) for completion in completions)
             return self._in_order()
@@ -135,5 +182,7 @@ class ReplicaResults:
                 rows.append(Completion(**json.loads(self.store.get(key))))
                 self.store.delete_key(key)
             else:
+                if rows:
+                    self.store.set("rows written", str(self.next_row))
                 return rows
             self.next_row += 1
