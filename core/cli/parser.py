@@ -70,14 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the model's end tokens; repeat for several")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     sampling = SamplingSettings()
-    run.add_argument("--temperature", type=_number("temperature"), default=sampling.temperature,
-                     help=_with_range(f"default {sampling.temperature}", "temperature"))
-    run.add_argument("--top-k", type=_number("top_k"), default=sampling.top_k,
-                     help=_with_range(f"0: off (default {sampling.top_k})", "top_k"))
-    run.add_argument("--top-p", type=_number("top_p"), default=sampling.top_p,
-                     help=_with_range(f"1.0: off (default {sampling.top_p})", "top_p"))
-    run.add_argument("--seed", type=_number("seed"), default=sampling.seed,
-                     help=_with_range(f"decides the sampled draws of every row (default {sampling.seed})", "seed"))
+    _add_number(run, "--temperature", sampling.temperature, "default {default}")
+    _add_number(run, "--top-k", sampling.top_k, "0: off (default {default})")
+    _add_number(run, "--top-p", sampling.top_p, "1.0: off (default {default})")
+    _add_number(run, "--seed", sampling.seed, "decides the sampled draws of every row (default {default})")
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
     _add_offload_arguments(run)
@@ -95,12 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"batch sizes to sweep, e.g. 1,8,32 (default {','.join(map(str, BenchProtocol.batch_sizes))})")
     bench.add_argument("--batching", choices=BATCHING_MODES, default=BENCH_BATCHING,
                        help=f"static: fixed batches, as the published protocol measures; or continuous (default {BENCH_BATCHING})")
-    bench.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=BenchProtocol.max_new_tokens,
-                       help=_with_range(f"new tokens per run, always generated (default {BenchProtocol.max_new_tokens})", "max_new_tokens"))
-    bench.add_argument("--runs", type=_number("runs"), default=BenchProtocol.runs,
-                       help=_with_range(f"timed runs per batch size (default {BenchProtocol.runs})", "runs"))
-    bench.add_argument("--warmup-runs", type=_number("warmup_runs"), default=BenchProtocol.warmup_runs,
-                       help=_with_range(f"untimed runs first, graph capture included (default {BenchProtocol.warmup_runs})", "warmup_runs"))
+    _add_number(bench, "--max-new-tokens", BenchProtocol.max_new_tokens, "new tokens per run, always generated (default {default})")
+    _add_number(bench, "--runs", BenchProtocol.runs, "timed runs per batch size (default {default})")
+    _add_number(bench, "--warmup-runs", BenchProtocol.warmup_runs, "untimed runs first, graph capture included (default {default})")
     bench.add_argument("--prompt", default=PUBLISHED_PROMPT, help=f"default: {PUBLISHED_PROMPT!r}, as published")
     bench.add_argument("--label", help="column name in 'accelgen compare' (default: the device's name)")
     bench.add_argument("--output", help="write the result file (JSON) here")
@@ -166,6 +159,13 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser):
     parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
     parallel.add_argument("--master-port", type=_number("master_port"), help=_with_range("free port on node 0 (default: any free port on one node, 29500 on several)", "master_port"))
     return parallel
+
+
+def _add_number(parser, flag: str, default, help_text: str) -> None:
+    """A numeric option with its default, and its range in the help (``{default}`` in ``help_text`` says it)."""
+    setting = flag.lstrip("-").replace("-", "_")
+    parser.add_argument(flag, type=_number(setting), default=default,
+                        help=_with_range(help_text.format(default=default), setting))
 
 
 def _number(setting: str):
