@@ -15,6 +15,11 @@ Contenders, in one process, interleaved round by round (machine noise hits all a
     hf_generate          Hugging Face generate() over padded batches of the same size
     hf_generate_batch    Hugging Face generate_batch() (transformers 5.x continuous batching, paged attention)
 
+Asked for by name (``--contenders``), not run by default:
+
+    accelgen_continuous_stop  continuous batching with two --stop texts that never occur: the rows and tokens
+                              of accelgen_continuous, plus the cost of looking for stop texts at every look
+
 With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
 a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
 others, so a change of the engine is measured against the code before it in the same run. Every accelgen
@@ -79,9 +84,13 @@ def kept_length(row: list[int], ending: set[int]) -> int:
     return len(row)
 
 
-def accelgen_contender(folder, arguments, batching):
+#: Stop texts no completion of the workload holds (its prompts and tokens are words of letters).
+NEVER_STOPS = ["<|never|>", "###"]
+
+
+def accelgen_contender(folder, arguments, batching, **settings):
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
-                              max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching)
+                              max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
 
     def run(prompts):
         stats = generator.stats
@@ -190,7 +199,9 @@ def main() -> None:
         prompts, ending = build_workload(arguments, folder)
         contenders = {}
         for name in names:
-            if name.startswith("accelgen"):
+            if name == "accelgen_continuous_stop":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", stop=NEVER_STOPS)
+            elif name.startswith("accelgen"):
                 contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
             else:
                 contenders[name] = hugging_face_contender(folder, arguments, ending, continuous=name == "hf_generate_batch")

@@ -11,6 +11,7 @@ from conftest import one_error_line
 from test_parity import _new_dtype_keyword
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import accelgen
 from accelgen.cli import main
 
 MAX_NEW_TOKENS = 10
@@ -94,6 +95,14 @@ def test_conversations_are_the_templates_own_ids_and_complete_as_hugging_face_do
     assert len(rows[0]["messages"]) == 2
     assert rows[3]["messages"][-1] == {"role": "assistant", "content": "Once upon a" + rows[3]["completion"]}
     assert len(rows[3]["messages"]) == 2
+
+
+def test_the_python_api_takes_lists_of_messages_as_the_command_line_takes_rows(chat_model, tmp_path, capsys):
+    dataset, output = write_rows(tmp_path / "chats.jsonl", CONVERSATIONS), tmp_path / "out.jsonl"
+    run_rows(capsys, "--model", chat_model, "--dataset", dataset, "--column", "messages", "--output", output)
+    completions = accelgen.generate(CONVERSATIONS, model=chat_model, device="cpu", max_new_tokens=MAX_NEW_TOKENS)
+    assert [(completion.completion_token_ids, completion.messages) for completion in completions] == [
+        (row["completion_token_ids"], row["messages"]) for row in rows_of(output)]
 
 
 def test_sharegpt_rows_are_the_same_conversations(chat_model, tmp_path, capsys):

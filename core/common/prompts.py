@@ -78,6 +78,8 @@ def prompt_problem(text: object) -> str | None:
     surrogates (their ``surrogateescape`` form). A :class:`Conversation` is checked when it is made."""
     if isinstance(text, Conversation):
         return None
+    if isinstance(text, (list, tuple)):  # messages, as the Python API takes them
+        return as_conversation(text)[1]
     if isinstance(text, BadPrompt):
         return text.problem
     if text is None:

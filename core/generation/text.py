@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, first_line
-from accelgen.common.prompts import Conversation, PromptError, check_prompts
+from accelgen.common.prompts import Conversation, PromptError, as_conversation, check_prompts
 from accelgen.common.settings import RunSettings
 from accelgen.generation.scheduler import Row
 
@@ -56,7 +56,10 @@ class PromptCodec:
         self.chat, self.stop = run.chat, run.stop
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
-        """The conversation ``prompt`` is (a text is one with ``--chat``), with the system prompt; None for text."""
+        """The conversation ``prompt`` is (a list of messages is one; a text is one with ``--chat``), with the
+        system prompt; None for text."""
+        if isinstance(prompt, (list, tuple)):
+            prompt = as_conversation(prompt)[0]  # checked already (check_prompts)
         if isinstance(prompt, str):
             if not self.chat.text_as_user:
                 if self.chat.system_prompt is not None:

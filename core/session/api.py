@@ -54,8 +54,9 @@ def load_request(request: Request) -> Generator:
                                  loading_host_memory, loaded.placement), run)
 
 
-def generate(prompts: Sequence[str], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:
-    """Completions for ``prompts``; ``options`` are those of :func:`load`."""
+def generate(prompts: Sequence[str | list[dict]], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:
+    """Completions for ``prompts``: texts, or conversations (each a list of ``{"role", "content"}`` messages,
+    rendered by the chat template); ``options`` are those of :func:`load`."""
     if isinstance(prompts, str):
         prompts = [prompts]
     check_prompts(prompts)  # before loading a model for nothing
