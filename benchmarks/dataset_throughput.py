@@ -84,8 +84,8 @@ def kept_length(row: list[int], ending: set[int]) -> int:
     return len(row)
 
 
-#: Stop texts no completion of the workload holds (its prompts and tokens are words of letters).
-NEVER_STOPS = ["<|never|>", "###"]
+#: Stop texts no completion of the workload holds (checked: the kept tokens equal accelgen_continuous's).
+NEVER_STOPS = ["<|never|>", "<|nor this|>"]
 
 
 def accelgen_contender(folder, arguments, batching, **settings):
