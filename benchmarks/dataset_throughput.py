@@ -19,6 +19,8 @@ Asked for by name (``--contenders``), not run by default:
 
     accelgen_continuous_stop  continuous batching with two --stop texts that never occur: the rows and tokens
                               of accelgen_continuous, plus the cost of looking for stop texts at every look
+    accelgen_continuous_samples4  continuous batching, --num-samples 4 of every fourth prompt: as many rows as
+                              accelgen_continuous, each prompt prefilled once for its four samples
 
 With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
 a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
@@ -51,6 +53,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 import accelgen
+from accelgen.generation.text import Completion
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 
 CONTENDERS = ("accelgen_static", "accelgen_continuous", "hf_generate", "hf_generate_batch")
@@ -92,10 +95,15 @@ def accelgen_contender(folder, arguments, batching, **settings):
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
 
+    samples = settings.get("num_samples", 1)
+
     def run(prompts):
         stats = generator.stats
         before = (stats.new_tokens, stats.slot_tokens, len(stats.timings))
-        completions = generator.generate(prompts)
+        completions = generator.generate(prompts[::samples])
+        if samples > 1:  # one row per sample
+            completions = [Completion(**sample | {"index": 0, "prompt": "", "prompt_token_count": 0})
+                           for completion in completions for sample in completion.completions]
         kept, places = stats.new_tokens - before[0], stats.slot_tokens - before[1]
         timings = stats.timings[before[2]:]  # one per batch or one per call, as the version counts them
         step_ms = 1000 * sum(timing.decode_seconds for timing in timings) / max(sum(timing.decode_steps for timing in timings), 1)
@@ -201,6 +209,8 @@ def main() -> None:
         for name in names:
             if name == "accelgen_continuous_stop":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", stop=NEVER_STOPS)
+            elif name == "accelgen_continuous_samples4":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", num_samples=4)
             elif name.startswith("accelgen"):
                 contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
             else:

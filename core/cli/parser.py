@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"each decoded until its longest row ends (default {RunSettings.batching})")
     run.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=RunSettings.buckets, help="prompt length buckets, e.g. 32,64,128")
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    _add_number(run, "--num-samples", RunSettings.num_samples,
+                "completions drawn for each prompt, with --do-sample; its prefill is computed once (default {default})")
     run.add_argument("--logprobs", action="store_true",
                      help="write each new token's log-probability (logprobs) under the model's own distribution: "
                           "log_softmax of its logits, before --temperature, --top-k and --top-p")

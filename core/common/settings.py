@@ -87,6 +87,7 @@ class RunSettings:
     stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
     skip_bad_rows: bool = False  # a row that cannot be completed becomes an error row instead of stopping the run
     logprobs: bool = False  # record each chosen token's log-probability under the model's own distribution
+    num_samples: int = 1  # completions drawn for each prompt, its prefill shared
 
     @property
     def torch_dtype(self):
@@ -110,6 +111,8 @@ class RunSettings:
             del settings["stop"]
         if not self.logprobs:
             del settings["logprobs"]
+        if self.num_samples == 1:
+            del settings["num_samples"]
         return {**settings, "buckets": list(self.buckets), **sampling, **chat}
 
 

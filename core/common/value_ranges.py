@@ -74,6 +74,7 @@ RANGES: dict[str, Range] = {
     "top_p": Range(float, 0, 1, above_low=True),
     "seed": Range(int, 0, 2**64 - 1),  # a nanosecond timestamp fits; so does any seed torch takes
     "limit": COUNT,
+    "num_samples": Range(int, 1, 1 << 16),
     "world_size": Range(int, 1, 65536),
     "data_parallel": Range(int, 1, 65536),
     "nnodes": Range(int, 1, 65536),

@@ -120,16 +120,17 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(prompt_mask == 0, 1)
 
 
-def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, row_indices: torch.Tensor,
-            rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the padded prompts input_ids [k, P] (mask [k, P], numbers ``row_indices`` [k]) through ``forward``,
-    which writes their keys and values, and return each one's first new token [k] (step 0 of its draws) and
-    its log-probability [k] (zeros unless ``rules.logprobs``)."""
+def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
+            draw_keys: torch.Tensor, rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the padded prompts input_ids [k, P] (mask [k, P]) through ``forward``, which writes their keys and
+    values, and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by
+    ``draw_keys[j]`` (one per prompt, or one per sample of it); with their log-probabilities [m] (zeros unless
+    ``rules.logprobs``)."""
     bucket_length = input_ids.shape[1]
     logits = forward(input_ids, prompt_mask, positions_from_mask(prompt_mask),
-                     torch.arange(bucket_length, device=input_ids.device))
+                     torch.arange(bucket_length, device=input_ids.device)).index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    tokens = choose_tokens(logits, rules.sampling, row_indices, first_step)
+    tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from accelgen.common.errors import AccelgenWarning
 from accelgen.common.settings import RunSettings
 from accelgen.generation import decoding
 from accelgen.generation.row_ends import RowEnds
@@ -40,13 +38,7 @@ class Generator:
         self.stats = GenerationStats()
         self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
-        #: "continuous" or "static": how rows share the slots (``run.batching``, unless the model cannot)
-        self.batching = "static" if not forward.builds_4d_mask and run.batching == "continuous" else run.batching
-        if self.batching != run.batching:
-            warnings.warn(AccelgenWarning(
-                f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "
-                f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
-                stacklevel=2)
+        self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
         eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos, run.max_new_tokens)
         rules = decoding.TokenRules(
@@ -84,22 +76,27 @@ class Generator:
         """Completions of (number, prompt) pairs, in the order given, a list at a time. The numbers need not
         follow each other (a data-parallel replica gets the rows it is handed): a prompt's number alone, not
         its place among the others, decides its sampling draws and names it in errors."""
-        texts: dict[int, tuple[str, bool]] = {}  # by place: the prompt, and whether it was truncated
+        texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
+        samples: list[Completion] = []  # of the prompt being given out (its rows come out one after another)
 
         def encoded() -> Iterator[tuple[int, list[int] | str]]:
-            for place, (number, prompt) in enumerate(numbered_prompts):
+            for number, prompt in numbered_prompts:
                 ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
-                texts[place] = (prompt, truncated)
+                texts[number] = (prompt, truncated)
                 yield number, ids
 
         for rows in self._run_rows(encoded()):
             completions = []
             for row in rows:
-                prompt, truncated = texts.pop(row.place)
-                tokens, reason = self.ends.trim(row) if row.error is None else ([], "error")
+                tokens, reason = self.ends.trim(row)
                 self.stats.new_tokens += len(tokens)
-                completions.append(self.text.completion(row, prompt, truncated, tokens, reason))
-            yield completions
+                samples.append(self.text.completion(row, *texts[row.number], tokens, reason))
+                if len(samples) == self.run.num_samples:
+                    del texts[row.number]
+                    completions.append(Completion.of_samples(samples))
+                    samples = []
+            if completions:
+                yield completions
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
@@ -116,7 +113,7 @@ class Generator:
         run, runner, stats = self.run, self.runner, self.stats
         scheduler = Scheduler(run.batch_size, self.batching, run.buckets, context_limit(self.model.config),
                               run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop),
-                              bad_rows_end=run.skip_bad_rows)
+                              bad_rows_end=run.skip_bad_rows, samples=run.num_samples)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:

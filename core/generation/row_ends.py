@@ -34,7 +34,9 @@ class RowEnds:
 
     def trim(self, row: Row) -> tuple[list[int], str]:
         """The row's new tokens up to and including its first end token or the token completing its first stop
-        text, whichever comes first, and why it ended ("eos", "stop" or "length")."""
+        text, whichever comes first, and why it ended ("eos", "stop" or "length"; "error" for an error row)."""
+        if row.error is not None:
+            return [], "error"
         tokens, reason = row.new_tokens, "length"
         for position, token in enumerate(tokens):
             if token in self.eos_token_ids:

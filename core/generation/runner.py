@@ -28,6 +28,7 @@ from accelgen.model.memory import check_cache_fits
 from accelgen.model.transformers_adapter.forward import ModelForward
 from accelgen.model.transformers_adapter.static_cache import (
     CacheStorage,
+    copy_prompt_rows,
     needs_first_write,
     new_static_cache,
     prompt_rows,
@@ -37,22 +38,25 @@ from accelgen.plugin.contract import Accelerator
 
 
 class PrefillShape:
-    """The fixed-address buffers of one prefill shape (k rows, a bucket of P tokens), and its step. Iterating
-    gives the buffers in the order the step takes them."""
+    """The fixed-address buffers of one prefill shape (k prompts of a bucket of P tokens, m rows started from
+    them: one per prompt, or one per sample), and its step. Iterating gives the buffers in the order the step
+    takes them."""
 
-    def __init__(self, rows: int, bucket_length: int, device: torch.device):
+    def __init__(self, rows: int, bucket_length: int, draws: int, device: torch.device):
         longs = decoding.long_zeros(device)
         self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
         self.prompt_mask = longs(rows, bucket_length)  # [k, P] 1 = real token
-        self.row_indices = longs(rows)  # [k] the prompt numbers
         self.slots = longs(rows)  # [k] the cache rows the prompts go to
-        self.first_tokens = longs(rows)  # [k] each prompt's first new token
-        self.first_logprobs = torch.zeros(rows, dtype=torch.float32, device=device)  # [k] its log-probability
+        self.draw_from = longs(draws)  # [m] the prompt each started row comes from
+        self.draw_keys = longs(draws)  # [m] each started row's draw key (``Row.draw_key``)
+        self.draw_slots = longs(draws)  # [m] each started row's slot
+        self.first_tokens = longs(draws)  # [m] each started row's first new token
+        self.first_logprobs = torch.zeros(draws, dtype=torch.float32, device=device)  # [m] its log-probability
         self.step: Callable[..., object] | None = None
 
     def __iter__(self):
-        return iter((self.input_ids, self.prompt_mask, self.row_indices, self.slots, self.first_tokens,
-                     self.first_logprobs))
+        return iter((self.input_ids, self.prompt_mask, self.slots, self.draw_from, self.draw_keys, self.draw_slots,
+                     self.first_tokens, self.first_logprobs))
 
 
 class SlotShape:
@@ -103,28 +107,32 @@ class SlotRunner:
         """Prefill the insertion's rows in one bucketed shape (its step captured the first time it is met),
         their keys and values into their slots' rows of the cache, and start them (first token chosen)."""
         shape = self.shape
-        key = (insertion.shape_rows, insertion.bucket_length)
+        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows)
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
             prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
         with self._timed("prefill_seconds"):
-            rows, slots = insertion.rows, insertion.slots
-            padding = insertion.shape_rows - len(rows)  # padding rows repeat the first: the same values, written twice
-            input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in rows], insertion.bucket_length,
+            rows, prompts = insertion.rows, insertion.prefilled
+            input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
                                                        insertion.shape_rows, self.rules.pad_token_id)
             prefill_shape.input_ids.copy_(input_ids)
             prefill_shape.prompt_mask.copy_(prompt_mask)
-            prefill_shape.slots.copy_(torch.tensor(slots + slots[:1] * padding))
-            prefill_shape.row_indices.copy_(torch.tensor([row.number for row in rows] + [rows[0].number] * padding))
+            # padding rows repeat the first: the same values, written twice
+            prompt_slots = [insertion.slots[insertion.sources.index(place)] for place in range(len(prompts))]
+            prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, insertion.shape_rows)))
+            prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
+            prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in rows], insertion.draw_rows)))
+            prefill_shape.draw_slots.copy_(torch.tensor(_padded(insertion.slots, insertion.draw_rows)))
             if fresh:
                 prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
                                                     "prefill_captures")
             prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
             count = len(rows)
-            decoding.insert_rows(shape.state, prefill_shape.slots[:count], prefill_shape.first_tokens[:count],
-                                 prefill_shape.first_logprobs[:count], prefill_shape.prompt_mask[:count],
-                                 prefill_shape.row_indices[:count], self.rules)
+            decoding.insert_rows(shape.state, prefill_shape.draw_slots[:count], prefill_shape.first_tokens[:count],
+                                 prefill_shape.first_logprobs[:count],
+                                 prefill_shape.prompt_mask.index_select(0, prefill_shape.draw_from[:count]),
+                                 prefill_shape.draw_keys[:count], self.rules)
             self.accelerator.mark_step()
         self.stats.prefills += 1
         self.stats.prefill_rows += insertion.shape_rows
@@ -190,11 +198,15 @@ class SlotRunner:
     def _prefill_step(self, prefill_shape: PrefillShape) -> Callable[..., torch.Tensor]:
         """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
         named by its ``slots``, each prompt's first token into its ``first_tokens``."""
-        rules = self.rules
-        forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
+        rules, cache = self.rules, self.shape.cache
+        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
 
-        def prefill_step(input_ids, prompt_mask, row_indices, slots, first_tokens, first_logprobs):
-            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, row_indices, rules)
+        shares_prompts = self.run.num_samples > 1
+
+        def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs):
+            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys, rules)
+            if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
+                copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)
             return first_tokens.copy_(tokens)
 
@@ -258,3 +270,8 @@ class SlotRunner:
         yield
         self.accelerator.synchronize()
         setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - started)
+
+
+def _padded(values: list[int], length: int) -> list[int]:
+    """``values`` made ``length`` long by repeating the first (a padding row writes what the first writes)."""
+    return values + values[:1] * (length - len(values))

@@ -42,7 +42,7 @@ class Row:
     """One prompt on its way through the slots."""
 
     place: int  # its place among the rows given to one run: results come out in this order
-    number: int  # its prompt number: keys its sampling draws, names it in errors
+    number: int  # its prompt number: keys its sampling draws (with ``sample``), names it in errors
     prompt_ids: list[int]
     bucket: int  # the prompt bucket it is padded to
     budget: int  # decode steps it may still take (its first token comes from the prefill)
@@ -51,16 +51,28 @@ class Row:
     new_tokens: list[int] | None = None  # read back once finished: its new tokens, padding after its end
     error: str | None = None  # why it could not be completed (an error row, given out in its place)
     logprobs: list[float] | None = None  # read back with its tokens, with --logprobs
+    sample: int = 0  # which of its prompt's samples it is (--num-samples)
+
+    @property
+    def draw_key(self) -> int:
+        """What keys its sampling draws: its prompt number, and its sample above bit 40 (sample 0 draws as a
+        prompt without --num-samples does)."""
+        return self.number | (self.sample << 40)
 
 
 @dataclasses.dataclass(frozen=True)
 class Insertion:
-    """Prefill ``rows`` (as one shape of ``shape_rows`` rows of ``bucket_length`` tokens) into ``slots``."""
+    """Start ``rows`` in ``slots``: their distinct prompts (``prefilled``: the first row of each) prefilled once,
+    as one shape of ``shape_rows`` prompts of ``bucket_length`` tokens, and every row's first token drawn from
+    its prompt's (``sources[i]``: the place in ``prefilled`` of row i's prompt), ``draw_rows`` draws in all."""
 
     rows: list[Row]
     slots: list[int]
     shape_rows: int
     bucket_length: int
+    prefilled: list[Row]
+    sources: list[int]
+    draw_rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +88,9 @@ class Scheduler:
     """Rows into ``slots`` slots, by ``policy`` ("continuous" or "static")."""
 
     def __init__(self, slots: int, policy: str, buckets: tuple[int, ...], context_limit: int | None, max_new_tokens: int,
-                 rows_end_early: bool, bad_rows_end: bool = False):
+                 rows_end_early: bool, bad_rows_end: bool = False, samples: int = 1):
         self.slots, self.policy, self.max_new_tokens = slots, policy, max_new_tokens
+        self.samples = samples  # rows per prompt (--num-samples), consecutive, each with its own draws
         #: whether a row that cannot be completed ends as an error row (else it stops the run)
         self.bad_rows_end = bad_rows_end
         #: whether a row may end before its budget (at end-of-sequence); if not, the host knows every row's end
@@ -98,24 +111,26 @@ class Scheduler:
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
     def add(self, number: int, prompt_ids: list[int]) -> Row:
-        """A new waiting row; a prompt too long for every bucket or the model's context is refused, by number
-        (or ends at once as an error row, with ``bad_rows_end``)."""
+        """A prompt's new waiting rows (one per sample; the first is returned); a prompt too long for every bucket
+        or the model's context is refused, by number (or ends at once as error rows, with ``bad_rows_end``)."""
         try:
             bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
         except UsageError as error:
             if not self.bad_rows_end:
                 raise PromptError(number, f": {error}") from None
             return self.add_error(number, str(error).removesuffix("."))
-        row = Row(self._places, number, prompt_ids, bucket, budget=self.max_new_tokens - 1)
-        self._places += 1
-        self.waiting.append(row)
-        return row
+        rows = [Row(self._places + sample, number, prompt_ids, bucket, budget=self.max_new_tokens - 1, sample=sample)
+                for sample in range(self.samples)]
+        self._places += self.samples
+        self.waiting.extend(rows)
+        return rows[0]
 
     def add_error(self, number: int, error: str) -> Row:
-        """A row that cannot be completed, ended at once: given out in its place, as an error row."""
-        row = Row(self._places, number, [], 0, 0, state="finished", new_tokens=[], error=error)
-        self._places += 1
-        self.finished[row.place] = row
+        """A prompt that cannot be completed, ended at once: its rows given out in their place, as error rows."""
+        for sample in range(self.samples):
+            row = Row(self._places, number, [], 0, 0, state="finished", new_tokens=[], error=error, sample=sample)
+            self._places += 1
+            self.finished[row.place] = row
         return row
 
     @property
@@ -157,6 +172,8 @@ class Scheduler:
         while self.waiting and len(rows) < len(free) and self.waiting[0].place < limit:
             if self.waiting[0].bucket > self.cache_bucket:
                 break  # wait for the slots to empty, then grow
+            if self.waiting[0].sample == 0 and len(free) - len(rows) < min(self.samples, self.slots):
+                break  # a prompt's samples start together (one prefill) when the slots can hold them all
             rows.append(self.waiting.popleft())
         if not rows:
             return None
@@ -164,7 +181,11 @@ class Scheduler:
         for slot, row in zip(slots, rows):
             row.state, row.slot = "running", slot
             self.running[slot] = row
-        return Insertion(rows, slots, _prefill_rows(len(rows), self.slots), max(row.bucket for row in rows))
+        firsts: dict[int, int] = {}  # prompt number -> its place among the prompts prefilled
+        sources = [firsts.setdefault(row.number, len(firsts)) for row in rows]
+        prefilled = list({row.number: row for row in reversed(rows)}.values())[::-1]
+        return Insertion(rows, slots, _prefill_rows(len(prefilled), self.slots), max(row.bucket for row in rows),
+                         prefilled, sources, _prefill_rows(len(rows), self.slots))
 
     def _bucket_for_next_rows(self) -> int:
         """The bucket slots made now hold: the largest among the rows that can fill them."""

@@ -18,6 +18,9 @@ from accelgen.common.prompts import Conversation, PromptError, as_conversation, 
 from accelgen.common.settings import RunSettings
 from accelgen.generation.scheduler import Row
 
+#: The fields of a :class:`Completion` its output line holds only when they are set.
+OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions")
+
 
 @dataclasses.dataclass
 class Completion:
@@ -34,12 +37,24 @@ class Completion:
     messages: list[dict] | None = None  # a conversation's messages with the assistant's reply added
     error: str | None = None
     logprobs: list[float] | None = None  # each new token's log-probability under the model, with --logprobs
+    completions: list[dict] | None = None  # with --num-samples N > 1: every sample's own fields (the row's are the first's)
 
     def as_row(self) -> dict:
-        """The completion as an output line's fields (``messages`` only for a conversation, ``error`` only for
-        an error row, ``logprobs`` only when recorded)."""
+        """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
+        something: ``messages`` for a conversation, ``error`` for an error row, ``logprobs`` when recorded,
+        ``completions`` with several samples)."""
         return {name: value for name, value in dataclasses.asdict(self).items()
-                if value is not None or name not in ("messages", "error", "logprobs")}
+                if value is not None or name not in OPTIONAL_FIELDS}
+
+    @classmethod
+    def of_samples(cls, samples: list["Completion"]) -> "Completion":
+        """One prompt's completion from its samples (in order): the first's fields, and with several, each
+        sample's completion, tokens, finish reason (and log-probabilities) in ``completions``."""
+        if len(samples) == 1:
+            return samples[0]
+        own = ("completion", "completion_token_ids", "finish_reason", "logprobs")
+        listed = [{name: getattr(sample, name) for name in own if getattr(sample, name) is not None} for sample in samples]
+        return dataclasses.replace(samples[0], completions=listed)
 
 
 

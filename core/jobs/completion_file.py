@@ -18,15 +18,15 @@ from typing import IO, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
-from accelgen.generation.text import Completion
+from accelgen.generation.text import OPTIONAL_FIELDS, Completion
 from accelgen.jobs.output_lock import OutputLock
 
 #: Run record fields for people, not compared: the model as named (the same model by another path resumes;
 #: what decides is ``model_identity``, its content).
 DESCRIPTIVE_FIELDS = ("model",)
 
-#: The fields a line may hold besides :data:`LINE_FIELDS`: a conversation's messages.
-OPTIONAL_LINE_FIELDS = ("messages", "error", "logprobs")
+#: The fields a line may hold besides :data:`LINE_FIELDS`.
+OPTIONAL_LINE_FIELDS = OPTIONAL_FIELDS
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
 LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion) if field.name not in OPTIONAL_LINE_FIELDS)
 

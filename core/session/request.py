@@ -98,6 +98,7 @@ def run_settings(
     stop: Sequence[str] = RunSettings.stop,
     skip_bad_rows: bool = RunSettings.skip_bad_rows,
     logprobs: bool = RunSettings.logprobs,
+    num_samples: int = RunSettings.num_samples,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -110,7 +111,8 @@ def run_settings(
     own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept).
     ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
     place instead of stopping the run. ``logprobs``: each completion also holds its tokens' log-probabilities
-    under the model's own distribution (before temperature, top-k and top-p)."""
+    under the model's own distribution (before temperature, top-k and top-p). ``num_samples``: completions drawn
+    for each prompt (sampled), its prefill computed once and shared by them."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -138,6 +140,7 @@ def run_settings(
         stop=tuple(stop),
         skip_bad_rows=skip_bad_rows,
         logprobs=logprobs,
+        num_samples=num_samples,
     )
     _check(run)
     return run
@@ -183,7 +186,10 @@ def _check(run: RunSettings) -> None:
     sampling = run.sampling
     check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
                    buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed)
+                   seed=sampling.seed, num_samples=run.num_samples)
+    if run.num_samples > 1 and not sampling.do_sample:
+        raise UsageError(f"--num-samples {run.num_samples} with greedy decoding gives {run.num_samples} equal "
+                         f"completions: add --do-sample (or drop --num-samples).")
     if not run.buckets:
         raise UsageError("--buckets must list prompt lengths, e.g. 32,64,128.")
     if run.chat.system_prompt is not None and (problem := prompt_problem(run.chat.system_prompt)):

@@ -13,8 +13,11 @@ generator runs it eagerly, with a warning, if it does not).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from accelgen.common.errors import AccelgenWarning
 from accelgen.common.settings import World
 from accelgen.model.architectures import architecture_of
 from accelgen.model.shape import forward_accepts
@@ -39,6 +42,17 @@ class ModelForward:
         # newer 5.x releases (5.24; not 5.17) renamed ``past_key_values`` to ``cache``: the old name warns
         self._cache_keyword = "cache" if forward_accepts(model, "cache") else "past_key_values"
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
+
+    def batching(self, asked: str) -> str:
+        """The batching the model runs with when ``asked`` for one: fixed batches for a model whose masks Hugging
+        Face builds from one position for the whole batch (slots do not share one), said in a warning."""
+        if self.builds_4d_mask or asked != "continuous":
+            return asked
+        warnings.warn(AccelgenWarning(
+            f"{self.model.config.model_type} models run in fixed batches (--batching static): their attention "
+            f"masks are built by Hugging Face from one position for the whole batch, which slots do not share"),
+            stacklevel=3)
+        return "static"
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache) -> torch.Tensor:
         arguments = dict(

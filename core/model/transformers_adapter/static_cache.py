@@ -150,6 +150,15 @@ def _prompt_rows_update(layer, slots: torch.Tensor, whole_rows: bool, batch_size
     return update
 
 
+def copy_prompt_rows(cache: StaticCache, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+    """Copy positions [0, ``length``) of rows ``sources`` [m] of every layer of ``cache`` to rows ``targets`` [m]:
+    a prompt's keys and values, prefilled once, given to each of its samples' rows."""
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            prompt = tensor.narrow(2, 0, length)
+            prompt.index_copy_(0, targets, prompt.index_select(0, sources))
+
+
 def _give_memory(layer, key_states: torch.Tensor, value_states: torch.Tensor, batch_size: int) -> None:
     """A layer that takes its memory on first use (transformers >= 4.56) takes it now, for ``batch_size`` rows."""
     if not getattr(layer, "is_initialized", True):

@@ -1,0 +1,77 @@
+"""Several samples of each prompt (``--num-samples N``): the prompt prefilled once and its cache rows copied into
+its samples' slots; sample k of row r draws from its own stream (seed, row, sample, step), so a sample's text
+does not depend on the slot or the batch it ran in; one output line per prompt, with ``completions``."""
+
+import json
+import sys
+
+import pytest
+from conftest import one_error_line
+from killed_runs import kill_after_rows
+
+import accelgen
+from accelgen.cli import main
+
+PROMPTS = [f"Row {number} says" + " hello" * (number % 3) for number in range(6)]
+SETTINGS = dict(device="cpu", max_new_tokens=10, do_sample=True, seed=5, top_k=50)
+SAMPLES = 4
+
+
+def samples_of(generator) -> list[list[list[int]]]:
+    return [[sample["completion_token_ids"] for sample in completion.completions]
+            for completion in generator.generate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_folder):
+    return tiny_model_folder("llama")
+
+
+def test_each_prompt_is_prefilled_once_for_all_its_samples(llama):
+    generator = accelgen.load(llama, num_samples=SAMPLES, batch_size=16, **SETTINGS)
+    completions = generator.generate(PROMPTS)
+    assert [len(completion.completions) for completion in completions] == [SAMPLES] * len(PROMPTS)
+    assert generator.stats.prefill_rows < len(PROMPTS) * SAMPLES  # prefill shapes of prompts, not of samples
+    assert generator.stats.prefill_rows <= 8  # 6 prompts: shapes of 4 and 2 (powers of two)
+    for completion in completions:  # the samples of one prompt differ
+        assert len({tuple(sample["completion_token_ids"]) for sample in completion.completions}) > 1
+        assert completion.completion_token_ids == completion.completions[0]["completion_token_ids"]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_samples_text_is_the_same_at_batch_sizes_1_4_and_16(llama, batching):
+    by_batch = [samples_of(accelgen.load(llama, num_samples=SAMPLES, batch_size=batch_size, batching=batching,
+                                         **SETTINGS)) for batch_size in (1, 4, 16)]
+    assert by_batch[0] == by_batch[1] == by_batch[2]
+
+
+def test_sample_zero_draws_what_one_sample_draws(llama):
+    [one] = [[completion.completion_token_ids for completion in accelgen.generate(PROMPTS, model=llama, **SETTINGS)]]
+    many = samples_of(accelgen.load(llama, num_samples=SAMPLES, batch_size=8, **SETTINGS))
+    assert [samples[0] for samples in many] == one
+
+
+def test_greedy_samples_are_one_line(llama, capsys):
+    status = main(["run", "--device", "cpu", "--model", str(llama), "--prompt", "Hello", "--num-samples", "3"])
+    assert status == 2 and "--num-samples 3 with greedy decoding gives 3 equal completions" in one_error_line(capsys)
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_samples_resumes_to_the_uninterrupted_file(llama, tmp_path, cli_environment):
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": f"Line {number} of many" + " more" * (number % 4)}) + "\n"
+                               for number in range(60)))
+    command = [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(llama), "--dataset",
+               str(dataset), "--max-new-tokens", "40", "--do-sample", "--seed", "5", "--num-samples", "3",
+               "--batch-size", "6", "--quiet"]
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    written = kill_after_rows([*command, "--output", str(resumed)], resumed, cli_environment, rows=5)
+    assert 5 <= written < 60
+    import subprocess
+
+    for output in (resumed, whole):
+        result = subprocess.run([*command, "--output", str(output)], env=cli_environment, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert resumed.read_text() == whole.read_text()
+    assert all(len(json.loads(line)["completions"]) == 3 for line in whole.read_text().splitlines())
