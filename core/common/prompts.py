@@ -7,6 +7,7 @@ import dataclasses
 from typing import Sequence
 
 from accelgen.common.errors import UsageError
+from accelgen.common.settings import RowSettings
 
 #: ShareGPT's speakers (``{"from": ..., "value": ...}``) as chat roles; the roles themselves map to themselves.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
@@ -72,10 +73,23 @@ class BadPrompt:
     problem: str
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptRequest:
+    """A prompt that brings its own settings (a line of an OpenAI batch file): ``prompt`` is a text, a
+    conversation, or a BadPrompt (a request that cannot be served: an error row); ``fields`` are what its
+    output line names it by (``custom_id``, ``url``), handed back with its completion."""
+
+    prompt: str | Conversation | BadPrompt
+    settings: RowSettings
+    fields: dict
+
+
 def prompt_problem(text: object) -> str | None:
     """Why ``text`` cannot be a prompt, with the fix, as a clause ("is empty: give it some text"); None when
     it can. A dataset's missing value is None; bytes that are not UTF-8 reach Python from a shell as lone
     surrogates (their ``surrogateescape`` form). A :class:`Conversation` is checked when it is made."""
+    if isinstance(text, PromptRequest):
+        text = text.prompt
     if isinstance(text, Conversation):
         return None
     if isinstance(text, (list, tuple)):  # messages, as the Python API takes them

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from accelgen.common.errors import UsageError
+
 #: Dtype names users pass (``--dtype``) and the torch attribute each one names.
 DTYPES = ("float32", "bfloat16", "float16")
 #: Bytes per value of each dtype.
@@ -41,6 +43,19 @@ class SamplingSettings:
     top_k: int = 0  # 0: no top-k filtering
     top_p: float = 1.0  # 1.0: no nucleus filtering
     seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """The settings one row is completed with: the run's, or a row's own (an OpenAI batch request's fields);
+    None in a row's own settings keeps the run's (:meth:`RunSettings.row_settings`)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0: greedy
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    num_samples: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +103,26 @@ class RunSettings:
     skip_bad_rows: bool = False  # a row that cannot be completed becomes an error row instead of stopping the run
     logprobs: bool = False  # record each chosen token's log-probability under the model's own distribution
     num_samples: int = 1  # completions drawn for each prompt, its prefill shared
+    rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
+
+    def row_settings(self, own: RowSettings | None = None) -> RowSettings:
+        """A row's settings, every field set: its ``own`` where it has them, else the run's (a greedy run's
+        temperature is 0). Raise UsageError, in the request's words, for own settings this run cannot take."""
+        sampling = self.sampling
+        run = RowSettings(self.max_new_tokens, sampling.temperature if sampling.do_sample else 0.0, sampling.top_p,
+                          sampling.seed, self.stop, self.num_samples)
+        if own is None:
+            return run
+        settings = RowSettings(*(mine if mine is not None else default
+                                 for mine, default in zip(dataclasses.astuple(own), dataclasses.astuple(run))))
+        if settings.max_new_tokens > self.max_new_tokens:
+            raise UsageError(f"max_tokens {settings.max_new_tokens} is over this run's --max-new-tokens "
+                             f"{self.max_new_tokens} (the size of its slots): run with --max-new-tokens "
+                             f"{settings.max_new_tokens}, or ask for fewer.")
+        if settings.num_samples > 1 and settings.temperature == 0:
+            raise UsageError(f"n {settings.num_samples} with temperature 0 (greedy) gives {settings.num_samples} equal "
+                             f"completions: set a temperature above 0, or n 1.")
+        return settings
 
     @property
     def torch_dtype(self):
@@ -100,6 +135,7 @@ class RunSettings:
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
         del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
+        del settings["rows_choose"]  # the rows' own settings are the dataset's, which the job pins
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
         chat = settings.pop("chat")

@@ -25,7 +25,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
-from accelgen.generation.sampling import choose_tokens, chosen_logprobs
+from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logprobs
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -45,16 +45,25 @@ class DecodeState(NamedTuple):
     finished: torch.Tensor  # [B] the row has ended (or the slot holds nothing)
     row_indices: torch.Tensor  # [B] each row's prompt number, which decides its sampling draws
     logprobs: torch.Tensor  # [B, N + 1] float32: each chosen token's log-probability (written with --logprobs)
+    limits: torch.Tensor  # [B] each row's own maximum of new tokens (at most N)
+    temperatures: torch.Tensor  # [B] float32 \
+    top_ps: torch.Tensor  # [B] float32         } each row's sampling (``sampling.RowSampling``)
+    seed_keys: torch.Tensor  # [B] int64         /
 
     @classmethod
     def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
-        longs = long_zeros(device)
+        longs, floats = long_zeros(device), lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         return cls(
             input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
             attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
             new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
-            row_indices=longs(slots), logprobs=torch.zeros(slots, new_tokens + 1, dtype=torch.float32, device=device),
+            row_indices=longs(slots), logprobs=floats(slots, new_tokens + 1), limits=longs(slots),
+            temperatures=floats(slots), top_ps=floats(slots), seed_keys=longs(slots),
         )
+
+    @property
+    def sampling(self) -> RowSampling:
+        return RowSampling(self.temperatures, self.top_ps, self.seed_keys)
 
     @property
     def max_new_tokens(self) -> int:
@@ -75,6 +84,19 @@ class TokenRules:
     pad_token_id: int  # what a finished row produces from then on
     stop_at_eos: bool  # False with ignore_eos: every row produces every new token
     logprobs: bool = False  # record each chosen token's log-probability
+    per_row: bool = False  # rows choose their own sampling (greedy or not, temperature, top-p, seed)
+
+
+class RowStart(NamedTuple):
+    """What starting k rows in their slots takes, per row [k]: its first token (and its log-probability), its
+    prompt's mask [k, P], its draw key, its maximum of new tokens and its sampling."""
+
+    first_tokens: torch.Tensor
+    first_logprobs: torch.Tensor
+    prompt_mask: torch.Tensor
+    draw_keys: torch.Tensor
+    limits: torch.Tensor
+    sampling: RowSampling
 
 
 def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int) -> int:
@@ -121,39 +143,39 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
-            draw_keys: torch.Tensor, rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
+            draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the padded prompts input_ids [k, P] (mask [k, P]) through ``forward``, which writes their keys and
     values, and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by
-    ``draw_keys[j]`` (one per prompt, or one per sample of it); with their log-probabilities [m] (zeros unless
-    ``rules.logprobs``)."""
+    ``draw_keys[j]`` (one per prompt, or one per sample of it) with its own ``sampling`` [m]; with their
+    log-probabilities [m] (zeros unless ``rules.logprobs``)."""
     bucket_length = input_ids.shape[1]
     logits = forward(input_ids, prompt_mask, positions_from_mask(prompt_mask),
                      torch.arange(bucket_length, device=input_ids.device)).index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step)
+    tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step, sampling, rules.per_row)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 
 
-def insert_rows(
-    state: DecodeState, slots: torch.Tensor, first_tokens: torch.Tensor, first_logprobs: torch.Tensor,
-    prompt_mask: torch.Tensor, row_indices: torch.Tensor, rules: TokenRules,
-) -> None:
-    """Give ``slots`` [k] new rows whose prompts (mask [k, P], their keys and values already at positions
-    [0, P) of those rows of the cache) chose ``first_tokens`` [k] (of ``first_logprobs``): each row attends to
-    its prompt, decodes next at position P, and has recorded its first token (it may have finished with it)."""
+def insert_rows(state: DecodeState, slots: torch.Tensor, start: RowStart, rules: TokenRules) -> None:
+    """Give ``slots`` [k] the new rows of ``start``, whose prompts' keys and values are already at positions
+    [0, P) of those rows of the cache: each row attends to its prompt, decodes next at position P, and has
+    recorded its first token (it may have finished with it)."""
+    first_tokens, prompt_mask = start.first_tokens, start.prompt_mask
     bucket_length = prompt_mask.shape[1]
     state.attention_mask.index_fill_(0, slots, 0)
     state.attention_mask[:, :bucket_length].index_copy_(0, slots, prompt_mask)
     state.write_positions.index_fill_(0, slots, bucket_length)
     state.position_ids.index_copy_(0, slots, prompt_mask.sum(-1, keepdim=True))
     state.input_ids.index_copy_(0, slots, first_tokens.unsqueeze(-1))
-    state.row_indices.index_copy_(0, slots, row_indices)
+    state.row_indices.index_copy_(0, slots, start.draw_keys)
+    for buffer, values in zip((state.limits, *state.sampling), (start.limits, *start.sampling)):
+        buffer.index_copy_(0, slots, values)
     state.new_tokens.index_fill_(0, slots, rules.pad_token_id)
     state.new_tokens[:, 0].index_copy_(0, slots, first_tokens)
     state.logprobs.index_fill_(0, slots, 0)
-    state.logprobs[:, 0].index_copy_(0, slots, first_logprobs)
-    ended = torch.full_like(first_tokens, state.max_new_tokens <= 1, dtype=torch.bool)
+    state.logprobs[:, 0].index_copy_(0, slots, start.first_logprobs)
+    ended = start.limits <= 1
     if rules.stop_at_eos:
         ended |= torch.isin(first_tokens, rules.eos_token_ids)
     state.finished.index_copy_(0, slots, ended)
@@ -175,7 +197,7 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
     else:
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
-    chosen = choose_tokens(logits, rules.sampling, state.row_indices, state.steps)
+    chosen = choose_tokens(logits, rules.sampling, state.row_indices, state.steps, state.sampling, rules.per_row)
     next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)
@@ -187,13 +209,13 @@ def record_tokens(state: DecodeState, tokens: torch.Tensor, rules: TokenRules,
                   logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``tokens`` [B] (and their ``logprobs``, when given) at each row's step of ``new_tokens`` (a finished
     row's into the spare column, as padding), mark the rows that end here (end-of-sequence, or their last new
-    token), advance the steps."""
+    token: its own limit), advance the steps."""
     last = state.max_new_tokens
     tokens = tokens.masked_fill(state.finished, rules.pad_token_id)
     state.new_tokens.scatter_(1, state.steps.unsqueeze(-1), tokens.unsqueeze(-1))
     if logprobs is not None:
         state.logprobs.scatter_(1, state.steps.unsqueeze(-1), logprobs.unsqueeze(-1))
-    ends = state.steps >= last - 1
+    ends = state.steps >= state.limits - 1
     if rules.stop_at_eos:
         ends |= torch.isin(tokens, rules.eos_token_ids)
     state.finished.logical_or_(ends)

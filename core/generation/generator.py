@@ -14,7 +14,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from accelgen.common.settings import RunSettings
+from accelgen.common.prompts import PromptRequest
+from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
 from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
@@ -40,10 +41,11 @@ class Generator:
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
         eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.ends = RowEnds(self.text, eos_ids, run.ignore_eos, run.max_new_tokens)
+        self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
             sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
+            per_row=run.rows_choose,
         )
         self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats)
 
@@ -79,11 +81,11 @@ class Generator:
         texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
         samples: list[Completion] = []  # of the prompt being given out (its rows come out one after another)
 
-        def encoded() -> Iterator[tuple[int, list[int] | str]]:
+        def encoded() -> Iterator[tuple[int, list[int] | str, RowSettings | None]]:
             for number, prompt in numbered_prompts:
                 ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
                 texts[number] = (prompt, truncated)
-                yield number, ids
+                yield number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None
 
         for rows in self._run_rows(encoded()):
             completions = []
@@ -91,7 +93,7 @@ class Generator:
                 tokens, reason = self.ends.trim(row)
                 self.stats.new_tokens += len(tokens)
                 samples.append(self.text.completion(row, *texts[row.number], tokens, reason))
-                if len(samples) == self.run.num_samples:
+                if len(samples) == row.samples:
                     del texts[row.number]
                     completions.append(Completion.of_samples(samples))
                     samples = []
@@ -100,27 +102,29 @@ class Generator:
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
-        rows = [row for ready in self._run_rows(enumerate((list(ids) for ids in prompts), start=first_index)) for row in ready]
+        numbered = ((number, list(ids), None) for number, ids in enumerate(prompts, start=first_index))
+        rows = [row for ready in self._run_rows(numbered) for row in ready]
         return [self.ends.trim(row) for row in rows]
 
     # -- the engine -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str]]) -> Iterator[list[Row]]:
+    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str, RowSettings | None]]) -> Iterator[list[Row]]:
         """Rows through the slots: read as the scheduler has room, run by the runner, given out in order. A row
-        given as a string is an error row; one that cannot be read or used stops the run once the rows read
-        before it are given out (or, with --skip-bad-rows, ends as an error row)."""
+        comes with its own settings or None (the run's); given as a string it is an error row. One that cannot be
+        read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
+        an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
         scheduler = Scheduler(run.batch_size, self.batching, run.buckets, context_limit(self.model.config),
-                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop),
-                              bad_rows_end=run.skip_bad_rows, samples=run.num_samples)
+                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop) or run.rows_choose,
+                              bad_rows_end=run.skip_bad_rows, row_settings=run.row_settings)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
             read = 0
             try:
-                for number, ids in itertools.islice(source, scheduler.room()):
-                    scheduler.add_error(number, ids) if isinstance(ids, str) else scheduler.add(number, ids)
+                for number, ids, own in itertools.islice(source, scheduler.room()):
+                    scheduler.add_error(number, ids) if isinstance(ids, str) else scheduler.add(number, ids, own)
                     read += 1
             except Exception as error:  # noqa: BLE001 - raised once the rows before it are out
                 source, source_error = iter(()), error

@@ -1,5 +1,6 @@
 """Where a row's completion ends, decided on the host from its tokens: at its first end token (unless
-``--ignore-eos``), at the token completing its first stop text (``--stop``), or at its token budget.
+``--ignore-eos``), at the token completing its first stop text (``--stop``, or a row's own), or at its token
+budget (the run's ``--max-new-tokens``, or a row's own).
 
 End tokens are also found on the device, inside the decode step, which frees a row's slot at the next look;
 stop texts are found by decoding, at the looks, the tokens of the rows still running. Where a row ends
@@ -14,21 +15,22 @@ from accelgen.generation.text import PromptCodec
 
 
 class RowEnds:
-    """Ends rows for one run: ``eos_token_ids`` end a row unless ``ignore_eos``; ``text``'s stop texts end it."""
+    """Ends rows for one run: ``eos_token_ids`` end a row unless ``ignore_eos``; each row's stop texts end it
+    (found by ``text``)."""
 
-    def __init__(self, text: PromptCodec, eos_token_ids: list[int], ignore_eos: bool, max_new_tokens: int):
-        self.text, self.max_new_tokens = text, max_new_tokens
+    def __init__(self, text: PromptCodec, eos_token_ids: list[int], ignore_eos: bool):
+        self.text = text
         self.eos_token_ids = set() if ignore_eos else set(eos_token_ids)
 
     def with_stopped(self, finished: list[bool], running: dict[int, Row], runner: SlotRunner) -> list[bool]:
         """``finished`` (per slot) with the ``running`` rows (by slot) whose text has reached a stop text marked
         too: their tokens so far are read back from ``runner``, only when there are stop texts."""
-        running = {slot: row for slot, row in running.items() if not finished[slot]}
-        if not self.text.stop or not running:
+        running = {slot: row for slot, row in running.items() if not finished[slot] and row.settings.stop}
+        if not running:
             return finished
         for (slot, row), row_tokens in zip(running.items(), runner.new_tokens(list(running))):
-            made = self.max_new_tokens - row.budget  # its first token and the steps it has taken
-            if self.text.tokens_to_stop(row.prompt_ids, row_tokens[:made]) is not None:
+            made = row.settings.max_new_tokens - row.budget  # its first token and the steps it has taken
+            if self.text.tokens_to_stop(row.prompt_ids, row_tokens[:made], row.settings.stop) is not None:
                 finished[slot] = True
         return finished
 
@@ -37,12 +39,12 @@ class RowEnds:
         text, whichever comes first, and why it ended ("eos", "stop" or "length"; "error" for an error row)."""
         if row.error is not None:
             return [], "error"
-        tokens, reason = row.new_tokens, "length"
+        tokens, reason = row.new_tokens[: row.settings.max_new_tokens], "length"
         for position, token in enumerate(tokens):
             if token in self.eos_token_ids:
                 tokens, reason = tokens[: position + 1], "eos"
                 break
-        stop = self.text.tokens_to_stop(row.prompt_ids, tokens)
+        stop = self.text.tokens_to_stop(row.prompt_ids, tokens, row.settings.stop)
         if stop is not None:
             return tokens[:stop], "stop"
         return tokens, reason

@@ -22,6 +22,7 @@ import torch
 from accelgen.common.errors import GraphCaptureWarning, first_line
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
+from accelgen.generation.sampling import RowSampling, seed_key
 from accelgen.generation.scheduler import Insertion
 from accelgen.generation.stats import GenerationStats
 from accelgen.model.memory import check_cache_fits
@@ -51,12 +52,21 @@ class PrefillShape:
         self.draw_keys = longs(draws)  # [m] each started row's draw key (``Row.draw_key``)
         self.draw_slots = longs(draws)  # [m] each started row's slot
         self.first_tokens = longs(draws)  # [m] each started row's first new token
-        self.first_logprobs = torch.zeros(draws, dtype=torch.float32, device=device)  # [m] its log-probability
+        floats = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+        self.first_logprobs = floats(draws)  # [m] its log-probability
+        self.limits = longs(draws)  # [m] each started row's maximum of new tokens
+        self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
         self.step: Callable[..., object] | None = None
 
     def __iter__(self):
         return iter((self.input_ids, self.prompt_mask, self.slots, self.draw_from, self.draw_keys, self.draw_slots,
-                     self.first_tokens, self.first_logprobs))
+                     self.first_tokens, self.first_logprobs, *self.sampling))
+
+    def start(self, rows: int) -> decoding.RowStart:
+        """What starting the first ``rows`` draws in their slots takes (after the step has run)."""
+        return decoding.RowStart(self.first_tokens[:rows], self.first_logprobs[:rows],
+                                 self.prompt_mask.index_select(0, self.draw_from[:rows]), self.draw_keys[:rows],
+                                 self.limits[:rows], RowSampling(*(values[:rows] for values in self.sampling)))
 
 
 class SlotShape:
@@ -124,15 +134,18 @@ class SlotRunner:
             prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
             prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in rows], insertion.draw_rows)))
             prefill_shape.draw_slots.copy_(torch.tensor(_padded(insertion.slots, insertion.draw_rows)))
+            settings = [row.settings for row in rows]
+            prefill_shape.limits.copy_(torch.tensor(_padded([own.max_new_tokens for own in settings], insertion.draw_rows)))
+            for buffer, values in zip(prefill_shape.sampling, ([own.temperature for own in settings],
+                                                               [own.top_p for own in settings],
+                                                               [seed_key(own.seed) for own in settings])):
+                buffer.copy_(torch.tensor(_padded(values, insertion.draw_rows), dtype=buffer.dtype))
             if fresh:
                 prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
                                                     "prefill_captures")
             prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
-            count = len(rows)
-            decoding.insert_rows(shape.state, prefill_shape.draw_slots[:count], prefill_shape.first_tokens[:count],
-                                 prefill_shape.first_logprobs[:count],
-                                 prefill_shape.prompt_mask.index_select(0, prefill_shape.draw_from[:count]),
-                                 prefill_shape.draw_keys[:count], self.rules)
+            decoding.insert_rows(shape.state, prefill_shape.draw_slots[: len(rows)], prefill_shape.start(len(rows)),
+                                 self.rules)
             self.accelerator.mark_step()
         self.stats.prefills += 1
         self.stats.prefill_rows += insertion.shape_rows
@@ -201,10 +214,12 @@ class SlotRunner:
         rules, cache = self.rules, self.shape.cache
         forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
 
-        shares_prompts = self.run.num_samples > 1
+        shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
 
-        def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs):
-            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys, rules)
+        def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
+                         *sampling):
+            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
+                                                RowSampling(*sampling), rules)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
                 copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)

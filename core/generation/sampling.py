@@ -14,6 +14,8 @@ Shapes: B batch, V vocabulary.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from accelgen.common.settings import SamplingSettings
@@ -21,35 +23,58 @@ from accelgen.common.settings import SamplingSettings
 _MASK_32 = 0xFFFFFFFF
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
-    """Probabilities [B, V] after temperature, top-k and top-p (nucleus) filtering, in that order."""
-    logits = logits.float() / max(sampling.temperature, 1e-5)
+class RowSampling(NamedTuple):
+    """Each row's own sampling settings, on the device (rows of an OpenAI batch file choose theirs; otherwise
+    every row holds the run's)."""
+
+    temperatures: torch.Tensor  # [B] float32; 0 makes a row greedy where rows choose (``per_row``)
+    top_ps: torch.Tensor  # [B] float32; 1: no nucleus filtering
+    seed_keys: torch.Tensor  # [B] int64: each row's :func:`seed_key`
+
+    @classmethod
+    def of_run(cls, sampling: SamplingSettings, rows: int, device: torch.device) -> "RowSampling":
+        """The run's settings for ``rows`` rows."""
+        return cls(torch.full((rows,), sampling.temperature, dtype=torch.float32, device=device),
+                   torch.full((rows,), sampling.top_p, dtype=torch.float32, device=device),
+                   torch.full((rows,), seed_key(sampling.seed), dtype=torch.long, device=device))
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
+                    per_row: bool = False) -> torch.Tensor:
+    """Probabilities [B, V] after temperature, top-k and top-p (nucleus) filtering, in that order: the run's
+    top-k, each row's temperature and top-p (``rows``; default: the run's). Top-p sorts the vocabulary, so it
+    runs only where a row may use it: the run's top-p is below 1, or rows choose their own (``per_row``)."""
+    rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
+    logits = logits.float() / rows.temperatures.clamp(min=1e-5).unsqueeze(-1)
     if sampling.top_k > 0:
         kth_largest = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if sampling.top_p < 1.0:
+    if sampling.top_p < 1.0 or per_row:
         sorted_logits, sorted_indices = torch.sort(logits, descending=False)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # keep at least the most likely token (the last); no "[:, -1] = False", which copies a host scalar in
         keep_last = torch.zeros_like(cumulative[:, -1:], dtype=torch.bool)
-        remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - sampling.top_p, keep_last], dim=-1)
+        remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - rows.top_ps.unsqueeze(-1), keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits.softmax(-1)
 
 
-def choose_tokens(
-    logits: torch.Tensor, sampling: SamplingSettings, row_indices: torch.Tensor, step: torch.Tensor
-) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, row_indices: torch.Tensor, step: torch.Tensor,
+                  rows: RowSampling | None = None, per_row: bool = False) -> torch.Tensor:
     """Next token ids [B] from logits [B, V]: the most likely when greedy, else a seeded draw.
 
     ``row_indices`` [B] number each row's prompt and ``step`` [1] is the index of the token being chosen
-    (0 for the first new token): with the seed they decide the draw (see the module docstring)."""
-    if not sampling.do_sample:
+    (0 for the first new token): with each row's seed they decide the draw (see the module docstring).
+    ``rows``: each row's temperature, top-p and seed (default: the run's). With ``per_row`` the rows choose
+    (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
+    ``do_sample``."""
+    if not (sampling.do_sample or per_row):
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, sampling)
-    noise = exponential_noise(sampling.seed, row_indices, step, probs.shape[-1])
-    return (probs / noise).argmax(-1)
+    rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
+    probs = logits_to_probs(logits, sampling, rows, per_row)
+    drawn = (probs / exponential_noise(rows.seed_keys, row_indices, step, probs.shape[-1])).argmax(-1)
+    return torch.where(rows.temperatures > 0, drawn, logits.argmax(-1)) if per_row else drawn
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -58,13 +83,15 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def exponential_noise(seed: int, row_indices: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exponential(1) noise [B, V] that is a pure function of (seed, row index, step, token id).
+def exponential_noise(seed_keys: torch.Tensor, row_indices: torch.Tensor, step: torch.Tensor,
+                      vocab_size: int) -> torch.Tensor:
+    """Exponential(1) noise [B, V] that is a pure function of (seed, row index, step, token id): ``seed_keys``
+    [B] are the rows' seeds as :func:`seed_key` makes them.
 
     Integer arithmetic only, exact on every device (no product leaves int64's range), so the same inputs
     give the same noise on a CPU, a GPU or a Gaudi."""
     rows = row_indices.long()
-    row_key = _hash32((rows & _MASK_32) ^ _hash32(((rows >> 32) & _MASK_32) ^ _seed_key(seed)))  # [B]
+    row_key = _hash32((rows & _MASK_32) ^ _hash32(((rows >> 32) & _MASK_32) ^ seed_keys))  # [B]
     step_key = _hash32(row_key ^ _hash32(step.long() & _MASK_32))  # [B]
     token_key = _hash32(torch.arange(vocab_size, device=row_indices.device, dtype=torch.long))  # [V]
     bits = _hash32(step_key.unsqueeze(-1) ^ token_key)  # [B, V], uniform over 32 bits
@@ -73,8 +100,8 @@ def exponential_noise(seed: int, row_indices: torch.Tensor, step: torch.Tensor, 
     return -torch.log(uniform)
 
 
-def _seed_key(seed: int) -> int:
-    """A 32-bit key for a 64-bit seed, computed on the host (Python integers) when the step is built."""
+def seed_key(seed: int) -> int:
+    """A 32-bit key for a 64-bit seed, computed on the host (Python integers) when a row starts."""
     key = 0x9E3779B9
     seed = int(seed) & ((1 << 64) - 1)
     for word in (seed & _MASK_32, seed >> 32):

@@ -1,6 +1,6 @@
 """The scheduler: which rows run in which slots, decided on the host without touching the device.
 
-Rows come in as :class:`Row` objects (their number, prompt ids, prompt bucket, budget of decode steps) and
+Rows come in as :class:`Row` objects (their number, prompt ids, prompt bucket, settings, budget of decode steps) and
 wait; :meth:`Scheduler.plan` puts waiting rows into free slots and says, in a plain :class:`Plan`, which
 cache length the slots need, which rows a prefill inserts into which slots, and how many decode steps run
 before the host looks again. After each look, :meth:`Scheduler.collect` names the slots whose rows can be
@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable
 
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptError
+from accelgen.common.settings import RowSettings
 from accelgen.generation.decoding import choose_bucket
 
 #: Decode steps between two looks at which rows have finished (each look waits for the device), per policy:
@@ -52,6 +54,12 @@ class Row:
     error: str | None = None  # why it could not be completed (an error row, given out in its place)
     logprobs: list[float] | None = None  # read back with its tokens, with --logprobs
     sample: int = 0  # which of its prompt's samples it is (--num-samples)
+    settings: RowSettings = RowSettings()  # what it is completed with, every field set (but an error row's)
+
+    @property
+    def samples(self) -> int:
+        """How many rows its prompt has (one per sample; an error row is alone)."""
+        return 1 if self.error is not None else self.settings.num_samples
 
     @property
     def draw_key(self) -> int:
@@ -88,9 +96,10 @@ class Scheduler:
     """Rows into ``slots`` slots, by ``policy`` ("continuous" or "static")."""
 
     def __init__(self, slots: int, policy: str, buckets: tuple[int, ...], context_limit: int | None, max_new_tokens: int,
-                 rows_end_early: bool, bad_rows_end: bool = False, samples: int = 1):
+                 rows_end_early: bool, bad_rows_end: bool, row_settings: Callable[[RowSettings | None], RowSettings]):
         self.slots, self.policy, self.max_new_tokens = slots, policy, max_new_tokens
-        self.samples = samples  # rows per prompt (--num-samples), consecutive, each with its own draws
+        #: a row's settings from its own (None: the run's), refusing own settings the run cannot take
+        self.row_settings = row_settings
         #: whether a row that cannot be completed ends as an error row (else it stops the run)
         self.bad_rows_end = bad_rows_end
         #: whether a row may end before its budget (at end-of-sequence); if not, the host knows every row's end
@@ -110,27 +119,29 @@ class Scheduler:
         """How many more rows to read now: what the free slots can start, less the rows already waiting."""
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
-    def add(self, number: int, prompt_ids: list[int]) -> Row:
-        """A prompt's new waiting rows (one per sample; the first is returned); a prompt too long for every bucket
-        or the model's context is refused, by number (or ends at once as error rows, with ``bad_rows_end``)."""
+    def add(self, number: int, prompt_ids: list[int], own: RowSettings | None = None) -> Row:
+        """A prompt's new waiting rows, with its ``own`` settings over the run's (one row per sample, consecutive,
+        each with its own draws; the first is returned). A prompt too long for every bucket or the model's context,
+        or whose own settings the run cannot take, is refused by number (or ends at once as an error row, with
+        ``bad_rows_end``)."""
         try:
+            settings = self.row_settings(own)
             bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
         except UsageError as error:
             if not self.bad_rows_end:
                 raise PromptError(number, f": {error}") from None
             return self.add_error(number, str(error).removesuffix("."))
-        rows = [Row(self._places + sample, number, prompt_ids, bucket, budget=self.max_new_tokens - 1, sample=sample)
-                for sample in range(self.samples)]
-        self._places += self.samples
+        rows = [Row(self._places + sample, number, prompt_ids, bucket, budget=settings.max_new_tokens - 1,
+                    sample=sample, settings=settings) for sample in range(settings.num_samples)]
+        self._places += len(rows)
         self.waiting.extend(rows)
         return rows[0]
 
     def add_error(self, number: int, error: str) -> Row:
-        """A prompt that cannot be completed, ended at once: its rows given out in their place, as error rows."""
-        for sample in range(self.samples):
-            row = Row(self._places, number, [], 0, 0, state="finished", new_tokens=[], error=error, sample=sample)
-            self._places += 1
-            self.finished[row.place] = row
+        """A prompt that cannot be completed, ended at once: one error row, given out in its place."""
+        row = Row(self._places, number, [], 0, 0, state="finished", new_tokens=[], error=error)
+        self._places += 1
+        self.finished[row.place] = row
         return row
 
     @property
@@ -172,7 +183,7 @@ class Scheduler:
         while self.waiting and len(rows) < len(free) and self.waiting[0].place < limit:
             if self.waiting[0].bucket > self.cache_bucket:
                 break  # wait for the slots to empty, then grow
-            if self.waiting[0].sample == 0 and len(free) - len(rows) < min(self.samples, self.slots):
+            if self.waiting[0].sample == 0 and len(free) - len(rows) < min(self.waiting[0].samples, self.slots):
                 break  # a prompt's samples start together (one prefill) when the slots can hold them all
             rows.append(self.waiting.popleft())
         if not rows:

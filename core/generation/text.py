@@ -14,12 +14,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, first_line
-from accelgen.common.prompts import Conversation, PromptError, as_conversation, check_prompts
+from accelgen.common.prompts import Conversation, PromptError, PromptRequest, as_conversation, check_prompts
 from accelgen.common.settings import RunSettings
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
-OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions")
+OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request")
 
 
 @dataclasses.dataclass
@@ -38,6 +38,7 @@ class Completion:
     error: str | None = None
     logprobs: list[float] | None = None  # each new token's log-probability under the model, with --logprobs
     completions: list[dict] | None = None  # with --num-samples N > 1: every sample's own fields (the row's are the first's)
+    request: dict | None = None  # a prompt request's fields (an OpenAI batch line's custom_id and url)
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
@@ -68,11 +69,13 @@ class PromptCodec:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, run: RunSettings):
         self.tokenizer, self.vocab_size, self.max_input_tokens = tokenizer, vocab_size, run.max_input_tokens
-        self.chat, self.stop = run.chat, run.stop
+        self.chat = run.chat
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
         """The conversation ``prompt`` is (a list of messages is one; a text is one with ``--chat``), with the
         system prompt; None for text."""
+        if isinstance(prompt, PromptRequest):
+            prompt = prompt.prompt
         if isinstance(prompt, (list, tuple)):
             prompt = as_conversation(prompt)[0]  # checked already (check_prompts)
         if isinstance(prompt, str):
@@ -93,6 +96,8 @@ class PromptCodec:
         token_ids, truncated = [], []
         for index, prompt in enumerate(prompts, start=first_index):
             conversation = self.conversation(prompt)
+            if isinstance(prompt, PromptRequest):
+                prompt = prompt.prompt
             if conversation is None:
                 ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             else:
@@ -144,21 +149,16 @@ class PromptCodec:
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         return self.tokenizer.decode(list(prompt_token_ids) + new_token_ids, skip_special_tokens=True)[len(prompt_text):]
 
-    def _stop_at(self, text: str) -> int | None:
-        """Where the first stop text begins in ``text``, or None."""
-        found = [position for stop in self.stop if (position := text.find(stop)) >= 0]
-        return min(found) if found else None
-
-    def tokens_to_stop(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> int | None:
-        """How many of ``new_token_ids`` it takes for their text to hold a stop text (the token completing it
-        included), or None when it holds none. Where a stop is found depends only on the tokens, not on when
-        the host looked at them."""
-        if not self.stop or self._stop_at(self.new_text(prompt_token_ids, new_token_ids)) is None:
+    def tokens_to_stop(self, prompt_token_ids: list[int], new_token_ids: list[int], stop: Sequence[str]) -> int | None:
+        """How many of ``new_token_ids`` it takes for their text to hold one of the ``stop`` texts (the token
+        completing it included), or None when it holds none. Where a stop is found depends only on the tokens,
+        not on when the host looked at them."""
+        if not stop or _stop_at(self.new_text(prompt_token_ids, new_token_ids), stop) is None:
             return None
         low, high = 1, len(new_token_ids)  # the shortest prefix whose text holds a stop text
         while low < high:
             middle = (low + high) // 2
-            if self._stop_at(self.new_text(prompt_token_ids, new_token_ids[:middle])) is None:
+            if _stop_at(self.new_text(prompt_token_ids, new_token_ids[:middle]), stop) is None:
                 low = middle + 1
             else:
                 high = middle
@@ -169,12 +169,16 @@ class PromptCodec:
         """The completion of ``row`` (its ``prompt``) from its kept new token ids (its text cut before the stop
         text, when a stop text ended it); its error row when the row could not be completed."""
         index, prompt_token_ids = row.number, row.prompt_ids
+        request = None
+        if isinstance(prompt, PromptRequest):
+            prompt, request = prompt.prompt, prompt.fields
         if row.error is not None:
-            return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=row.error)
+            return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=row.error,
+                              request=request)
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
         text = self.new_text(prompt_token_ids, new_token_ids)
         if finish_reason == "stop":
-            text = text[: self._stop_at(text)]
+            text = text[: _stop_at(text, row.settings.stop)]
         conversation = self.conversation(prompt)
         if conversation is not None:  # what the model saw: the rendered template, its markers included
             prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
@@ -187,7 +191,14 @@ class PromptCodec:
             finish_reason=finish_reason,
             messages=None if conversation is None else conversation.answered(text),
             logprobs=None if row.logprobs is None else row.logprobs[: len(new_token_ids)],
+            request=request,
         )
+
+
+def _stop_at(text: str, stop: Sequence[str]) -> int | None:
+    """Where the first of the ``stop`` texts begins in ``text``, or None."""
+    found = [position for each in stop if (position := text.find(each)) >= 0]
+    return min(found) if found else None
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -36,14 +36,42 @@ def run_record_path(output: str) -> str:
     return real_path(output) + ".run.json"
 
 
+class CompletionLines:
+    """accelgen's own output lines: each completion's fields (:meth:`Completion.as_row`)."""
+
+    @staticmethod
+    def line(completion: Completion) -> dict:
+        return completion.as_row()
+
+    @staticmethod
+    def problem(line: object, index: int) -> str | None:
+        """Why a written ``line`` (parsed) is not the completion of row ``index`` written by ``accelgen run``, or None."""
+        if not isinstance(line, dict) or not set(LINE_FIELDS) <= set(line) <= {*LINE_FIELDS, *OPTIONAL_LINE_FIELDS}:
+            return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
+        if line["index"] != index:
+            return f"is row {line['index']}, not row {index}"
+        return None
+
+    @staticmethod
+    def row_key(line: dict) -> object:
+        """What a written line says of the row it completes, to compare with the dataset's (:meth:`request_key`)."""
+        return line.get("prompt")
+
+    @staticmethod
+    def request_key(text: object) -> object:
+        return text
+
+
 class CompletionFile:
     """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
 
-    def __init__(self, path: str, run_record: dict, overwrite: bool = False, lock: bool = True):
+    def __init__(self, path: str, run_record: dict, overwrite: bool = False, lock: bool = True,
+                 lines=CompletionLines()):
         """``lock``: take the output's lock (:mod:`accelgen.jobs.output_lock`) until :meth:`close`; the ranks of a
-        job other than rank 0 read the file but do not lock it."""
+        job other than rank 0 read the file but do not lock it. ``lines``: what a line holds (accelgen's own,
+        or ``accelgen.jobs.openai_batch.BatchOutputLines``)."""
         check_output_file(path, "--output", "out.jsonl")
-        self.path = path
+        self.path, self.lines = path, lines
         self.run_file = run_record_path(path)
         refuse_link(self.run_file, "Run record")
         if os.path.exists(self.run_file) and not os.path.isfile(self.run_file):
@@ -75,7 +103,7 @@ class CompletionFile:
                 for line in existing:
                     if not line.endswith(b"\n"):
                         break  # torn by a stop mid-write: written again on resume
-                    problem = _line_problem(line, rows)
+                    problem = self._line_problem(line, rows)
                     if problem:
                         keep = f"keep its first {rows} lines (head -n {rows}) to resume after them, or " if rows else ""
                         raise UsageError(f"--output {self.path!r} line {rows + 1} {problem}: the file is damaged; "
@@ -105,7 +133,7 @@ class CompletionFile:
         """Append ``completions``, one line each, each line in one write; a failed write (a full disk) stops
         the run in one line, the rows written before it kept."""
         for completion in completions:
-            line = (json.dumps(completion.as_row(), ensure_ascii=False) + "\n").encode()
+            line = (json.dumps(self.lines.line(completion), ensure_ascii=False) + "\n").encode()
             with user_errors(f"Cannot write --output {self.path!r}",
                              f"{self.completed_rows} rows are kept; make room (or move the file and its .run.json) "
                              f"and run the same command again to resume after them"):
@@ -126,6 +154,14 @@ class CompletionFile:
         with open(path, "w", encoding="utf-8") as run_file:
             json.dump(self.run_record, run_file, indent=1)
 
+    def _line_problem(self, line: bytes, index: int) -> str | None:
+        """Why ``line`` is not the line of row ``index`` written by ``accelgen run``, or None."""
+        try:
+            row = json.loads(line)
+        except ValueError as error:  # not JSON, or not UTF-8
+            return f"is not a JSON line ({reason(error)})"
+        return self.lines.problem(row, index)
+
     def close(self) -> None:
         """Close the file and give up its lock (again: nothing)."""
         if self._file is not None:
@@ -135,17 +171,6 @@ class CompletionFile:
             self._lock.release()
 
 
-def _line_problem(line: bytes, index: int) -> str | None:
-    """Why ``line`` is not the completion of row ``index`` written by ``accelgen run``, or None."""
-    try:
-        row = json.loads(line)
-    except ValueError as error:  # not JSON, or not UTF-8
-        return f"is not a JSON line ({reason(error)})"
-    if not isinstance(row, dict) or not set(LINE_FIELDS) <= set(row) <= {*LINE_FIELDS, *OPTIONAL_LINE_FIELDS}:
-        return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
-    if row["index"] != index:
-        return f"is row {row['index']}, not row {index}"
-    return None
 
 
 def _write_all(file: IO[bytes], data: bytes) -> None:

@@ -9,6 +9,7 @@ batch as it completes. Running out of device memory becomes one line saying what
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -21,9 +22,10 @@ from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import NO_CHAT_TEMPLATE, Completion
-from accelgen.jobs.completion_file import CompletionFile, run_record_path
+from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
+from accelgen.jobs.openai_batch import BatchOutputLines, is_batch_file, open_requests
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
 from accelgen.loading.model_files import BUILT_IN_NAME
@@ -127,15 +129,22 @@ def open_job(
     """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
     a stopped run's completed rows found; nothing loaded or written yet. The output is locked against other
     writers until the job closes when ``lock_output`` (default: on rank 0, the writer)."""
+    lines = CompletionLines()
     if dataset is not None:
         if output:
             check_not_dataset(output, dataset.source)
-        rows = open_rows(dataset)
+        batch = is_batch_file(dataset.source)
+        if batch:
+            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=_model_names(request))
+        else:
+            open_dataset = open_rows
+        rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
         if output:
             pin = dataset_pin(dataset, rows.revision)
             earlier = _resumed_run_record(output, overwrite)
-            source.update(resumable_pin(dataset, pin, earlier, output, reread=lambda: open_rows(dataset).texts))
+            source.update(resumable_pin(dataset, pin, earlier, output, row_key=lines.row_key,
+                                        reread=lambda: map(lines.request_key, open_dataset(dataset).texts)))
     else:
         if not request.run.skip_bad_rows:  # else a prompt that cannot be one becomes an error row
             check_prompts(prompts)
@@ -144,8 +153,22 @@ def open_job(
     if request.run.chat.text_as_user or rows.conversational:
         source["chat_template_sha256"] = chat_template_hash(request)
     lock_output = request.world.is_main if lock_output is None else lock_output
-    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output) if output else None
+    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output, lines=lines) if output else None
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
+
+
+def _model_names(request: Request) -> tuple[str, ...]:
+    """What a batch request's ``model`` may say to be served by this run: the model as named, or its last part."""
+    name = request.model.name or BUILT_IN_NAME
+    return (name, os.path.basename(os.path.normpath(name)))
+
+
+def _batch_lines(request: Request) -> BatchOutputLines:
+    """The output lines of a batch file's run (refusing what they cannot hold)."""
+    if request.run.logprobs:
+        raise UsageError("--logprobs is not written into OpenAI batch output lines: drop --logprobs for a batch file, "
+                         "or complete a text or messages column to have them.")
+    return BatchOutputLines(_model_names(request)[0])
 
 
 def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
@@ -199,6 +222,8 @@ def complete(
     Every rank of a job calls this, and gets the run's report."""
     generator = None
     is_main = request.world.is_main
+    if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
     try:
         started = time.perf_counter()
         generator = load_request(request)

@@ -51,17 +51,18 @@ def dataset_pin(request: DatasetRequest, revision: str | None) -> dict:
 
 
 def resumable_pin(request: DatasetRequest, pin: dict, earlier: dict | None, output: str,
-                  reread: Callable[[], Iterator[str]]) -> dict:
+                  reread: Callable[[], Iterator[str]], row_key: Callable[[dict], object]) -> dict:
     """The pin to record for a run resuming after the rows of an ``earlier`` run record (None: a run starting
-    afresh, which records ``pin``); ``reread()`` gives the dataset's texts from its first row, to compare with the
-    output's when the pin changed. Raise UsageError when a row already done is not the dataset's any more."""
+    afresh, which records ``pin``); ``reread()`` gives the dataset's rows from its first, as what ``row_key`` reads
+    from an output line (the prompt text; a batch request's custom_id), to compare with the output's when the pin
+    changed. Raise UsageError when a row already done is not the dataset's any more."""
     if earlier is None or earlier.get("dataset") != request.source:
         return pin  # a new output, or another dataset: the run record's own comparison says so
     earlier_pin = {field: earlier[field] for field in PIN_FIELDS if field in earlier}
     if not earlier_pin:
         return {}  # written before datasets were pinned: resumes as it did then
     if earlier_pin != pin:
-        changed = _first_changed_row(output, reread())
+        changed = _first_changed_row(output, reread(), row_key)
         if changed and earlier.get("max_input_tokens") is not None:
             changed += ", the output holding each row as cut to --max-input-tokens"
         if changed:
@@ -72,16 +73,16 @@ def resumable_pin(request: DatasetRequest, pin: dict, earlier: dict | None, outp
     return earlier_pin
 
 
-def _first_changed_row(output: str, texts: Iterator[str]) -> str | None:
-    """What differs first between the prompts ``output`` holds and the dataset's ``texts`` (None: the output's rows
-    are all still the dataset's). Reading stops at a line that is not a whole completion: ``CompletionFile``
-    judges the output itself."""
+def _first_changed_row(output: str, texts: Iterator[str], row_key: Callable[[dict], object]) -> str | None:
+    """What differs first between the rows ``output`` holds (``row_key`` of each line) and the dataset's ``texts``
+    (None: the output's rows are all still the dataset's). Reading stops at a line that is not a whole completion:
+    ``CompletionFile`` judges the output itself."""
     with user_errors(f"Cannot read --output {output!r}", "pass --overwrite to start it again, or another file"):
         with open(output, "rb") as written:
             for index, line in enumerate(written):
                 try:
-                    prompt = json.loads(line)["prompt"] if line.endswith(b"\n") else None
-                except (ValueError, TypeError, KeyError):
+                    prompt = row_key(json.loads(line)) if line.endswith(b"\n") else None
+                except (ValueError, TypeError, KeyError, AttributeError):
                     prompt = None
                 if not isinstance(prompt, str):
                     return None

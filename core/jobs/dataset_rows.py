@@ -45,7 +45,8 @@ class TextRows:
     texts: Iterator[str | Conversation | BadPrompt]
     total: int | None
     revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
-    conversational: bool = False  # the rows are conversations
+    conversational: bool = False  # the rows are conversations (some of them, in a batch file)
+    rows_choose: bool = False  # the rows bring their own settings (``PromptRequest``: an OpenAI batch file's requests)
 
 
 def open_rows(request: DatasetRequest) -> TextRows:

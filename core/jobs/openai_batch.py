@@ -1,0 +1,217 @@
+"""OpenAI Batch files: a JSON-lines file of requests read as a dataset's rows, and the batch output lines written
+for them (https://platform.openai.com/docs/guides/batch).
+
+A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
+(``body.messages``) or ``/v1/completions`` (``body.prompt``). Its sampling fields (``max_tokens`` or
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) become the row's own settings;
+a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
+``--do-sample``). ``body.model`` is recorded, not obeyed: one model serves a run, and a request naming another
+is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
+neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch API, one
+request's problem is its own line's ``error``, never the batch's.
+
+An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
+body OpenAI's chat completion or completion object (``choices``, one per sample; ``usage``: prompt and completion
+token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
+the row's number, so a resumed run writes the same lines an uninterrupted one would (``created`` is when a line
+was written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Iterator
+
+from accelgen.common.errors import UsageError, user_errors
+from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
+from accelgen.common.settings import RowSettings
+from accelgen.common.value_ranges import RANGES
+from accelgen.generation.text import Completion
+from accelgen.jobs.dataset_paths import check_local_path
+from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, first_bad_json_line
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+#: Body fields read as the row's settings, and the setting each one is.
+SETTING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "num_samples"}
+#: Body fields that do not change what is generated: taken and left alone.
+IGNORED_FIELDS = ("model", "messages", "prompt", "user", "metadata", "store", "service_tier")
+#: Body fields accelgen does not honour, accepted only at the value that means "off".
+NEUTRAL_VALUES = {"stream": (False,), "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "presence_penalty": (0,),
+                  "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False),
+                  "response_format": ({"type": "text"},)}
+#: What accelgen's finish reasons are called in OpenAI's objects.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+#: Most samples one request may ask for (OpenAI's own limit).
+MOST_SAMPLES = 128
+
+
+def is_batch_file(source: str) -> bool:
+    """Whether ``source`` is a local JSON-lines file whose first line is an OpenAI Batch request."""
+    path = os.path.expanduser(source)
+    if not (os.path.isfile(path) and path.lower().endswith((".jsonl", ".json"))):
+        return False
+    try:
+        with open(path, "rb") as file:
+            first = next((line for line in file if line.strip()), b"")
+        data = json.loads(first.decode("utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"custom_id", "body"} <= set(data)
+
+
+def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...]) -> TextRows:
+    """The requests of the batch file ``dataset.source`` as rows (:class:`PromptRequest`, in file order, the first
+    ``dataset.limit``), read as they are needed once every line is checked to be JSON. ``model_names``: what a
+    request's ``model`` may say (others are error rows)."""
+    if dataset.column != DatasetRequest.column:
+        raise UsageError(f"--column {dataset.column!r} does not apply to an OpenAI batch file (its prompts are each "
+                         f"request's body.messages or body.prompt): drop --column.")
+    path = os.path.expanduser(dataset.source)
+    check_local_path(dataset.source, path)
+    bad_line = first_bad_json_line(path)
+    if bad_line:
+        raise UsageError(f"Batch file {dataset.source!r} {bad_line}.")
+    total, chat = 0, False
+    for data in _request_lines(path, dataset.limit):
+        total += 1
+        chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
+    rows = (request_row(data, model_names) for data in _request_lines(path, dataset.limit))
+    return TextRows(rows, total, conversational=chat, rows_choose=True)
+
+
+def _request_lines(path: str, limit: int | None) -> Iterator[object]:
+    """The file's non-empty lines, parsed (the first ``limit``)."""
+    with user_errors(f"Cannot read batch file {path!r}", "make it readable, or pass another --dataset"):
+        with open(path, encoding="utf-8-sig") as file:
+            count = 0
+            for line in file:
+                if line.strip() and (limit is None or count < limit):
+                    count += 1
+                    yield json.loads(line)
+
+
+def request_row(data: object, model_names: tuple[str, ...]) -> PromptRequest:
+    """One request line as a row: its prompt and own settings, or (a BadPrompt) why it cannot be served."""
+    fields = {"custom_id": data.get("custom_id"), "url": data.get("url")} if isinstance(data, dict) else {}
+    try:
+        prompt, settings = _read_request(data, model_names)
+    except ValueError as problem:
+        return PromptRequest(BadPrompt(str(problem)), RowSettings(), fields)
+    return PromptRequest(prompt, settings, fields)
+
+
+def _read_request(data: object, model_names: tuple[str, ...]) -> tuple[str | Conversation, RowSettings]:
+    """The request's prompt and settings; ValueError saying what is wrong with it."""
+    if not isinstance(data, dict) or not isinstance(data.get("custom_id"), str) or not isinstance(data.get("body"), dict):
+        raise ValueError("is not an OpenAI batch request (a custom_id text and a body object)")
+    if data.get("method", "POST") != "POST" or data.get("url") not in (CHAT_URL, COMPLETIONS_URL):
+        raise ValueError(f"url {data.get('url')!r} with method {data.get('method')!r} is not served: use POST "
+                         f"{CHAT_URL} or {COMPLETIONS_URL}")
+    body = data["body"]
+    model = body.get("model")
+    if model is not None and model not in model_names:
+        raise ValueError(f"asks for model {model!r}, and this run serves {model_names[0]!r}")
+    for name, value in body.items():
+        if name not in SETTING_FIELDS and name not in IGNORED_FIELDS and value is not None \
+                and value not in NEUTRAL_VALUES.get(name, ()):
+            raise ValueError(f"sets {name}, which accelgen does not honour: remove it")
+    prompt = _chat_prompt(body) if data["url"] == CHAT_URL else _text_prompt(body)
+    own = {setting: _setting(name, body[name]) for name, setting in SETTING_FIELDS.items() if body.get(name) is not None}
+    return prompt, RowSettings(**own)
+
+
+def _chat_prompt(body: dict) -> Conversation:
+    messages = body.get("messages")
+    if isinstance(messages, list):  # content given as parts: their text, joined
+        messages = [{**message, "content": _joined_text(message["content"])}
+                    if isinstance(message, dict) and isinstance(message.get("content"), list) else message
+                    for message in messages]
+    conversation, problem = as_conversation(messages)
+    if problem:
+        raise ValueError(f"body.messages {problem.split(': ')[0]}")
+    return conversation
+
+
+def _joined_text(parts: list) -> str:
+    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in parts):
+        raise ValueError("has a message part that is not text (images, audio and files are not served)")
+    return "".join(part["text"] for part in parts)
+
+
+def _text_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    problem = prompt_problem(prompt) if isinstance(prompt, str) else "is not one text"
+    if problem:
+        raise ValueError(f"body.prompt {problem.split(': ')[0]}")
+    return prompt
+
+
+def _setting(name: str, value: object) -> object:
+    """A body field's value as its setting; ValueError when it is out of range."""
+    if name == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(stop, str) and stop for stop in stops):
+            raise ValueError("stop must be a text or a list of texts, none empty")
+        return tuple(stops)
+    if name == "seed":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"seed must be a whole number (got {value!r})")
+        return value % 2**64
+    if name == "temperature" and value == 0:
+        return 0.0  # greedy
+    setting = SETTING_FIELDS[name]
+    if not RANGES[setting].holds(value) or (name == "n" and value > MOST_SAMPLES):
+        allowed = f"a whole number from 1 to {MOST_SAMPLES}" if name == "n" else RANGES[setting].describe()
+        raise ValueError(f"{name} must be {allowed}{' (or 0: greedy)' if name == 'temperature' else ''} (got {value!r})")
+    return value
+
+
+class BatchOutputLines:
+    """OpenAI batch output lines for the completions of a batch file's requests, by ``model``."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def line(self, completion: Completion) -> dict:
+        request = completion.request or {}
+        line = {"id": f"batch_req_{completion.index}", "custom_id": request.get("custom_id")}
+        if completion.finish_reason == "error":
+            return {**line, "response": None, "error": {"code": "invalid_request", "message": completion.error}}
+        samples = completion.completions or [{"completion": completion.completion, "finish_reason": completion.finish_reason,
+                                              "completion_token_ids": completion.completion_token_ids}]
+        chat = request.get("url") == CHAT_URL
+        choices = [{"index": number, **({"message": {"role": "assistant", "content": sample["completion"]}} if chat
+                                         else {"text": sample["completion"]}),
+                    "logprobs": None, "finish_reason": FINISH_REASONS[sample["finish_reason"]]}
+                   for number, sample in enumerate(samples)]
+        new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)
+        body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{completion.index}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": {"prompt_tokens": completion.prompt_token_count, "completion_tokens": new_tokens,
+                          "total_tokens": completion.prompt_token_count + new_tokens}}
+        return {**line, "response": {"status_code": 200, "request_id": f"req_{completion.index}", "body": body},
+                "error": None}
+
+    @staticmethod
+    def problem(line: object, index: int) -> str | None:
+        """Why a written ``line`` is not the output line of row ``index``, or None."""
+        if not isinstance(line, dict) or set(line) != {"id", "custom_id", "response", "error"}:
+            return "is not an OpenAI batch output line written by accelgen run"
+        if line["id"] != f"batch_req_{index}":
+            return f"is {line['id']!r}, not batch_req_{index}"
+        return None
+
+    @staticmethod
+    def row_key(line: dict) -> object:
+        """What a written line says of the row it completes, to compare with the request's (:meth:`request_key`)."""
+        return line.get("custom_id")
+
+    @staticmethod
+    def request_key(row: PromptRequest) -> object:
+        return row.fields.get("custom_id")
