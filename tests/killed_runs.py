@@ -15,3 +15,16 @@ def kill_after_rows(command: list[str], output, environment: dict, rows: int = 5
     run.send_signal(signal.SIGKILL)
     run.wait()
     return output.read_text().count("\n")
+
+
+def killed_then_resumed_and_whole(command: list[str], folder, environment: dict, rows: int = 5) -> tuple:
+    """Run ``command`` (an ``accelgen run`` without --output) into ``folder/resumed.jsonl``, SIGKILL it after ``rows``
+    lines, run it again to resume, and run it whole into ``folder/whole.jsonl``: the two outputs' paths and how many
+    lines the killed run had written."""
+    whole, resumed = folder / "whole.jsonl", folder / "resumed.jsonl"
+    written = kill_after_rows([*command, "--output", str(resumed)], resumed, environment, rows=rows)
+    for output in (resumed, whole):
+        result = subprocess.run([*command, "--output", str(output)], env=environment, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+    return resumed, whole, written

@@ -66,12 +66,12 @@ def template_ids(folder, messages, template=None):
     return list(encoded["input_ids"])
 
 
-def hf_greedy(folder, ids):
+def hf_greedy(folder, ids, max_new_tokens=MAX_NEW_TOKENS):
     """Hugging Face ``generate``'s new tokens for ``ids`` (greedy, float32), cut after EOS."""
     dtype = {"dtype" if _new_dtype_keyword() else "torch_dtype": torch.float32}
     model = AutoModelForCausalLM.from_pretrained(folder, **dtype)
     output = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=model.config.pad_token_id)
+                            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id)
     new = output[0, len(ids):].tolist()
     eos = model.config.eos_token_id
     return new[: new.index(eos) + 1] if eos in new else new

@@ -4,16 +4,13 @@ against the batch output schema, resumable after a SIGKILL like every accelgen o
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import one_error_line
-from killed_runs import kill_after_rows
-from test_conversations import TEMPLATE, template_ids
-from test_parity import _new_dtype_keyword
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from killed_runs import killed_then_resumed_and_whole
+from test_conversations import TEMPLATE, hf_greedy, template_ids
+from transformers import AutoTokenizer
 
 from accelgen.cli import main
 
@@ -103,17 +100,6 @@ def schema_problems(line) -> list[str]:
     need(set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}, "usage fields")
     need(usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], "usage total")
     return problems
-
-
-def hf_greedy(folder, ids, max_new_tokens):
-    """Hugging Face ``generate``'s new tokens for ``ids`` (greedy, float32), cut after EOS."""
-    dtype = {"dtype" if _new_dtype_keyword() else "torch_dtype": torch.float32}
-    model = AutoModelForCausalLM.from_pretrained(folder, **dtype)
-    output = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id)
-    new = output[0, len(ids):].tolist()
-    eos = model.config.eos_token_id
-    return new[: new.index(eos) + 1] if eos in new else new
 
 
 def prompt_ids(folder, body):
@@ -229,12 +215,7 @@ def test_a_killed_batch_resumes_to_the_uninterrupted_output(chat_model, tmp_path
     dataset = write_requests(tmp_path / "requests.jsonl", requests)
     command = [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(chat_model), "--dataset",
                str(dataset), "--max-new-tokens", "40", "--do-sample", "--seed", "5", "--batch-size", "6", "--quiet"]
-    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    written = kill_after_rows([*command, "--output", str(resumed)], resumed, cli_environment, rows=5)
+    resumed, whole, written = killed_then_resumed_and_whole(command, tmp_path, cli_environment)
     assert 5 <= written < 60
-    for output in (resumed, whole):
-        result = subprocess.run([*command, "--output", str(output)], env=cli_environment, capture_output=True, text=True,
-                                timeout=300)
-        assert result.returncode == 0, result.stderr
     lines = [without_created([json.loads(line) for line in path.read_text().splitlines()]) for path in (resumed, whole)]
     assert lines[0] == lines[1] and len(lines[1]) == 60

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from conftest import one_error_line
-from killed_runs import kill_after_rows
+from killed_runs import killed_then_resumed_and_whole
 
 import accelgen
 from accelgen.cli import main
@@ -64,14 +64,7 @@ def test_a_killed_run_with_samples_resumes_to_the_uninterrupted_file(llama, tmp_
     command = [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(llama), "--dataset",
                str(dataset), "--max-new-tokens", "40", "--do-sample", "--seed", "5", "--num-samples", "3",
                "--batch-size", "6", "--quiet"]
-    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    written = kill_after_rows([*command, "--output", str(resumed)], resumed, cli_environment, rows=5)
+    resumed, whole, written = killed_then_resumed_and_whole(command, tmp_path, cli_environment)
     assert 5 <= written < 60
-    import subprocess
-
-    for output in (resumed, whole):
-        result = subprocess.run([*command, "--output", str(output)], env=cli_environment, capture_output=True, text=True,
-                                timeout=300)
-        assert result.returncode == 0, result.stderr
     assert resumed.read_text() == whole.read_text()
     assert all(len(json.loads(line)["completions"]) == 3 for line in whole.read_text().splitlines())

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(run)
     run.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
     data = run.add_argument_group("dataset completion (instead of --prompt)")
-    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
+    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder; "
+                      "an OpenAI Batch requests file (JSONL) is completed request by request, into batch output lines")
     data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
     data.add_argument("--split", default="train", help="split to complete (default: train)")
     data.add_argument("--column", default="text", help="column holding the prompts: text, or conversations (lists of "
