@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker, world = running_as_worker(), World.from_environment()
-    with warnings.catch_warnings(), signals_stop_the_command(worker):
+    with warnings.catch_warnings(), signals_stop_the_command(worker) as stop:
         show_our_warnings_as_lines(shown=not worker or world.is_main)
         try:
             status = _run(Invocation(argv, build_parser().parse_args(argv), worker, world), plugin_manager)
@@ -76,12 +76,19 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
                 print("accelgen: interrupted", file=sys.stderr)
             return 130
         except Stopped as stopped:
-            print(f"accelgen: stopped ({signal.Signals(stopped.signal_number).name})", file=sys.stderr)
-            return 128 + stopped.signal_number
+            return _stopped(stopped.signal_number)
         except Exception as error:
+            if stop.signal_number is not None:  # a library made the Stopped raised inside its code an error of its own
+                return _stopped(stop.signal_number)
             if worker:
                 record_worker_failure(error)
             raise
+
+
+def _stopped(signal_number: int) -> int:
+    """Say that SIGTERM or SIGHUP stopped the command; its exit status."""
+    print(f"accelgen: stopped ({signal.Signals(signal_number).name})", file=sys.stderr)
+    return 128 + signal_number
 
 
 def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:

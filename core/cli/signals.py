@@ -22,16 +22,27 @@ class Stopped(BaseException):
         self.signal_number = signal_number
 
 
+class StopSignal:
+    """The SIGTERM or SIGHUP that stopped the command, once one has (``signal_number``, else None). Whatever
+    error unwinding from it became in a library that caught it and raised its own (``Stopped`` is raised at
+    any bytecode, inside any library's code), the command was stopped, and says so."""
+
+    def __init__(self):
+        self.signal_number: int | None = None
+
+
 @contextlib.contextmanager
-def signals_stop_the_command(worker: bool) -> Iterator[None]:
+def signals_stop_the_command(worker: bool) -> Iterator[StopSignal]:
     """SIGTERM and SIGHUP raise :class:`Stopped` in the user's own process (a launched rank ends at once
     instead: its launcher cleans up), and SIGINT never lands inside an import; the handlers before are put
-    back after."""
+    back after. Yields the :class:`StopSignal` that records a stop."""
+    received = StopSignal()
     if worker or threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
 
     def stop(signal_number, frame):
+        received.signal_number = signal_number
         raise Stopped(signal_number)
 
     before = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGHUP)}
@@ -39,7 +50,7 @@ def signals_stop_the_command(worker: bool) -> Iterator[None]:
     before[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     ours = {signal.SIGTERM: stop, signal.SIGHUP: stop, signal.SIGINT: interrupt}
     try:
-        yield
+        yield received
     finally:
         interrupt.cancel()
         for number, handler in before.items():

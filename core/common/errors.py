@@ -34,6 +34,18 @@ class GraphCaptureWarning(AccelgenWarning):
     """The accelerator could not capture the decode step: it runs eagerly (same output, slower)."""
 
 
+def interruption_in(error: BaseException) -> BaseException | None:
+    """The Ctrl-C or stop signal (an exception that is no ``Exception``) that ``error`` was raised while handling,
+    when a library caught it and raised its own (a compiler wraps what interrupts it); None when there is none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if not isinstance(error, Exception):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def first_line(error: BaseException) -> str:
     """An exception's message as one short line, for messages that quote it (its type's name if it has none)."""
     text = str(error).strip()

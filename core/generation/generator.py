@@ -115,9 +115,7 @@ class Generator:
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
-        scheduler = Scheduler(run.batch_size, self.batching, run.buckets, context_limit(self.model.config),
-                              run.max_new_tokens, rows_end_early=not run.ignore_eos or bool(run.stop) or run.rows_choose,
-                              bad_rows_end=run.skip_bad_rows, row_settings=run.row_settings)
+        scheduler = Scheduler(run, self.batching, context_limit(self.model.config))
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:

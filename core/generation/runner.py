@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from accelgen.common.errors import GraphCaptureWarning, first_line
+from accelgen.common.errors import GraphCaptureWarning, first_line, interruption_in
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.sampling import RowSampling, seed_key
@@ -243,7 +243,8 @@ class SlotRunner:
     def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...], counter: str) -> Callable:
         """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else ``step``
         itself. Any failure to capture other than running out of memory leaves steps eager, with one warning:
-        the eager step runs the very same code, so a real bug in it still surfaces there, as itself."""
+        the eager step runs the very same code, so a real bug in it still surfaces there, as itself. A Ctrl-C or a
+        stop signal that the compiler wrapped in its own error goes on as itself."""
         if not self.run.use_graphs or self.capture_failure is not None:
             return step
         started = time.perf_counter()
@@ -252,6 +253,8 @@ class SlotRunner:
         except Exception as error:  # noqa: BLE001 - see the docstring
             if self.accelerator.is_out_of_memory(error):
                 raise
+            if (interruption := interruption_in(error)) is not None:  # Ctrl-C or a stop, wrapped by the compiler
+                raise interruption from None
             self.capture_failure = first_line(error)
             warnings.warn(
                 f"the {self.accelerator.name} accelerator cannot capture the decode step of this "

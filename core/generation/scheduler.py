@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable
 
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptError
-from accelgen.common.settings import RowSettings
+from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation.decoding import choose_bucket
 
 #: Decode steps between two looks at which rows have finished (each look waits for the device), per policy:
@@ -93,19 +92,18 @@ class Plan:
 
 
 class Scheduler:
-    """Rows into ``slots`` slots, by ``policy`` ("continuous" or "static")."""
+    """Rows into slots, by a policy ("continuous" or "static")."""
 
-    def __init__(self, slots: int, policy: str, buckets: tuple[int, ...], context_limit: int | None, max_new_tokens: int,
-                 rows_end_early: bool, bad_rows_end: bool, row_settings: Callable[[RowSettings | None], RowSettings]):
-        self.slots, self.policy, self.max_new_tokens = slots, policy, max_new_tokens
-        #: a row's settings from its own (None: the run's), refusing own settings the run cannot take
-        self.row_settings = row_settings
+    def __init__(self, run: RunSettings, policy: str, context_limit: int | None):
+        """Rows of ``run`` (its batch size is the slot count; its settings each row's, but for a row's own) by
+        ``policy``, for a model of ``context_limit`` positions (None: no limit)."""
+        self.run, self.policy, self.slots, self.max_new_tokens = run, policy, run.batch_size, run.max_new_tokens
         #: whether a row that cannot be completed ends as an error row (else it stops the run)
-        self.bad_rows_end = bad_rows_end
-        #: whether a row may end before its budget (at end-of-sequence); if not, the host knows every row's end
-        #: and looks only then
-        self.rows_end_early = rows_end_early
-        self.buckets, self.context_limit = tuple(sorted(buckets)), context_limit
+        self.bad_rows_end = run.skip_bad_rows
+        #: whether a row may end before its budget (at end-of-sequence, a stop text, a row's own budget); if not,
+        #: the host knows every row's end and looks only then
+        self.rows_end_early = not run.ignore_eos or bool(run.stop) or run.rows_choose
+        self.buckets, self.context_limit = tuple(sorted(run.buckets)), context_limit
         self.waiting: collections.deque[Row] = collections.deque()
         self.running: dict[int, Row] = {}  # by slot
         self.finished: dict[int, Row] = {}  # by place: ended, held until every row before it is given out
@@ -125,7 +123,7 @@ class Scheduler:
         or whose own settings the run cannot take, is refused by number (or ends at once as an error row, with
         ``bad_rows_end``)."""
         try:
-            settings = self.row_settings(own)
+            settings = self.run.row_settings(own)
             bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
         except UsageError as error:
             if not self.bad_rows_end:
