@@ -341,7 +341,7 @@ def test_a_run_stopped_by_sigterm_removes_its_offloaded_copies_and_keeps_its_row
         _, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 128 + stop, stderr
+    assert process.returncode == 128 + stop, stderr[-4000:]  # the tail names the final error
     assert stderr.strip().splitlines()[-1] == f"accelgen: stopped ({signal.Signals(stop).name})"
     assert "Traceback" not in stderr
     assert list(folder.iterdir()) == []
