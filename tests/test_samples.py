@@ -38,11 +38,20 @@ def test_each_prompt_is_prefilled_once_for_all_its_samples(llama):
         assert completion.completion_token_ids == completion.completions[0]["completion_token_ids"]
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_samples_that_do_not_fit_the_free_slots_wait_without_a_second_prefill(llama, batch_size):
+    """Continuous batching starts the samples that fit; the others keep the first tokens drawn from the one
+    prefill and start from their prompt's cache row as slots free."""
+    generator = accelgen.load(llama, num_samples=SAMPLES, batch_size=batch_size, **SETTINGS)
+    generator.generate(PROMPTS)
+    assert generator.stats.prefill_rows == len(PROMPTS)
+
+
 @pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_a_samples_text_is_the_same_at_batch_sizes_1_4_and_16(llama, batching):
+def test_a_samples_text_is_the_same_at_batch_sizes_1_3_4_and_16(llama, batching):
     by_batch = [samples_of(accelgen.load(llama, num_samples=SAMPLES, batch_size=batch_size, batching=batching,
-                                         **SETTINGS)) for batch_size in (1, 4, 16)]
-    assert by_batch[0] == by_batch[1] == by_batch[2]
+                                         **SETTINGS)) for batch_size in (1, 3, 4, 16)]
+    assert by_batch[0] == by_batch[1] == by_batch[2] == by_batch[3]
 
 
 def test_sample_zero_draws_what_one_sample_draws(llama):

@@ -23,7 +23,7 @@ from accelgen.common.errors import GraphCaptureWarning, first_line, interruption
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.sampling import RowSampling, seed_key
-from accelgen.generation.scheduler import Insertion
+from accelgen.generation.scheduler import Insertion, Row
 from accelgen.generation.stats import GenerationStats
 from accelgen.model.memory import check_cache_fits
 from accelgen.model.transformers_adapter.forward import ModelForward
@@ -114,42 +114,74 @@ class SlotRunner:
         self.shape = self._shapes[cache_length]
 
     def insert(self, insertion: Insertion) -> None:
-        """Prefill the insertion's rows in one bucketed shape (its step captured the first time it is met),
-        their keys and values into their slots' rows of the cache, and start them (first token chosen)."""
+        """Start the insertion's rows: parked samples from their prompt's cache row (first, before a prefill here
+        may reuse that row), the others prefilled in one bucketed shape (its step captured the first time it is
+        met), their keys and values into their slots' rows of the cache, first tokens chosen."""
+        with self._timed("prefill_seconds"):
+            if insertion.resumed:
+                self._start_parked(insertion.resumed)
+            if insertion.prefilled:
+                self._prefill(insertion)
+            self.accelerator.mark_step()
+        if insertion.prefilled:
+            self.stats.prefills += 1
+            self.stats.prefill_rows += insertion.shape_rows
+            self.stats.slot_tokens += insertion.shape_rows
+
+    def _prefill(self, insertion: Insertion) -> None:
+        """Prefill the insertion's prompts and draw its first tokens: its new rows start; the samples parked now
+        keep their first tokens (read back) and the slot of their prompt's cache row."""
         shape = self.shape
         key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows)
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
             prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
-        with self._timed("prefill_seconds"):
-            rows, prompts = insertion.rows, insertion.prefilled
-            input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
-                                                       insertion.shape_rows, self.rules.pad_token_id)
-            prefill_shape.input_ids.copy_(input_ids)
-            prefill_shape.prompt_mask.copy_(prompt_mask)
-            # padding rows repeat the first: the same values, written twice
-            prompt_slots = [insertion.slots[insertion.sources.index(place)] for place in range(len(prompts))]
-            prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, insertion.shape_rows)))
-            prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
-            prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in rows], insertion.draw_rows)))
-            prefill_shape.draw_slots.copy_(torch.tensor(_padded(insertion.slots, insertion.draw_rows)))
-            settings = [row.settings for row in rows]
-            prefill_shape.limits.copy_(torch.tensor(_padded([own.max_new_tokens for own in settings], insertion.draw_rows)))
-            for buffer, values in zip(prefill_shape.sampling, ([own.temperature for own in settings],
-                                                               [own.top_p for own in settings],
-                                                               [seed_key(own.seed) for own in settings])):
-                buffer.copy_(torch.tensor(_padded(values, insertion.draw_rows), dtype=buffer.dtype))
-            if fresh:
-                prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
-                                                    "prefill_captures")
-            prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
-            decoding.insert_rows(shape.state, prefill_shape.draw_slots[: len(rows)], prefill_shape.start(len(rows)),
-                                 self.rules)
-            self.accelerator.mark_step()
-        self.stats.prefills += 1
-        self.stats.prefill_rows += insertion.shape_rows
-        self.stats.slot_tokens += insertion.shape_rows
+        draws, prompts = insertion.draws, insertion.prefilled
+        input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
+                                                   insertion.shape_rows, self.rules.pad_token_id)
+        prefill_shape.input_ids.copy_(input_ids)
+        prefill_shape.prompt_mask.copy_(prompt_mask)
+        slot_of = {id(row): slot for row, slot in zip(insertion.rows, insertion.slots)}
+        started = sum(id(row) in slot_of for row in draws)  # the draws that start now come first; then the parked
+        # each prompt goes to the slot of its first row; padding rows repeat the first: the same values, written twice
+        prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
+        draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
+        prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, insertion.shape_rows)))
+        prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
+        prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in draws], insertion.draw_rows)))
+        prefill_shape.draw_slots.copy_(torch.tensor(_padded(draw_slots, insertion.draw_rows)))
+        limits, sampling = _row_settings(draws)
+        prefill_shape.limits.copy_(torch.tensor(_padded(limits, insertion.draw_rows)))
+        for buffer, values in zip(prefill_shape.sampling, sampling):
+            buffer.copy_(torch.tensor(_padded(values, insertion.draw_rows), dtype=buffer.dtype))
+        if fresh:
+            prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape), "prefill_captures")
+        prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
+        decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
+        if started < len(draws):  # the parked samples keep what they drew
+            tokens = prefill_shape.first_tokens[started: len(draws)].tolist()
+            logprobs = prefill_shape.first_logprobs[started: len(draws)].tolist()
+            for row, slot, token, logprob in zip(draws[started:], draw_slots[started:], tokens, logprobs):
+                row.first_token, row.first_logprob, row.prompt_slot = token, logprob, slot
+
+    def _start_parked(self, resumed: list[tuple[Row, int]]) -> None:
+        """Start parked samples in their slots: their prompt's keys and values copied from its cache row, their
+        first tokens those drawn when it was prefilled."""
+        for bucket in sorted({row.bucket for row, _ in resumed}):
+            rows = [row for row, _ in resumed if row.bucket == bucket]
+            slots = torch.tensor([slot for row, slot in resumed if row.bucket == bucket], device=self.device)
+            sources = torch.tensor([row.prompt_slot for row in rows], device=self.device)
+            copy_prompt_rows(self.shape.cache, sources, slots, bucket)
+            on_device = functools.partial(torch.tensor, device=self.device)
+            _, prompt_mask = decoding.left_pad([row.prompt_ids for row in rows], bucket, len(rows), self.rules.pad_token_id)
+            limits, (temperatures, top_ps, seed_keys) = _row_settings(rows)
+            start = decoding.RowStart(
+                on_device([row.first_token for row in rows]), on_device([row.first_logprob for row in rows]),
+                prompt_mask.to(self.device), on_device([row.draw_key for row in rows]), on_device(limits),
+                RowSampling(on_device(temperatures, dtype=torch.float32), on_device(top_ps, dtype=torch.float32),
+                            on_device(seed_keys)))
+            decoding.insert_rows(self.shape.state, slots, start, self.rules)
 
     def decode(self, steps: int) -> None:
         """Replay the decode step ``steps`` times (timed up to the next look, which reads the device)."""
@@ -288,6 +320,13 @@ class SlotRunner:
         yield
         self.accelerator.synchronize()
         setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - started)
+
+
+def _row_settings(rows: list[Row]) -> tuple[list[int], tuple[list[float], list[float], list[int]]]:
+    """The rows' maximums of new tokens, and their sampling (temperatures, top-ps, seed keys), as host lists."""
+    settings = [row.settings for row in rows]
+    return ([own.max_new_tokens for own in settings],
+            ([own.temperature for own in settings], [own.top_p for own in settings], [seed_key(own.seed) for own in settings]))
 
 
 def _padded(values: list[int], length: int) -> list[int]:

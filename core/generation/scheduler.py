@@ -12,7 +12,9 @@ Two policies of the same scheduler:
 A row that cannot end early (``--ignore-eos``) ends when its budget does: the host then looks only when the
 next row ends.
 
-- ``continuous``: a finished row's slot takes the next waiting row at the next look. Rows are read only as
+- ``continuous``: a finished row's slot takes the next waiting row at the next look. A prompt's samples that
+  do not all fit the free slots start as they fit: those left wait, their first tokens drawn from the one
+  prefill, and each starts from its prompt's cache row as a slot frees. Rows are read only as
   slots free up (for a data-parallel replica, reading a row is taking it from the others), and a row starts
   only while it is fewer than ``READ_AHEAD_SLOTS`` times B rows ahead of the oldest row not yet given out,
   which bounds the finished rows held back for order. The cache holds the largest bucket met so far; a row
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptError
@@ -54,6 +57,11 @@ class Row:
     logprobs: list[float] | None = None  # read back with its tokens, with --logprobs
     sample: int = 0  # which of its prompt's samples it is (--num-samples)
     settings: RowSettings = RowSettings()  # what it is completed with, every field set (but an error row's)
+    #: a sample parked while its prompt was prefilled: its first token drawn then (and its log-probability), and
+    #: the slot whose cache row holds its prompt's keys and values, from which it starts (set by the runner)
+    first_token: int | None = None
+    first_logprob: float = 0.0
+    prompt_slot: int | None = None
 
     @property
     def samples(self) -> int:
@@ -69,17 +77,25 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Insertion:
-    """Start ``rows`` in ``slots``: their distinct prompts (``prefilled``: the first row of each) prefilled once,
-    as one shape of ``shape_rows`` prompts of ``bucket_length`` tokens, and every row's first token drawn from
-    its prompt's (``sources[i]``: the place in ``prefilled`` of row i's prompt), ``draw_rows`` draws in all."""
+    """Start ``rows`` in ``slots``. Rows parked before (``first_token`` set) start from their prompt's cache row;
+    the others' distinct prompts (``prefilled``: the first row of each) are prefilled once, as one shape of
+    ``shape_rows`` prompts of ``bucket_length`` tokens, and first tokens are drawn for ``draws`` (those rows, then
+    the samples parked now) from their prompts' (``sources[j]``: the place in ``prefilled`` of draw j's prompt),
+    ``draw_rows`` draws in the shape."""
 
     rows: list[Row]
     slots: list[int]
     shape_rows: int
     bucket_length: int
     prefilled: list[Row]
+    draws: list[Row]
     sources: list[int]
     draw_rows: int
+
+    @property
+    def resumed(self) -> list[tuple[Row, int]]:
+        """The parked rows started now, with their slots."""
+        return [(row, slot) for row, slot in zip(self.rows, self.slots) if row.first_token is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,12 +193,19 @@ class Scheduler:
             self.cache_bucket = self._bucket_for_next_rows()
         free = [slot for slot in range(self.slots) if slot not in self.running]
         limit = self._next_out + READ_AHEAD_SLOTS * self.slots
-        rows = []
+        rows, parked = [], []
         while self.waiting and len(rows) < len(free) and self.waiting[0].place < limit:
-            if self.waiting[0].bucket > self.cache_bucket:
+            head = self.waiting[0]
+            if head.bucket > self.cache_bucket:
                 break  # wait for the slots to empty, then grow
-            if self.waiting[0].sample == 0 and len(free) - len(rows) < min(self.waiting[0].samples, self.slots):
-                break  # a prompt's samples start together (one prefill) when the slots can hold them all
+            room = len(free) - len(rows)
+            if head.sample == 0 and room < head.samples and self.policy == "static":
+                if room < min(head.samples, self.slots):
+                    break  # a batch's samples of a prompt start together (one prefill) when the slots can hold them
+            elif head.sample == 0 and room < head.samples:
+                # the samples that do not fit draw their first token from this prefill and wait at the head of the
+                # queue: the next slots to free are theirs, and their prompt's cache row is not reused before
+                parked = list(itertools.islice(self.waiting, room, head.samples))
             rows.append(self.waiting.popleft())
         if not rows:
             return None
@@ -190,11 +213,12 @@ class Scheduler:
         for slot, row in zip(slots, rows):
             row.state, row.slot = "running", slot
             self.running[slot] = row
+        draws = [row for row in rows if row.first_token is None] + parked
         firsts: dict[int, int] = {}  # prompt number -> its place among the prompts prefilled
-        sources = [firsts.setdefault(row.number, len(firsts)) for row in rows]
-        prefilled = list({row.number: row for row in reversed(rows)}.values())[::-1]
-        return Insertion(rows, slots, _prefill_rows(len(prefilled), self.slots), max(row.bucket for row in rows),
-                         prefilled, sources, _prefill_rows(len(rows), self.slots))
+        sources = [firsts.setdefault(row.number, len(firsts)) for row in draws]
+        prefilled = list({row.number: row for row in reversed(draws)}.values())[::-1]
+        return Insertion(rows, slots, _prefill_rows(len(prefilled), self.slots), max(row.bucket for row in draws or rows),
+                         prefilled, draws, sources, _prefill_rows(len(draws), max(self.slots, len(draws))))
 
     def _bucket_for_next_rows(self) -> int:
         """The bucket slots made now hold: the largest among the rows that can fill them."""
