@@ -21,6 +21,12 @@ Asked for by name (``--contenders``), not run by default:
                               of accelgen_continuous, plus the cost of looking for stop texts at every look
     accelgen_continuous_samples4  continuous batching, --num-samples 4 of every fourth prompt: as many rows as
                               accelgen_continuous, each prompt prefilled once for its four samples
+    accelgen_continuous_noreuse  continuous batching without the store of prompt prefixes (--prefix-cache 0):
+                              against accelgen_continuous, what reusing prefixes gains, or costs when none is shared
+
+Workloads (``--workload``): ``varied`` (the default, above); ``shared-prefix``, every row a few-shot block of
+``--prefix-tokens`` tokens (512) shared by all rows, then 10 to 40 tokens of its own. Each round has prompts of its
+own (same lengths' distribution), so that no round finds the one before's prompts stored.
 
 With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
 a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
@@ -33,6 +39,7 @@ places computed. accelgen's two modes write the same text (same seed); Hugging F
     python benchmarks/dataset_throughput.py                            # 192 prompts, batch 16, 128-token cap
     python benchmarks/dataset_throughput.py --prompts 64 --rounds 1    # quick look
     python benchmarks/dataset_throughput.py --baseline HEAD~1          # against the previous commit's fixed batches
+    python benchmarks/dataset_throughput.py --workload shared-prefix --contenders accelgen_continuous,accelgen_continuous_noreuse
     python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
 """
 
@@ -48,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
@@ -59,9 +67,12 @@ from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 CONTENDERS = ("accelgen_static", "accelgen_continuous", "hf_generate", "hf_generate_batch")
 
 
-def build_workload(arguments, folder: Path) -> tuple[list[str], list[int]]:
+def build_workload(arguments, folder: Path) -> tuple[Callable[[int], list[str]], list[int]]:
     """The model folder (random Llama, the built-in tokenizer, an ending set in its generation config), and the
-    prompts: 3 to 40 words of the tokenizer's vocabulary, seeded."""
+    prompts of each round (``prompts_of(round)``; -1: the warm-up's): 3 to 40 words of the tokenizer's vocabulary,
+    seeded, other words each round (a store of prompt prefixes must not find a round's prompts from the one
+    before); with ``--workload shared-prefix``, a few-shot block of ``--prefix-tokens`` tokens, the same in every
+    row and round, then 10 to 40 tokens of the row's own."""
     tokenizer = load_tokenizer(str(DEFAULT_MODEL))
     vocab = len(tokenizer)
     config = LlamaConfig(vocab_size=vocab, hidden_size=arguments.hidden, intermediate_size=arguments.hidden * 8 // 3,
@@ -76,8 +87,25 @@ def build_workload(arguments, folder: Path) -> tuple[list[str], list[int]]:
     GenerationConfig(eos_token_id=ending, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
                      ).save_pretrained(folder)
     words = [word for word in (tokenizer.decode([token]).strip() for token in range(vocab)) if word.isalpha()]
-    prompts = [" ".join(draw.choice(words) for _ in range(draw.randint(3, 40))) for _ in range(arguments.prompts)]
-    return prompts, ending
+
+    def text_of(tokens: int, words_from: random.Random) -> str:
+        """Words drawn until they make at least ``tokens`` tokens."""
+        text = words_from.choice(words)
+        while len(tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+            text += " " + words_from.choice(words)
+        return text
+
+    shared = text_of(arguments.prefix_tokens, random.Random(1)) + "\n" if arguments.workload == "shared-prefix" else ""
+
+    def prompts_of(round_number: int) -> list[str]:
+        words_from = draw if round_number == 0 else random.Random(1000 + round_number)  # round 0: as before rounds
+        if not shared:
+            return [" ".join(words_from.choice(words) for _ in range(words_from.randint(3, 40)))
+                    for _ in range(arguments.prompts)]
+        return [shared + text_of(words_from.randint(10, 40), words_from) for _ in range(arguments.prompts)]
+
+    first = prompts_of(0)  # drawn first, as the rounds did before they had prompts of their own
+    return lambda round_number: first if round_number == 0 else prompts_of(round_number), ending
 
 
 def kept_length(row: list[int], ending: set[int]) -> int:
@@ -99,7 +127,10 @@ def accelgen_contender(folder, arguments, batching, **settings):
 
     def run(prompts):
         stats = generator.stats
-        before = (stats.new_tokens, stats.slot_tokens, len(stats.timings))
+        def prompt_counts():  # a baseline from before these counts has none
+            return getattr(stats, "prompt_tokens", 0), getattr(stats, "prefilled_tokens", 0)
+
+        before = (stats.new_tokens, stats.slot_tokens, len(stats.timings), *prompt_counts())
         completions = generator.generate(prompts[::samples])
         if samples > 1:  # one row per sample
             completions = [Completion(**sample | {"index": 0, "prompt": "", "prompt_token_count": 0})
@@ -107,7 +138,9 @@ def accelgen_contender(folder, arguments, batching, **settings):
         kept, places = stats.new_tokens - before[0], stats.slot_tokens - before[1]
         timings = stats.timings[before[2]:]  # one per batch or one per call, as the version counts them
         step_ms = 1000 * sum(timing.decode_seconds for timing in timings) / max(sum(timing.decode_steps for timing in timings), 1)
-        return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms
+        prompted, prefilled = (after - earlier for after, earlier in zip(prompt_counts(), before[3:]))
+        prefilled = prefilled / prompted if prompted else None
+        return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms, prefilled
 
     return run
 
@@ -169,13 +202,13 @@ def hugging_face_contender(folder, arguments, ending, continuous: bool):
             with torch.no_grad():
                 output = model.generate(**inputs, generation_config=config)
             lengths += [kept_length(row, ending_set) for row in output[:, inputs.input_ids.shape[1] :].tolist()]
-        return lengths, None, None
+        return lengths, None, None, None
 
     def run_continuous(prompts):
         inputs = [tokenizer(prompt)["input_ids"] for prompt in prompts]
         with torch.no_grad():
             outputs = model.generate_batch(inputs=inputs, generation_config=config)
-        return [kept_length(output.generated_tokens, ending_set) for output in outputs.values()], None, None
+        return [kept_length(output.generated_tokens, ending_set) for output in outputs.values()], None, None, None
 
     return run_continuous if continuous else run_padded
 
@@ -192,6 +225,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--workload", choices=("varied", "shared-prefix"), default="varied",
+                        help="shared-prefix: every row begins with the same --prefix-tokens tokens")
+    parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--baseline", help="a git revision whose fixed batches run as a contender too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -204,11 +240,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
-        prompts, ending = build_workload(arguments, folder)
+        prompts_of, ending = build_workload(arguments, folder)
         contenders = {}
         for name in names:
             if name == "accelgen_continuous_stop":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", stop=NEVER_STOPS)
+            elif name == "accelgen_continuous_noreuse":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", prefix_cache=0)
             elif name == "accelgen_continuous_samples4":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", num_samples=4)
             elif name.startswith("accelgen"):
@@ -220,22 +258,26 @@ def main() -> None:
             contenders["baseline_static"], close = baseline_contender(folder, arguments, Path(scratch))
             closers.append(close)
         for run in contenders.values():  # warm-up: captures, compilation, allocator
-            run(prompts[: arguments.batch_size])
+            run(prompts_of(-1)[: arguments.batch_size])
         results = {name: [] for name in names}
-        for _ in range(arguments.rounds):
+        for round_number in range(arguments.rounds):
+            prompts = prompts_of(round_number)
             for name, run in contenders.items():
                 started = time.perf_counter()
-                lengths, occupancy, step_ms = run(prompts)
+                lengths, occupancy, step_ms, prefilled = run(prompts)
                 seconds = time.perf_counter() - started
-                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy, step_ms))
+                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy, step_ms, prefilled))
         for close in closers:
             close()
 
-    print(f"workload: {len(prompts)} prompts of 3-40 words, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
+    what = ("3-40 words" if arguments.workload == "varied" else
+            f"a shared {arguments.prefix_tokens}-token prefix and 10-40 tokens of their own")
+    print(f"workload: {len(prompts)} prompts of {what}, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
           f"new tokens, ending set of {len(ending)} tokens; Llama {arguments.layers} layers, hidden {arguments.hidden}, "
           f"{arguments.dtype} on {arguments.device}, {torch.get_num_threads()} threads; medians of {arguments.rounds} round(s)")
-    print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | decode step ms | vs static |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | decode step ms "
+          "| prompt tokens prefilled | vs static |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     static_rate = statistics.median(rate for rate, *_ in results["accelgen_static"]) if "accelgen_static" in results else None
     for name, rows in results.items():
         rate = statistics.median(row[0] for row in rows)
@@ -248,6 +290,7 @@ def main() -> None:
               f"{statistics.median(lengths):.0f} | {100 * at_cap:.0f}% | "
               f"{'' if occupancy is None else f'{100 * occupancy:.0f}%'} | "
               f"{'' if step_ms is None else f'{step_ms:.2f}'} | "
+              f"{'' if rows[-1][5] is None else f'{100 * statistics.median(row[5] for row in rows):.1f}%'} | "
               f"{'' if not static_rate else f'{rate / static_rate:.2f}x'} |")
 
 

@@ -52,6 +52,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         for _ in range(protocol.warmup_runs):
             sized.generate(prompts)
         kept_before, places_before = sized.stats.new_tokens, sized.stats.slot_tokens
+        prompts_before = prompt_counts(sized.stats)
         for _ in range(protocol.runs):
             accelerator.synchronize()
             started = time.perf_counter()
@@ -83,6 +84,8 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         # tokens kept (each row's up to its end: all of them, as the protocol ignores EOS) over the timed runs
         "kept_tokens_per_second": (sized.stats.new_tokens - kept_before) / sum(end_to_end_seconds),
         "slot_occupancy": (sized.stats.new_tokens - kept_before) / max(sized.stats.slot_tokens - places_before, 1),
+        # over the timed runs (the prefix store is off unless asked, so that each run prefills as published)
+        **{name: count - prompts_before[name] for name, count in prompt_counts(sized.stats).items()},
         "graph_captures": sized.stats.graph_captures,
         "capture_seconds": sized.stats.capture_seconds,
         "memory": accelerator.memory_stats(),
@@ -90,6 +93,13 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "offload_moved_bytes_per_pass": (placement.moved_bytes - traffic_before[0])
         // max(placement.forward_passes - traffic_before[1], 1) if placement else None,
     }
+
+
+def prompt_counts(stats) -> dict[str, int]:
+    """The generator's counts so far of prompt tokens prefilled, of those run through the model, of those copied
+    from the prefix store, and of the prompts that found a beginning there."""
+    return {"prompt_tokens_in_runs": stats.prompt_tokens, "prefilled_tokens": stats.prefilled_tokens,
+            "reused_prompt_tokens": stats.reused_tokens, "prefix_hits": stats.prefix_hits}
 
 
 def decode_step_bytes(generator: Generator, batch_size: int, prompt_tokens: int, new_tokens: int) -> int:

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _add_number(run, "--num-samples", RunSettings.num_samples,
                 "completions drawn for each prompt, with --do-sample; its prefill is computed once (default {default})")
+    run.add_argument("--prefix-cache", metavar="SIZE",
+                     help="device memory for the keys and values of prompt beginnings that rows share (a system prompt, "
+                          "few-shot examples), e.g. 2GiB: a row finding its beginning there prefills only the rest; "
+                          "0 turns reuse off (default: an eighth of the free memory, at most 2GiB)")
     run.add_argument("--logprobs", action="store_true",
                      help="write each new token's log-probability (logprobs) under the model's own distribution: "
                           "log_softmax of its logits, before --temperature, --top-k and --top-p")
@@ -98,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_number(bench, "--runs", BenchProtocol.runs, "timed runs per batch size (default {default})")
     _add_number(bench, "--warmup-runs", BenchProtocol.warmup_runs, "untimed runs first, graph capture included (default {default})")
     bench.add_argument("--prompt", default=PUBLISHED_PROMPT, help=f"default: {PUBLISHED_PROMPT!r}, as published")
+    bench.add_argument("--prefix-cache", metavar="SIZE", default="0",
+                       help="store for prompt beginnings, as for 'run' (default 0: every run prefills its whole prompt, "
+                            "as published; the result counts the prompt tokens prefilled and reused)")
     bench.add_argument("--label", help="column name in 'accelgen compare' (default: the device's name)")
     bench.add_argument("--output", help="write the result file (JSON) here")
     bench.add_argument("--overwrite", action="store_true", help="replace an existing --output file")

@@ -72,7 +72,8 @@ def print_summary(report: "RunReport") -> None:
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
-        + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%"),
+        + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
+        + _prompt_figures(report.prompts),
         file=sys.stderr,
     )
     if report.replicas:
@@ -86,6 +87,19 @@ def print_summary(report: "RunReport") -> None:
     if report.offload is not None:
         print(f"accelgen: {report.offload}", file=sys.stderr)
     print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)
+
+
+def _prompt_figures(prompts) -> str:
+    """What the summary line says of the prompts' prefill: tokens in prompts, run through the model, and taken
+    from the prefix store (with how many prompts found their beginning there, and the store's size)."""
+    if prompts is None or not prompts.tokens:
+        return ""
+    said = f"; prompt tokens {prompts.tokens}, prefilled {prompts.prefilled} ({prompts.prefilled / prompts.tokens:.0%})"
+    if prompts.prefix_store_bytes is None:
+        return said + ", prefix reuse off"
+    hits = f"{prompts.prefix_hits} prompt{'' if prompts.prefix_hits == 1 else 's'}"
+    return said + (f", {prompts.reused} from the prefix store ({hits} found a beginning there; store "
+                   f"{prompts.prefix_store_bytes / 2**20:,.0f} MiB)")
 
 
 def _held_back(replicas: list) -> str:

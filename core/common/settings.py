@@ -104,6 +104,7 @@ class RunSettings:
     logprobs: bool = False  # record each chosen token's log-probability under the model's own distribution
     num_samples: int = 1  # completions drawn for each prompt, its prefill shared
     rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
+    prefix_cache: int | None = None  # bytes of prompt-prefix blocks kept on the device; 0: no reuse; None: a default
 
     def row_settings(self, own: RowSettings | None = None) -> RowSettings:
         """A row's settings, every field set: its ``own`` where it has them, else the run's (a greedy run's
@@ -136,6 +137,7 @@ class RunSettings:
         sampling = settings.pop("sampling")
         del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
         del settings["rows_choose"]  # the rows' own settings are the dataset's, which the job pins
+        del settings["prefix_cache"]  # reuse writes what prefilling the whole prompt writes
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
         chat = settings.pop("chat")

@@ -143,14 +143,17 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
-            draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules) -> tuple[torch.Tensor, torch.Tensor]:
+            draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules,
+            window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the padded prompts input_ids [k, P] (mask [k, P]) through ``forward``, which writes their keys and
     values, and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by
     ``draw_keys[j]`` (one per prompt, or one per sample of it) with its own ``sampling`` [m]; with their
-    log-probabilities [m] (zeros unless ``rules.logprobs``)."""
+    log-probabilities [m] (zeros unless ``rules.logprobs``). With a ``window`` of W < P tokens only the prompts'
+    last W positions are run, attending to what their cache rows hold before them (a stored prefix)."""
     bucket_length = input_ids.shape[1]
-    logits = forward(input_ids, prompt_mask, positions_from_mask(prompt_mask),
-                     torch.arange(bucket_length, device=input_ids.device)).index_select(0, draw_from)
+    start = bucket_length - (window or bucket_length)
+    logits = forward(input_ids[:, start:], prompt_mask, positions_from_mask(prompt_mask)[:, start:],
+                     torch.arange(start, bucket_length, device=input_ids.device)).index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step, sampling, rules.per_row)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)

@@ -22,6 +22,7 @@ import torch
 from accelgen.common.errors import GraphCaptureWarning, first_line, interruption_in
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
+from accelgen.generation.prefix_reuse import PrefixReuse, store_bytes
 from accelgen.generation.sampling import RowSampling, seed_key
 from accelgen.generation.scheduler import Insertion, Row
 from accelgen.generation.stats import GenerationStats
@@ -35,6 +36,7 @@ from accelgen.model.transformers_adapter.static_cache import (
     prompt_rows,
     write_each_row_at,
 )
+from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.plugin.contract import Accelerator
 
 
@@ -43,7 +45,8 @@ class PrefillShape:
     them: one per prompt, or one per sample), and its step. Iterating gives the buffers in the order the step
     takes them."""
 
-    def __init__(self, rows: int, bucket_length: int, draws: int, device: torch.device):
+    def __init__(self, rows: int, bucket_length: int, draws: int, window: int, device: torch.device):
+        self.window = window  # the prompts' last positions run (the others come from the prefix store)
         longs = decoding.long_zeros(device)
         self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
         self.prompt_mask = longs(rows, bucket_length)  # [k, P] 1 = real token
@@ -95,6 +98,11 @@ class SlotRunner:
         self._shapes: dict[int, SlotShape] = {}  # by cache length
         self.shape: SlotShape | None = None  # the one in use
         self._decode_started = 0.0  # when the decode steps up to the next look began
+        #: the store of prompt prefixes (--prefix-cache); none for a model whose masks need rows at one position.
+        #: The ranks of a replica agree on its size (the smallest of theirs): they must find the same prefixes.
+        self.prefixes = None if run.prefix_cache == 0 or self.rows_aligned else PrefixReuse(
+            min(gather_from_ranks(store_bytes(run.prefix_cache, accelerator.memory_stats().get("free_bytes")), world)),
+            device, stats)
 
     @property
     def cache_length_in_use(self) -> int | None:
@@ -116,36 +124,46 @@ class SlotRunner:
     def insert(self, insertion: Insertion) -> None:
         """Start the insertion's rows: parked samples from their prompt's cache row (first, before a prefill here
         may reuse that row), the others prefilled in one bucketed shape (its step captured the first time it is
-        met), their keys and values into their slots' rows of the cache, first tokens chosen."""
+        met), their keys and values into their slots' rows of the cache, first tokens chosen. Prompts that share a
+        beginning not yet stored are prefilled in two parts: the first of each beginning, then the others, which
+        find it stored."""
+        parts = [insertion] if not insertion.prefilled or self.prefixes is None else [
+            insertion.of_prompts(numbers) for numbers in self.prefixes.leaders_then_followers(insertion.prefilled)]
         with self._timed("prefill_seconds"):
             if insertion.resumed:
                 self._start_parked(insertion.resumed)
-            if insertion.prefilled:
-                self._prefill(insertion)
+            for part in parts:
+                if part.prefilled:
+                    self._prefill(part)
             self.accelerator.mark_step()
-        if insertion.prefilled:
-            self.stats.prefills += 1
-            self.stats.prefill_rows += insertion.shape_rows
-            self.stats.slot_tokens += insertion.shape_rows
+        for part in parts:
+            if part.prefilled:
+                self.stats.prefills += 1
+                self.stats.prefill_rows += part.shape_rows
+                self.stats.slot_tokens += part.shape_rows
 
     def _prefill(self, insertion: Insertion) -> None:
         """Prefill the insertion's prompts and draw its first tokens: its new rows start; the samples parked now
         keep their first tokens (read back) and the slot of their prompt's cache row."""
         shape = self.shape
-        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows)
-        prefill_shape = shape.prefill_shapes.get(key)
-        fresh = prefill_shape is None
-        if fresh:
-            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
         draws, prompts = insertion.draws, insertion.prefilled
-        input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
-                                                   insertion.shape_rows, self.rules.pad_token_id)
-        prefill_shape.input_ids.copy_(input_ids)
-        prefill_shape.prompt_mask.copy_(prompt_mask)
         slot_of = {id(row): slot for row, slot in zip(insertion.rows, insertion.slots)}
         started = sum(id(row) in slot_of for row in draws)  # the draws that start now come first; then the parked
         # each prompt goes to the slot of its first row; padding rows repeat the first: the same values, written twice
         prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
+        window = insertion.bucket_length if self.prefixes is None else self.prefixes.reuse(
+            shape.cache, prompts, prompt_slots, insertion.bucket_length)
+        self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
+        self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), window) for row in prompts)
+        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows, window)
+        prefill_shape = shape.prefill_shapes.get(key)
+        fresh = prefill_shape is None
+        if fresh:
+            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
+        input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
+                                                   insertion.shape_rows, self.rules.pad_token_id)
+        prefill_shape.input_ids.copy_(input_ids)
+        prefill_shape.prompt_mask.copy_(prompt_mask)
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
         prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, insertion.shape_rows)))
         prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
@@ -159,6 +177,8 @@ class SlotRunner:
             prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape), "prefill_captures")
         prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
         decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
+        if self.prefixes is not None:
+            self.prefixes.store(shape.cache, prompts, prompt_slots, insertion.bucket_length)
         if started < len(draws):  # the parked samples keep what they drew
             tokens = prefill_shape.first_tokens[started: len(draws)].tolist()
             logprobs = prefill_shape.first_logprobs[started: len(draws)].tolist()
@@ -243,15 +263,17 @@ class SlotRunner:
     def _prefill_step(self, prefill_shape: PrefillShape) -> Callable[..., torch.Tensor]:
         """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
         named by its ``slots``, each prompt's first token into its ``first_tokens``."""
-        rules, cache = self.rules, self.shape.cache
-        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots)
+        rules, cache, window = self.rules, self.shape.cache, prefill_shape.window
+        bucket_length = prefill_shape.input_ids.shape[1]
+        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots,
+                                          start=bucket_length - window)
 
         shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
 
         def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
                          *sampling):
             tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
-                                                RowSampling(*sampling), rules)
+                                                RowSampling(*sampling), rules, window)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
                 copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)
@@ -259,9 +281,10 @@ class SlotRunner:
 
         return prefill_step
 
-    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor) -> decoding.Forward:
-        """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache``."""
-        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, whole_rows=self.rows_aligned))
+    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0) -> decoding.Forward:
+        """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache`` (from
+        position ``start`` on, attending to what the rows hold before it)."""
+        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, self.rows_aligned, start))
         if not self.rows_aligned:
             return on_view
 
@@ -309,7 +332,8 @@ class SlotRunner:
         check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=self.run.batch_size, cache_length=cache_length,
                          world_size=self.world.size, device_name=self.accelerator.name,
                          free_bytes=self.accelerator.memory_stats().get("free_bytes"),
-                         device_is_host=self.accelerator.shares_host_memory)
+                         device_is_host=self.accelerator.shares_host_memory,
+                         prefix_store_bytes=0 if self.prefixes is None else self.prefixes.bytes_to_come)
         self._storage = CacheStorage(self.run.batch_size, cache_length)
 
     @contextlib.contextmanager

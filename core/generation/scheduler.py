@@ -97,6 +97,17 @@ class Insertion:
         """The parked rows started now, with their slots."""
         return [(row, slot) for row, slot in zip(self.rows, self.slots) if row.first_token is not None]
 
+    def of_prompts(self, numbers: set[int]) -> "Insertion":
+        """The part of this insertion that prefills only the prompts numbered ``numbers``: their rows and draws, in
+        shapes no larger than this one's, at the same bucket."""
+        rows = [(row, slot) for row, slot in zip(self.rows, self.slots) if row.number in numbers]
+        prefilled = [row for row in self.prefilled if row.number in numbers]
+        draws = [row for row in self.draws if row.number in numbers]
+        places = {row.number: place for place, row in enumerate(prefilled)}
+        return Insertion([row for row, _ in rows], [slot for _, slot in rows], _prefill_rows(len(prefilled), self.shape_rows),
+                         self.bucket_length, prefilled, draws, [places[row.number] for row in draws],
+                         _prefill_rows(len(draws), self.draw_rows))
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -31,6 +31,10 @@ class GenerationStats:
     decode_seconds: float = 0.0
     new_tokens: int = 0  # tokens given out: each row's new tokens up to its end
     slot_tokens: int = 0  # token places computed: rows of every prefill shape and every slot of every step
+    prompt_tokens: int = 0  # tokens of the prompts prefilled (a prompt's samples share its prefill)
+    prefilled_tokens: int = 0  # of those, run through the model (a prefill window may run some reused ones again)
+    reused_tokens: int = 0  # of those, copied from the prefix store instead of being computed
+    prefix_hits: int = 0  # prompts that found their beginning in the prefix store
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
 
     @property

@@ -61,6 +61,26 @@ class CompletionJob:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptFigures:
+    """The prompt tokens of a run's prefills, those run through the model, and those taken from the store of
+    prompt prefixes (``prefix_store_bytes`` of it, None when prefixes were not reused) by ``prefix_hits`` prompts."""
+
+    tokens: int
+    prefilled: int
+    reused: int
+    prefix_hits: int
+    prefix_store_bytes: int | None
+
+    @classmethod
+    def of(cls, generator: Generator, replicas: list[ReplicaReport] | None) -> "PromptFigures":
+        """The figures of ``generator``'s run, or the job's: the sums of its ``replicas``' (each replica its own store)."""
+        counts = replicas or [generator.stats]
+        return cls(*(sum(getattr(count, field) for count in counts)
+                     for field in ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")),
+                   generator.prefix_store_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunReport:
     """What a finished run did, for its summary: the same on every rank of a replica (figures of its ranks
     gathered); the job's rows and tokens, and each replica's, on the writer of a data-parallel job."""
@@ -85,6 +105,7 @@ class RunReport:
     rank_memory: list[dict]  # per rank: parameter_bytes, host memory while loading, the device's memory_stats()
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
+    prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
 
     @property
     def rows_per_second(self) -> float:
@@ -118,7 +139,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
-        rank_memory=rank_memory, replicas=replicas, error_rows=error_rows,
+        rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
     )
 
 
@@ -295,8 +316,10 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         if world.leads_replica and (ready := results.hand_in(completions)):
             yield ready
     if world.leads_replica:
-        results.finish(ReplicaReport(world.replica, count.rows, generator.stats.new_tokens, time.perf_counter() - started,
-                                     taking.waited_seconds))
+        stats = generator.stats
+        results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
+                                     taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
+                                     stats.reused_tokens, stats.prefix_hits))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

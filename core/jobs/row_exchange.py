@@ -59,6 +59,10 @@ class ReplicaReport:
     new_tokens: int
     seconds: float
     waited_seconds: float = 0.0  # held before taking a row, while a slower replica held the first unwritten one
+    prompt_tokens: int = 0  # of the prompts it prefilled; run through the model; from its prefix store; prompts
+    prefilled_tokens: int = 0  # that found a beginning there (accelgen.generation.stats.GenerationStats)
+    reused_tokens: int = 0
+    prefix_hits: int = 0
 
 
 class RowTaking:

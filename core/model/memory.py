@@ -42,14 +42,18 @@ def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int,
 
 def check_cache_fits(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
-    device_name: str, free_bytes: int | None, device_is_host: bool = False,
+    device_name: str, free_bytes: int | None, device_is_host: bool = False, prefix_store_bytes: int = 0,
 ) -> None:
     """Raise UsageError before allocating a KV cache larger than the memory free on the device. On a device
     that computes in host memory (``device_is_host``, the CPU) the prefill's activations count too: there an
     allocation too large is granted lazily and the kernel then kills the process without a word, where a
-    device's allocator raises an error the run reports."""
+    device's allocator raises an error the run reports. ``prefix_store_bytes``: what the store of prompt prefixes
+    will take besides (``--prefix-cache``), not allocated yet."""
     if free_bytes is None:
         return
+    store = (f" besides the {prefix_store_bytes / GIB:,.2f} GiB of the prefix store (--prefix-cache SIZE, or 0)"
+             if prefix_store_bytes else "")
+    free_bytes = max(free_bytes - prefix_store_bytes, 0)
     kv_cache_per_row = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
     per_row = bytes_per_sequence(config, cache_length, dtype, world_size) if device_is_host else kv_cache_per_row
     if per_row * batch_size <= free_bytes:
@@ -63,7 +67,7 @@ def check_cache_fits(
     raise UsageError(
         f"The {what} for --batch-size {batch_size} and {cache_length:,} positions per row (prompt bucket + "
         f"--max-new-tokens) need {per_row * batch_size / GIB:,.1f} GiB per device, more than the "
-        f"{free_bytes / GIB:,.1f} GiB free on {device_name}: {'; or '.join(fits)}."
+        f"{free_bytes / GIB:,.1f} GiB free on {device_name}{store}: {'; or '.join(fits)}."
     )
 
 

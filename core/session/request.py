@@ -99,6 +99,7 @@ def run_settings(
     skip_bad_rows: bool = RunSettings.skip_bad_rows,
     logprobs: bool = RunSettings.logprobs,
     num_samples: int = RunSettings.num_samples,
+    prefix_cache: str | int | None = RunSettings.prefix_cache,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -112,7 +113,9 @@ def run_settings(
     ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
     place instead of stopping the run. ``logprobs``: each completion also holds its tokens' log-probabilities
     under the model's own distribution (before temperature, top-k and top-p). ``num_samples``: completions drawn
-    for each prompt (sampled), its prefill computed once and shared by them."""
+    for each prompt (sampled), its prefill computed once and shared by them. ``prefix_cache``: device memory (bytes,
+    or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
+    what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -141,6 +144,8 @@ def run_settings(
         skip_bad_rows=skip_bad_rows,
         logprobs=logprobs,
         num_samples=num_samples,
+        prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
+        else parse_memory_size(prefix_cache, "--prefix-cache"),
     )
     _check(run)
     return run

@@ -121,30 +121,35 @@ def _each_row_update(layer, write_positions: torch.Tensor, batch_size: int):
     return update
 
 
-def prompt_rows(cache: StaticCache, slots: torch.Tensor, whole_rows: bool) -> StaticCache:
-    """A view of ``cache`` to prefill k prompts through: the keys and values of prompt i [k, heads, P, dim] go to
-    positions [0, P) of row ``slots[i]`` ([k], read at every call) of ``cache``. The model attends over what
-    the view returns: the prompts' own keys and values (``whole_rows`` False, for a model given the core's
-    4D mask of P keys), or the whole rows [k, heads, L, dim] (for a model that sizes its mask from the cache).
+def prompt_rows(cache: StaticCache, slots: torch.Tensor, whole_rows: bool, start: int = 0) -> StaticCache:
+    """A view of ``cache`` to prefill k prompts through: the keys and values of the T tokens of prompt i
+    [k, heads, T, dim] go to positions [start, start + T) of row ``slots[i]`` ([k], read at every call) of
+    ``cache``. The model attends over what the view returns: the rows' positions [0, start + T) (for a model
+    given the core's 4D mask of that many keys; with ``start`` 0, the tokens' own keys and values), or the whole
+    rows [k, heads, L, dim] (``whole_rows``, for a model that sizes its mask from the cache). A prefill from
+    ``start`` > 0 attends to what the rows already hold before it (a stored prefix copied in).
 
     A layer that takes its memory on first use (transformers >= 4.56) takes it for the cache's B rows: run one
     prefill through a view before capturing anything over the cache (see :func:`needs_first_write`)."""
     view = copy.copy(cache)
     view.layers = [copy.copy(layer) for layer in cache.layers]
     for view_layer, layer in zip(view.layers, cache.layers):
-        view_layer.update = _prompt_rows_update(layer, slots, whole_rows, cache.accelgen_batch_size)
+        view_layer.update = _prompt_rows_update(layer, slots, whole_rows, cache.accelgen_batch_size, start)
     return view
 
 
-def _prompt_rows_update(layer, slots: torch.Tensor, whole_rows: bool, batch_size: int):
+def _prompt_rows_update(layer, slots: torch.Tensor, whole_rows: bool, batch_size: int, start: int):
     def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         _give_memory(layer, key_states, value_states, batch_size)
         key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
         length = key_states.shape[2]
-        layer.keys.narrow(2, 0, length).index_copy_(0, slots, key_states)
-        layer.values.narrow(2, 0, length).index_copy_(0, slots, value_states)
+        layer.keys.narrow(2, start, length).index_copy_(0, slots, key_states)
+        layer.values.narrow(2, start, length).index_copy_(0, slots, value_states)
         if whole_rows:
             return layer.keys.index_select(0, slots), layer.values.index_select(0, slots)
+        if start:
+            return (layer.keys.narrow(2, 0, start + length).index_select(0, slots),
+                    layer.values.narrow(2, 0, start + length).index_select(0, slots))
         return key_states, value_states
 
     return update
@@ -157,6 +162,35 @@ def copy_prompt_rows(cache: StaticCache, sources: torch.Tensor, targets: torch.T
         for tensor in (layer.keys, layer.values):
             prompt = tensor.narrow(2, 0, length)
             prompt.index_copy_(0, targets, prompt.index_select(0, sources))
+
+
+class PrefixPool:
+    """Stored prompt-prefix blocks on the device: per layer of a cache, keys and values [blocks, heads, T, dim]
+    (T tokens a block), in the cache's dtype, this rank's heads. Left unset (a block is read only after it is
+    written): on a device that computes in host memory, only the blocks written take memory."""
+
+    def __init__(self, cache: StaticCache, blocks: int, block_tokens: int):
+        self.layers = [tuple(torch.empty((blocks, tensor.shape[1], block_tokens, tensor.shape[3]), dtype=tensor.dtype,
+                                         device=tensor.device) for tensor in (layer.keys, layer.values))
+                       for layer in cache.layers]
+
+    @staticmethod
+    def bytes_per_block(cache: StaticCache, block_tokens: int) -> int:
+        """What one block takes, over every layer's keys and values."""
+        return sum(tensor[0, :, :1].numel() * tensor.element_size() * block_tokens
+                   for layer in cache.layers for tensor in (layer.keys, layer.values))
+
+    def move(self, cache: StaticCache, rows: torch.Tensor, positions: torch.Tensor, places: torch.Tensor,
+             offsets: torch.Tensor, into_cache: bool) -> None:
+        """Copy M tokens' keys and values between position ``positions[j]`` of cache row ``rows[j]`` and token
+        ``offsets[j]`` of block ``places[j]`` (each [M]): into the cache (a stored prefix given to a row), or
+        out of it (a prefilled prompt's blocks stored)."""
+        for layer, stored_pair in zip(cache.layers, self.layers):
+            for cached, stored in zip((layer.keys, layer.values), stored_pair):
+                if into_cache:
+                    cached[rows, :, positions] = stored[places, :, offsets]
+                else:
+                    stored[places, :, offsets] = cached[rows, :, positions]
 
 
 def _give_memory(layer, key_states: torch.Tensor, value_states: torch.Tensor, batch_size: int) -> None:
