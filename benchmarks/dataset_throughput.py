@@ -23,10 +23,16 @@ Asked for by name (``--contenders``), not run by default:
                               accelgen_continuous, each prompt prefilled once for its four samples
     accelgen_continuous_noreuse  continuous batching without the store of prompt prefixes (--prefix-cache 0):
                               against accelgen_continuous, what reusing prefixes gains, or costs when none is shared
+    accelgen_continuous_unchunked  continuous batching with every prompt prefilled in one pass (--prefill-chunk 0):
+                              against accelgen_continuous (chunks of 512), how long a long prompt holds the running rows
 
 Workloads (``--workload``): ``varied`` (the default, above); ``shared-prefix``, every row a few-shot block of
 ``--prefix-tokens`` tokens (512) shared by all rows, then 10 to 40 tokens of its own. Each round has prompts of its
-own (same lengths' distribution), so that no round finds the one before's prompts stored.
+own (same lengths' distribution), so that no round finds the one before's prompts stored. ``long-prompt``: the
+``varied`` prompts with two of ``--long-tokens`` tokens (4,000) among them, the first at the start (it makes the slots
+hold long prompts from then on, as a dataset's first long prompt does: growing them waits for every slot to empty)
+and the second in the middle, which comes while rows run. Every accelgen contender reports the longest wait of
+running rows between two decode steps and the longest prefill pass (ms, the longest of the rounds).
 
 With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
 a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
@@ -40,6 +46,7 @@ places computed. accelgen's two modes write the same text (same seed); Hugging F
     python benchmarks/dataset_throughput.py --prompts 64 --rounds 1    # quick look
     python benchmarks/dataset_throughput.py --baseline HEAD~1          # against the previous commit's fixed batches
     python benchmarks/dataset_throughput.py --workload shared-prefix --contenders accelgen_continuous,accelgen_continuous_noreuse
+    python benchmarks/dataset_throughput.py --workload long-prompt --contenders accelgen_continuous,accelgen_continuous_unchunked
     python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
 """
 
@@ -77,7 +84,8 @@ def build_workload(arguments, folder: Path) -> tuple[Callable[[int], list[str]],
     vocab = len(tokenizer)
     config = LlamaConfig(vocab_size=vocab, hidden_size=arguments.hidden, intermediate_size=arguments.hidden * 8 // 3,
                          num_hidden_layers=arguments.layers, num_attention_heads=arguments.heads,
-                         num_key_value_heads=arguments.heads, max_position_embeddings=1024,
+                         num_key_value_heads=arguments.heads,
+                         max_position_embeddings=8192 if arguments.workload == "long-prompt" else 1024,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -100,8 +108,12 @@ def build_workload(arguments, folder: Path) -> tuple[Callable[[int], list[str]],
     def prompts_of(round_number: int) -> list[str]:
         words_from = draw if round_number == 0 else random.Random(1000 + round_number)  # round 0: as before rounds
         if not shared:
-            return [" ".join(words_from.choice(words) for _ in range(words_from.randint(3, 40)))
-                    for _ in range(arguments.prompts)]
+            prompts = [" ".join(words_from.choice(words) for _ in range(words_from.randint(3, 40)))
+                       for _ in range(arguments.prompts)]
+            if arguments.workload == "long-prompt":
+                for place in (0, len(prompts) // 2):
+                    prompts[place] = text_of(arguments.long_tokens - 8, words_from)
+            return prompts
         return [shared + text_of(words_from.randint(10, 40), words_from) for _ in range(arguments.prompts)]
 
     first = prompts_of(0)  # drawn first, as the rounds did before they had prompts of their own
@@ -120,6 +132,8 @@ NEVER_STOPS = ["<|never|>", "<|nor this|>"]
 
 
 def accelgen_contender(folder, arguments, batching, **settings):
+    if arguments.workload == "long-prompt":
+        settings["buckets"] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
 
@@ -131,6 +145,9 @@ def accelgen_contender(folder, arguments, batching, **settings):
             return getattr(stats, "prompt_tokens", 0), getattr(stats, "prefilled_tokens", 0)
 
         before = (stats.new_tokens, stats.slot_tokens, len(stats.timings), *prompt_counts())
+        waits = hasattr(stats, "longest_decode_gap")  # a baseline from before these has none
+        if waits:
+            stats.longest_decode_gap = stats.longest_prefill_pass = 0.0
         completions = generator.generate(prompts[::samples])
         if samples > 1:  # one row per sample
             completions = [Completion(**sample | {"index": 0, "prompt": "", "prompt_token_count": 0})
@@ -140,7 +157,8 @@ def accelgen_contender(folder, arguments, batching, **settings):
         step_ms = 1000 * sum(timing.decode_seconds for timing in timings) / max(sum(timing.decode_steps for timing in timings), 1)
         prompted, prefilled = (after - earlier for after, earlier in zip(prompt_counts(), before[3:]))
         prefilled = prefilled / prompted if prompted else None
-        return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms, prefilled
+        waited = (1000 * stats.longest_decode_gap, 1000 * stats.longest_prefill_pass) if waits else None
+        return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms, prefilled, waited
 
     return run
 
@@ -225,9 +243,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--workload", choices=("varied", "shared-prefix"), default="varied",
-                        help="shared-prefix: every row begins with the same --prefix-tokens tokens")
+    parser.add_argument("--workload", choices=("varied", "shared-prefix", "long-prompt"), default="varied",
+                        help="shared-prefix: every row begins with the same --prefix-tokens tokens; long-prompt: two "
+                             "prompts of --long-tokens among the varied ones")
     parser.add_argument("--prefix-tokens", type=int, default=512)
+    parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--baseline", help="a git revision whose fixed batches run as a contender too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -247,6 +267,8 @@ def main() -> None:
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", stop=NEVER_STOPS)
             elif name == "accelgen_continuous_noreuse":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", prefix_cache=0)
+            elif name == "accelgen_continuous_unchunked":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", prefill_chunk=0)
             elif name == "accelgen_continuous_samples4":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", num_samples=4)
             elif name.startswith("accelgen"):
@@ -264,20 +286,22 @@ def main() -> None:
             prompts = prompts_of(round_number)
             for name, run in contenders.items():
                 started = time.perf_counter()
-                lengths, occupancy, step_ms, prefilled = run(prompts)
+                lengths, occupancy, step_ms, prefilled, *waited = run(prompts)
                 seconds = time.perf_counter() - started
-                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy, step_ms, prefilled))
+                results[name].append((sum(lengths) / seconds, seconds, lengths, occupancy, step_ms, prefilled,
+                                      waited[0] if waited else None))
         for close in closers:
             close()
 
-    what = ("3-40 words" if arguments.workload == "varied" else
-            f"a shared {arguments.prefix_tokens}-token prefix and 10-40 tokens of their own")
+    what = {"varied": "3-40 words", "shared-prefix": f"a shared {arguments.prefix_tokens}-token prefix and 10-40 tokens "
+                                                     f"of their own",
+            "long-prompt": f"3-40 words, two of them (first and middle) of {arguments.long_tokens} tokens"}[arguments.workload]
     print(f"workload: {len(prompts)} prompts of {what}, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
           f"new tokens, ending set of {len(ending)} tokens; Llama {arguments.layers} layers, hidden {arguments.hidden}, "
           f"{arguments.dtype} on {arguments.device}, {torch.get_num_threads()} threads; medians of {arguments.rounds} round(s)")
     print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | decode step ms "
-          "| prompt tokens prefilled | vs static |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| prompt tokens prefilled | longest wait / prefill pass ms | vs static |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     static_rate = statistics.median(rate for rate, *_ in results["accelgen_static"]) if "accelgen_static" in results else None
     for name, rows in results.items():
         rate = statistics.median(row[0] for row in rows)
@@ -291,6 +315,7 @@ def main() -> None:
               f"{'' if occupancy is None else f'{100 * occupancy:.0f}%'} | "
               f"{'' if step_ms is None else f'{step_ms:.2f}'} | "
               f"{'' if rows[-1][5] is None else f'{100 * statistics.median(row[5] for row in rows):.1f}%'} | "
+              f"{'' if rows[-1][6] is None else '%.0f / %.0f' % tuple(max(row[6][n] for row in rows) for n in (0, 1))} | "
               f"{'' if not static_rate else f'{rate / static_rate:.2f}x'} |")
 
 

@@ -151,9 +151,9 @@ def test_the_memory_advice_counts_the_store_beside_the_kv_cache(tiny_model_folde
     config.save_pretrained(folder)
     capsys.readouterr()
     per_position = bytes_per_sequence(config, 2, "float32", 1) - bytes_per_sequence(config, 1, "float32", 1)
-    positions = 4 * GIB // per_position  # a row's cache and activations: 4 GiB, which fit without the store
+    positions = 4 * GIB // per_position  # a row's cache and one whole prefill's activations: 4 GiB, which fit without the store
     status = main(["run", "--device", "cpu", "--model", str(folder), "--prompt", "Hello", "--max-new-tokens",
-                   str(positions), "--prefix-cache", str(free - 2 * GIB)])
+                   str(positions), "--prefix-cache", str(free - 2 * GIB), "--prefill-chunk", "0"])
     line = one_error_line(capsys)
     assert status == 2 and "The KV cache and prefill activations for --batch-size 1" in line
     assert "of the prefix store (--prefix-cache SIZE, or 0):" in line

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="device memory for the keys and values of prompt beginnings that rows share (a system prompt, "
                           "few-shot examples), e.g. 2GiB: a row finding its beginning there prefills only the rest; "
                           "0 turns reuse off (default: an eighth of the free memory, at most 2GiB)")
+    _add_number(run, "--prefill-chunk", RunSettings.prefill_chunk,
+                "prompt tokens one prefill pass runs at most: a longer prompt is prefilled in passes of this many, the "
+                "running rows taking a decode step between two, so none waits for a whole long prompt; 0: each prompt "
+                "in one pass (default {default})")
     run.add_argument("--logprobs", action="store_true",
                      help="write each new token's log-probability (logprobs) under the model's own distribution: "
                           "log_softmax of its logits, before --temperature, --top-k and --top-p")

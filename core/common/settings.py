@@ -13,6 +13,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+#: Prompt positions one prefill pass runs at most (``--prefill-chunk``): a longer prompt is prefilled in passes of
+#: this many, the running rows taking a decode step between two.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def torch_dtype(name: str):
@@ -105,6 +108,7 @@ class RunSettings:
     num_samples: int = 1  # completions drawn for each prompt, its prefill shared
     rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
     prefix_cache: int | None = None  # bytes of prompt-prefix blocks kept on the device; 0: no reuse; None: a default
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt positions a prefill pass runs at most; 0: a prompt in one pass
 
     def row_settings(self, own: RowSettings | None = None) -> RowSettings:
         """A row's settings, every field set: its ``own`` where it has them, else the run's (a greedy run's
@@ -137,7 +141,7 @@ class RunSettings:
         sampling = settings.pop("sampling")
         del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
         del settings["rows_choose"]  # the rows' own settings are the dataset's, which the job pins
-        del settings["prefix_cache"]  # reuse writes what prefilling the whole prompt writes
+        del settings["prefix_cache"], settings["prefill_chunk"]  # what a whole prompt's one prefill writes
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
         chat = settings.pop("chat")

@@ -75,6 +75,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(int, 0, 2**64 - 1),  # a nanosecond timestamp fits; so does any seed torch takes
     "limit": COUNT,
     "num_samples": Range(int, 1, 1 << 16),
+    "prefill_chunk": Range(int, 0, INT32_MAX),
     "world_size": Range(int, 1, 65536),
     "data_parallel": Range(int, 1, 65536),
     "nnodes": Range(int, 1, 65536),

@@ -142,22 +142,49 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(prompt_mask == 0, 1)
 
 
+def prefill_spans(bucket_length: int, window: int, longest_prompt: int, chunk: int) -> list[tuple[int, int]]:
+    """The spans [start, end) of bucket positions a prefill runs, in order: the last ``window`` positions (every
+    prompt's tokens not found stored) in one pass, or, when that is more than ``chunk`` positions (0: no limit), in
+    passes of ``chunk`` ending at P, P - chunk, ... (fixed shapes, whatever the prompts' lengths), leaving out those
+    before the longest prompt (padding alone)."""
+    if not chunk or window <= chunk:
+        return [(bucket_length - window, bucket_length)]
+    first = bucket_length - min(window, -(-longest_prompt // chunk) * chunk)
+    return [(max(end - chunk, first), end) for end in reversed(range(bucket_length, first, -chunk))]
+
+
+def run_prompt_positions(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, start: int,
+                         end: int) -> torch.Tensor:
+    """Run positions [start, end) of the padded prompts input_ids [k, P] (mask [k, P]) through ``forward``, which
+    writes their keys and values; they attend to what the cache rows hold before ``start``. The logits [k, V] of
+    position ``end`` - 1."""
+    positions = positions_from_mask(prompt_mask)[:, start:end]
+    return forward(input_ids[:, start:end], prompt_mask[:, :end], positions,
+                   torch.arange(start, end, device=input_ids.device))
+
+
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
             draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules,
-            window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the padded prompts input_ids [k, P] (mask [k, P]) through ``forward``, which writes their keys and
-    values, and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by
-    ``draw_keys[j]`` (one per prompt, or one per sample of it) with its own ``sampling`` [m]; with their
-    log-probabilities [m] (zeros unless ``rules.logprobs``). With a ``window`` of W < P tokens only the prompts'
-    last W positions are run, attending to what their cache rows hold before them (a stored prefix)."""
-    bucket_length = input_ids.shape[1]
-    start = bucket_length - (window or bucket_length)
-    logits = forward(input_ids[:, start:], prompt_mask, positions_from_mask(prompt_mask)[:, start:],
-                     torch.arange(start, bucket_length, device=input_ids.device)).index_select(0, draw_from)
+            start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the padded prompts input_ids [k, P] (mask [k, P]) from position ``start`` on through ``forward``, which
+    writes their keys and values (the positions before ``start`` are in the cache rows already: a stored prefix, or
+    the chunks prefilled before), and draw m first tokens [m] (step 0 of each draw): draw j from prompt
+    ``draw_from[j]`` keyed by ``draw_keys[j]`` (one per prompt, or one per sample of it) with its own ``sampling``
+    [m]; with their log-probabilities [m] (zeros unless ``rules.logprobs``)."""
+    logits = run_prompt_positions(forward, input_ids, prompt_mask, start, input_ids.shape[1]).index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step, sampling, rules.per_row)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
+
+
+def hold_slots(state: DecodeState, slots: torch.Tensor) -> None:
+    """Make ``slots`` [k] hold no row until rows are inserted there (their cache rows being prefilled in passes, with
+    decode steps between): ended, their decode steps writing at the cache's last position, which no row's tokens
+    take (a row's last decoded token goes at most to L - 2), and their tokens to the spare column."""
+    state.finished.index_fill_(0, slots, True)
+    state.write_positions.index_fill_(0, slots, state.attention_mask.shape[1] - 1)
+    state.steps.index_fill_(0, slots, state.max_new_tokens)
 
 
 def insert_rows(state: DecodeState, slots: torch.Tensor, start: RowStart, rules: TokenRules) -> None:

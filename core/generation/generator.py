@@ -140,7 +140,7 @@ class Generator:
                 break
             if plan.insertion is not None:
                 runner.use_bucket(plan.cache_bucket)
-                runner.insert(plan.insertion)
+                scheduler.decoded_between(runner.insert(plan.insertion), plan.insertion)
             runner.decode(plan.steps)
             ended = scheduler.collect(self.ends.with_stopped(runner.finished_slots(), scheduler.running, runner))
             ready = scheduler.finish(*runner.read_back(ended))

@@ -45,8 +45,8 @@ class PrefillShape:
     them: one per prompt, or one per sample), and its step. Iterating gives the buffers in the order the step
     takes them."""
 
-    def __init__(self, rows: int, bucket_length: int, draws: int, window: int, device: torch.device):
-        self.window = window  # the prompts' last positions run (the others come from the prefix store)
+    def __init__(self, rows: int, bucket_length: int, draws: int, start: int, device: torch.device):
+        self.first_position = start  # the first position its step runs (those before are in the cache rows: stored, or chunks)
         longs = decoding.long_zeros(device)
         self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
         self.prompt_mask = longs(rows, bucket_length)  # [k, P] 1 = real token
@@ -60,6 +60,13 @@ class PrefillShape:
         self.limits = longs(draws)  # [m] each started row's maximum of new tokens
         self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
         self.step: Callable[..., object] | None = None
+        #: the steps of the chunks before ``first_position``, by span [start, end) of positions, over ``passes_over``
+        self.chunk_steps: dict[tuple[int, int], Callable[..., object]] = {}
+
+    @property
+    def passes_over(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The buffers a chunk's step takes: the prompts, their mask and their slots."""
+        return self.input_ids, self.prompt_mask, self.slots
 
     def __iter__(self):
         return iter((self.input_ids, self.prompt_mask, self.slots, self.draw_from, self.draw_keys, self.draw_slots,
@@ -98,6 +105,9 @@ class SlotRunner:
         self._shapes: dict[int, SlotShape] = {}  # by cache length
         self.shape: SlotShape | None = None  # the one in use
         self._decode_started = 0.0  # when the decode steps up to the next look began
+        self._last_step_at: float | None = None  # when the last decode step that rows wait on was issued
+        self._positions_waited = 0  # prompt positions prefilled since then
+        self._steps_left = self._passes_run = 0  # of the insertion going in: decode steps it may give, passes run
         #: the store of prompt prefixes (--prefix-cache); none for a model whose masks need rows at one position.
         #: The ranks of a replica agree on its size (the smallest of theirs): they must find the same prefixes.
         self.prefixes = None if run.prefix_cache == 0 or self.rows_aligned else PrefixReuse(
@@ -121,30 +131,44 @@ class SlotRunner:
             self._shapes[cache_length] = self._new_shape(cache_length)
         self.shape = self._shapes[cache_length]
 
-    def insert(self, insertion: Insertion) -> None:
+    def insert(self, insertion: Insertion) -> int:
         """Start the insertion's rows: parked samples from their prompt's cache row (first, before a prefill here
-        may reuse that row), the others prefilled in one bucketed shape (its step captured the first time it is
-        met), their keys and values into their slots' rows of the cache, first tokens chosen. Prompts that share a
-        beginning not yet stored are prefilled in two parts: the first of each beginning, then the others, which
-        find it stored."""
-        parts = [insertion] if not insertion.prefilled or self.prefixes is None else [
-            insertion.of_prompts(numbers) for numbers in self.prefixes.leaders_then_followers(insertion.prefilled)]
+        may reuse that row), the others prefilled (their keys and values into their slots' rows of the cache, first
+        tokens chosen) in shapes bucketed by their own prompts' lengths, each step captured the first time it is met.
+        Prompts that share a beginning not yet stored are prefilled in two parts: the first of each beginning, then
+        the others, which find it stored. A prompt longer than ``--prefill-chunk`` is prefilled in passes. Between two
+        passes the rows already running take a decode step, ``insertion.decode_between`` at most (so none waits
+        longer than one pass): returns how many they took. Rows started by an earlier part take them too."""
+        if not insertion.decode_between:  # no row waits for this insertion
+            self._last_step_at = None
+        self._steps_left, self._passes_run = insertion.decode_between, 0
+        decode_before = self.stats.decode_seconds
         with self._timed("prefill_seconds"):
             if insertion.resumed:
                 self._start_parked(insertion.resumed)
-            for part in parts:
-                if part.prefilled:
-                    self._prefill(part)
+            for part in self._parts(insertion):
+                self._prefill(part)
             self.accelerator.mark_step()
-        for part in parts:
-            if part.prefilled:
-                self.stats.prefills += 1
-                self.stats.prefill_rows += part.shape_rows
-                self.stats.slot_tokens += part.shape_rows
+        self.stats.prefill_seconds -= self.stats.decode_seconds - decode_before  # the steps between passes: decode
+        return insertion.decode_between - self._steps_left
+
+    def _parts(self, insertion: Insertion) -> list[Insertion]:
+        """The prefills of the insertion's prompts, in order: one per bucket among them (every row at the shape's
+        bucket where the model needs rows at one position), each split for prefix reuse in two when some prompts
+        share a beginning not stored yet."""
+        if not insertion.prefilled:
+            return []
+        buckets = [insertion.bucket_length] if self.rows_aligned else sorted({row.bucket for row in insertion.prefilled})
+        parts = [insertion] if len(buckets) == 1 else [
+            insertion.of_prompts({row.number for row in insertion.prefilled if row.bucket == bucket}) for bucket in buckets]
+        if self.prefixes is None:
+            return parts
+        return [part.of_prompts(numbers) for part in parts for numbers in self.prefixes.leaders_then_followers(part.prefilled)]
 
     def _prefill(self, insertion: Insertion) -> None:
         """Prefill the insertion's prompts and draw its first tokens: its new rows start; the samples parked now
-        keep their first tokens (read back) and the slot of their prompt's cache row."""
+        keep their first tokens (read back) and the slot of their prompt's cache row. In passes of at most
+        ``--prefill-chunk`` positions."""
         shape = self.shape
         draws, prompts = insertion.draws, insertion.prefilled
         slot_of = {id(row): slot for row, slot in zip(insertion.rows, insertion.slots)}
@@ -153,9 +177,11 @@ class SlotRunner:
         prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
         window = insertion.bucket_length if self.prefixes is None else self.prefixes.reuse(
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
+        spans = decoding.prefill_spans(insertion.bucket_length, window, max(len(row.prompt_ids) for row in prompts),
+                                       self.run.prefill_chunk)
         self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
-        self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), window) for row in prompts)
-        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows, window)
+        self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
+        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows, spans[-1][0])
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
@@ -173,9 +199,19 @@ class SlotRunner:
         prefill_shape.limits.copy_(torch.tensor(_padded(limits, insertion.draw_rows)))
         for buffer, values in zip(prefill_shape.sampling, sampling):
             buffer.copy_(torch.tensor(_padded(values, insertion.draw_rows), dtype=buffer.dtype))
+        if self._steps_left:  # the decode steps between the passes must not write into the rows being prefilled
+            decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
+        for span in spans[:-1]:
+            if span not in prefill_shape.chunk_steps:
+                prefill_shape.chunk_steps[span] = self._captured(
+                    self._chunk_step(prefill_shape, *span), prefill_shape.passes_over, "prefill_captures")
+            self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span)
         if fresh:
             prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape), "prefill_captures")
-        prefill_shape.step(*prefill_shape)  # a run of a captured step writes what a replay does
+        self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
+        self.stats.prefills += 1
+        self.stats.prefill_rows += insertion.shape_rows
+        self.stats.slot_tokens += insertion.shape_rows
         decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
         if self.prefixes is not None:
             self.prefixes.store(shape.cache, prompts, prompt_slots, insertion.bucket_length)
@@ -184,6 +220,26 @@ class SlotRunner:
             logprobs = prefill_shape.first_logprobs[started: len(draws)].tolist()
             for row, slot, token, logprob in zip(draws[started:], draw_slots[started:], tokens, logprobs):
                 row.first_token, row.first_logprob, row.prompt_slot = token, logprob, slot
+
+    def _prefill_pass(self, step: Callable[..., object], buffers: tuple[torch.Tensor, ...], span: tuple[int, int]) -> None:
+        """One forward pass of a prefill, over positions ``span`` of its bucket, timed (the longest is kept); after a
+        decode step of the running rows when a pass of this insertion ran before it and they have steps left."""
+        if self._passes_run and self._steps_left:
+            with self._timed("decode_seconds"):
+                self._decode_step()
+            self._steps_left -= 1
+            if not self._steps_left:  # the running rows have ended: none waits any more
+                self._last_step_at = None
+        self.accelerator.synchronize()
+        started = time.perf_counter()
+        step(*buffers)
+        self.accelerator.mark_step()
+        self.accelerator.synchronize()
+        self._passes_run += 1
+        self.stats.prefill_passes += 1
+        self.stats.longest_prefill_pass = max(self.stats.longest_prefill_pass, time.perf_counter() - started)
+        if self._last_step_at is not None:  # rows wait on this pass
+            self._positions_waited += span[1] - span[0]
 
     def _start_parked(self, resumed: list[tuple[Row, int]]) -> None:
         """Start parked samples in their slots: their prompt's keys and values copied from its cache row, their
@@ -205,13 +261,21 @@ class SlotRunner:
 
     def decode(self, steps: int) -> None:
         """Replay the decode step ``steps`` times (timed up to the next look, which reads the device)."""
-        shape = self.shape
         self._decode_started = time.perf_counter()
         for _ in range(steps):
-            shape.decode_step(*shape.state)
-            self.accelerator.mark_step()
-        self.stats.decode_steps += steps
-        self.stats.slot_tokens += self.run.batch_size * steps
+            self._decode_step()
+
+    def _decode_step(self) -> None:
+        """One decode step of every slot, counted; the wait since the one before is kept when it is the longest."""
+        self.shape.decode_step(*self.shape.state)
+        self.accelerator.mark_step()
+        self.stats.decode_steps += 1
+        self.stats.slot_tokens += self.run.batch_size
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            self.stats.longest_decode_gap = max(self.stats.longest_decode_gap, now - self._last_step_at)
+            self.stats.longest_wait_positions = max(self.stats.longest_wait_positions, self._positions_waited)
+        self._last_step_at, self._positions_waited = now, 0
 
     def finished_slots(self) -> list[bool]:
         """Which slots' rows have ended: the one wait for the device between two plans."""
@@ -263,23 +327,32 @@ class SlotRunner:
     def _prefill_step(self, prefill_shape: PrefillShape) -> Callable[..., torch.Tensor]:
         """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
         named by its ``slots``, each prompt's first token into its ``first_tokens``."""
-        rules, cache, window = self.rules, self.shape.cache, prefill_shape.window
-        bucket_length = prefill_shape.input_ids.shape[1]
-        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots,
-                                          start=bucket_length - window)
+        rules, cache, start = self.rules, self.shape.cache, prefill_shape.first_position
+        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots, start)
 
         shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
 
         def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
                          *sampling):
             tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
-                                                RowSampling(*sampling), rules, window)
+                                                RowSampling(*sampling), rules, start)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
                 copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)
             return first_tokens.copy_(tokens)
 
         return prefill_step
+
+    def _chunk_step(self, prefill_shape: PrefillShape, start: int, end: int) -> Callable[..., torch.Tensor]:
+        """The pass of positions [start, end) of a prefill shape's prompts (a chunk before its last) as a step over
+        ``passes_over``: their keys and values into the cache rows named by its ``slots``."""
+        forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots,
+                                          start)
+
+        def chunk_step(input_ids, prompt_mask, slots):
+            return decoding.run_prompt_positions(forward, input_ids, prompt_mask, start, end)
+
+        return chunk_step
 
     def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0) -> decoding.Forward:
         """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache`` (from
@@ -333,7 +406,8 @@ class SlotRunner:
                          world_size=self.world.size, device_name=self.accelerator.name,
                          free_bytes=self.accelerator.memory_stats().get("free_bytes"),
                          device_is_host=self.accelerator.shares_host_memory,
-                         prefix_store_bytes=0 if self.prefixes is None else self.prefixes.bytes_to_come)
+                         prefix_store_bytes=0 if self.prefixes is None else self.prefixes.bytes_to_come,
+                         prefill_chunk=self.run.prefill_chunk)
         self._storage = CacheStorage(self.run.batch_size, cache_length)
 
     @contextlib.contextmanager

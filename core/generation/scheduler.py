@@ -81,7 +81,8 @@ class Insertion:
     the others' distinct prompts (``prefilled``: the first row of each) are prefilled once, as one shape of
     ``shape_rows`` prompts of ``bucket_length`` tokens, and first tokens are drawn for ``draws`` (those rows, then
     the samples parked now) from their prompts' (``sources[j]``: the place in ``prefilled`` of draw j's prompt),
-    ``draw_rows`` draws in the shape."""
+    ``draw_rows`` draws in the shape. A prefill run in passes (``--prefill-chunk``) gives the rows already running
+    a decode step between two passes, ``decode_between`` at most (the most decode steps any of them has left)."""
 
     rows: list[Row]
     slots: list[int]
@@ -91,6 +92,7 @@ class Insertion:
     draws: list[Row]
     sources: list[int]
     draw_rows: int
+    decode_between: int = 0
 
     @property
     def resumed(self) -> list[tuple[Row, int]]:
@@ -99,14 +101,14 @@ class Insertion:
 
     def of_prompts(self, numbers: set[int]) -> "Insertion":
         """The part of this insertion that prefills only the prompts numbered ``numbers``: their rows and draws, in
-        shapes no larger than this one's, at the same bucket."""
+        shapes no larger than this one's, at the largest of their buckets."""
         rows = [(row, slot) for row, slot in zip(self.rows, self.slots) if row.number in numbers]
         prefilled = [row for row in self.prefilled if row.number in numbers]
         draws = [row for row in self.draws if row.number in numbers]
         places = {row.number: place for place, row in enumerate(prefilled)}
         return Insertion([row for row, _ in rows], [slot for _, slot in rows], _prefill_rows(len(prefilled), self.shape_rows),
-                         self.bucket_length, prefilled, draws, [places[row.number] for row in draws],
-                         _prefill_rows(len(draws), self.draw_rows))
+                         max(row.bucket for row in prefilled), prefilled, draws, [places[row.number] for row in draws],
+                         _prefill_rows(len(draws), self.draw_rows), self.decode_between)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +230,18 @@ class Scheduler:
         firsts: dict[int, int] = {}  # prompt number -> its place among the prompts prefilled
         sources = [firsts.setdefault(row.number, len(firsts)) for row in draws]
         prefilled = list({row.number: row for row in reversed(draws)}.values())[::-1]
+        drawn = {id(row) for row in draws}
+        between = max((row.budget for row in self.running.values() if id(row) not in drawn), default=0)
         return Insertion(rows, slots, _prefill_rows(len(prefilled), self.slots), max(row.bucket for row in draws or rows),
-                         prefilled, draws, sources, _prefill_rows(len(draws), max(self.slots, len(draws))))
+                         prefilled, draws, sources, _prefill_rows(len(draws), max(self.slots, len(draws))), between)
+
+    def decoded_between(self, steps: int, insertion: Insertion) -> None:
+        """The runner gave the rows running besides the insertion's new ones ``steps`` decode steps between the passes
+        of its prefill: their budgets count them."""
+        drawn = {id(row) for row in insertion.draws}
+        for row in self.running.values():
+            if id(row) not in drawn:
+                row.budget = max(0, row.budget - steps)
 
     def _bucket_for_next_rows(self) -> int:
         """The bucket slots made now hold: the largest among the rows that can fill them."""

@@ -24,7 +24,8 @@ class GenerationStats:
     prefill_captures: int = 0  # prefill steps captured (one per prefill shape: row count and bucket)
     capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
     batches: int = 0  # times rows were given out (a fixed batch; continuous: the rows ready at one look)
-    prefills: int = 0  # prefill forward passes (each inserts one or more rows into free slots)
+    prefills: int = 0  # prefills run (each inserts one or more rows into free slots)
+    prefill_passes: int = 0  # their forward passes: one each, or one per chunk (--prefill-chunk)
     prefill_rows: int = 0  # rows of the prefill shapes run, padding rows included
     decode_steps: int = 0  # decode steps taken
     prefill_seconds: float = 0.0
@@ -35,6 +36,11 @@ class GenerationStats:
     prefilled_tokens: int = 0  # of those, run through the model (a prefill window may run some reused ones again)
     reused_tokens: int = 0  # of those, copied from the prefix store instead of being computed
     prefix_hits: int = 0  # prompts that found their beginning in the prefix store
+    #: the longest wait of running rows between two decode steps, and the longest prefill forward pass: host clock
+    #: seconds (on a device that runs steps as they are issued, the CPU, the time they took)
+    longest_decode_gap: float = 0.0
+    longest_prefill_pass: float = 0.0
+    longest_wait_positions: int = 0  # the most prompt positions prefilled while running rows waited for a decode step
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
 
     @property

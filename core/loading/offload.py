@@ -104,7 +104,8 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
             weights = QuantizingWeights(weights, set(int8_layers(skeleton)), dtype)
         empty_int8_layers(skeleton)  # on the meta device: int8 shapes, nothing allocated
     cap = _memory_cap(offload, free_bytes)
-    reserve = run.batch_size * bytes_per_sequence(skeleton.config, min(run.buckets) + run.max_new_tokens, run.dtype, 1)
+    reserve = run.batch_size * bytes_per_sequence(skeleton.config, min(run.buckets) + run.max_new_tokens, run.dtype, 1,
+                                                  run.prefill_chunk)
     largest_layer, layer_name = _largest_layer(skeleton, dtype)
     minimum = largest_layer + reserve
     if cap < minimum:

@@ -3,7 +3,7 @@
 Estimated from the model's shape and the device's total memory (``memory_stats()["total_bytes"]``):
 per rank, the weights, then per sequence its KV cache (keys and values of every layer for the cache
 length: the generator's one cache, which every bucket shares, sized for the largest bucket met) plus
-the activations of a prefill over the prompt bucket. The estimate leaves 10% of the
+the activations of a prefill pass (over the prompt bucket, or one chunk of it). The estimate leaves 10% of the
 device to the runtime and allocator, so it errs on the side of fitting.
 """
 
@@ -33,29 +33,34 @@ def kv_cache_bytes_per_position(config: transformers.PretrainedConfig, dtype: st
     return 2 * config.num_hidden_layers * (key_value_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
 
 
-def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int, dtype: str, world_size: int) -> int:
-    """Device bytes one more row of the batch costs on each rank: KV cache plus prefill activations."""
+def bytes_per_sequence(config: transformers.PretrainedConfig, cache_length: int, dtype: str, world_size: int,
+                       prefill_chunk: int = 0) -> int:
+    """Device bytes one more row of the batch costs on each rank: KV cache plus the activations of a prefill pass (of
+    the cache length, or of at most ``prefill_chunk`` positions: ``--prefill-chunk``)."""
     kv_cache = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
-    activations = cache_length * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
+    pass_positions = min(cache_length, prefill_chunk) if prefill_chunk else cache_length
+    activations = pass_positions * config.hidden_size * ACTIVATION_VALUES_PER_TOKEN * DTYPE_BYTES[dtype] + config.vocab_size * 4
     return kv_cache + activations
 
 
 def check_cache_fits(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
     device_name: str, free_bytes: int | None, device_is_host: bool = False, prefix_store_bytes: int = 0,
+    prefill_chunk: int = 0,
 ) -> None:
     """Raise UsageError before allocating a KV cache larger than the memory free on the device. On a device
     that computes in host memory (``device_is_host``, the CPU) the prefill's activations count too: there an
     allocation too large is granted lazily and the kernel then kills the process without a word, where a
     device's allocator raises an error the run reports. ``prefix_store_bytes``: what the store of prompt prefixes
-    will take besides (``--prefix-cache``), not allocated yet."""
+    will take besides (``--prefix-cache``), not allocated yet; ``prefill_chunk``: the most positions a prefill pass
+    runs (``--prefill-chunk``; 0: a whole prompt bucket)."""
     if free_bytes is None:
         return
     store = (f" besides the {prefix_store_bytes / GIB:,.2f} GiB of the prefix store (--prefix-cache SIZE, or 0)"
              if prefix_store_bytes else "")
     free_bytes = max(free_bytes - prefix_store_bytes, 0)
     kv_cache_per_row = kv_cache_bytes_per_position(config, dtype, world_size) * cache_length
-    per_row = bytes_per_sequence(config, cache_length, dtype, world_size) if device_is_host else kv_cache_per_row
+    per_row = bytes_per_sequence(config, cache_length, dtype, world_size, prefill_chunk) if device_is_host else kv_cache_per_row
     if per_row * batch_size <= free_bytes:
         return
     fits = [f"--batch-size {free_bytes // per_row} fits"] if free_bytes >= per_row else []
@@ -82,6 +87,7 @@ def _world_size_for_cache(config: transformers.PretrainedConfig, unsplit_bytes_p
 def out_of_memory_advice(
     config: transformers.PretrainedConfig, *, dtype: str, batch_size: int, cache_length: int, world_size: int,
     weight_bytes_per_rank: int, total_bytes: int | None, offload_mode: str | None = None, device_is_host: bool = False,
+    prefill_chunk: int = 0,
 ) -> str:
     """One sentence: what fits instead (a batch size, else a world size), from the model and device sizes; and
     with ``offload_mode`` ("cpu" or "disk"), the --offload that keeps what does not fit off the device. On a device
@@ -90,7 +96,7 @@ def out_of_memory_advice(
         return "lower --batch-size or --max-new-tokens" + ("." if device_is_host else
                                                            ", or spread the model over more devices with --world-size.")
     usable = USABLE_SHARE * total_bytes
-    per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size)
+    per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size, prefill_chunk)
     sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
              f"each sequence about {per_sequence / GIB:.2f} GiB")
     weights_that_fit = usable - per_sequence * batch_size
@@ -105,7 +111,7 @@ def out_of_memory_advice(
         return f"{sizes}, so --batch-size {fitting_batch} should fit{offload}."
     unsharded = weight_bytes_per_rank * world_size
     for larger in [] if device_is_host else larger_world_sizes(config, world_size):
-        per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger)
+        per_rank_sequence = bytes_per_sequence(config, cache_length, dtype, larger, prefill_chunk)
         if unsharded / larger + per_rank_sequence * batch_size < usable:
             return f"{sizes}, so --world-size {larger} should fit (or a smaller --batch-size){offload}."
     return f"{sizes}: this model does not fit these devices{offload or '; use devices with more memory'}."

@@ -25,7 +25,7 @@ def out_of_memory_line(request: Request, generator: Generator | None, kept_outpu
         world_size=world.size, weight_bytes_per_rank=weight_bytes_per_rank,
         total_bytes=request.accelerator.memory_stats().get("total_bytes"),
         offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
-        device_is_host=request.accelerator.shares_host_memory,
+        device_is_host=request.accelerator.shares_host_memory, prefill_chunk=run.prefill_chunk,
     )
     kept = f" (rows finished so far are kept in {kept_output})" if kept_output else ""
     return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "

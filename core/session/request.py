@@ -100,6 +100,7 @@ def run_settings(
     logprobs: bool = RunSettings.logprobs,
     num_samples: int = RunSettings.num_samples,
     prefix_cache: str | int | None = RunSettings.prefix_cache,
+    prefill_chunk: int = RunSettings.prefill_chunk,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
@@ -115,7 +116,9 @@ def run_settings(
     under the model's own distribution (before temperature, top-k and top-p). ``num_samples``: completions drawn
     for each prompt (sampled), its prefill computed once and shared by them. ``prefix_cache``: device memory (bytes,
     or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
-    what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory."""
+    what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory. ``prefill_chunk``: prompt
+    positions one prefill pass runs at most: a longer prompt is prefilled in passes, the running rows taking a decode
+    step between two (0: every prompt in one pass)."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -146,6 +149,7 @@ def run_settings(
         num_samples=num_samples,
         prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
         else parse_memory_size(prefix_cache, "--prefix-cache"),
+        prefill_chunk=prefill_chunk,
     )
     _check(run)
     return run
@@ -191,7 +195,8 @@ def _check(run: RunSettings) -> None:
     sampling = run.sampling
     check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
                    buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed, num_samples=run.num_samples)
+                   seed=sampling.seed, num_samples=run.num_samples,
+                   prefill_chunk=run.prefill_chunk)
     if run.num_samples > 1 and not sampling.do_sample:
         raise UsageError(f"--num-samples {run.num_samples} with greedy decoding gives {run.num_samples} equal "
                          f"completions: add --do-sample (or drop --num-samples).")
