@@ -5,6 +5,8 @@ rows already running taking a decode step between two passes. Every test compare
 import json
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import one_error_line
@@ -125,3 +127,21 @@ def test_the_memory_estimate_counts_one_chunk_of_activations(tiny_model_folder):
     cache_only = bytes_per_sequence(config, 4096, "float32", 1, prefill_chunk=1)
     assert cache_only < chunked < whole
     assert (whole - cache_only) == pytest.approx((chunked - cache_only) * 4095 / 511, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_chunk_as_one_process_does(tiny_model_folder, tmp_path, job_environment):
+    """Each rank prefills its heads in the same passes, with the same decode steps between them."""
+    pytest.importorskip("deepspeed")
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": prompt}) + "\n" for prompt in PROMPTS))
+    outputs = []
+    for number, chunk in enumerate(["16", "0"]):
+        outputs.append(tmp_path / f"out{number}.jsonl")
+        result = subprocess.run(
+            [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", "2", "--model",
+             str(tiny_model_folder("bloom")), "--dataset", str(dataset), "--batch-size", "2", "--max-new-tokens", "8",
+             "--do-sample", "--seed", "6", "--prefill-chunk", chunk, "--output", str(outputs[-1]), "--quiet"],
+            env=job_environment, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert outputs[0].read_text() == outputs[1].read_text()

@@ -94,11 +94,11 @@ def _prompt_figures(prompts) -> str:
     from the prefix store (with how many prompts found their beginning there, and the store's size)."""
     if prompts is None or not prompts.tokens:
         return ""
-    said = f"; prompt tokens {prompts.tokens}, prefilled {prompts.prefilled} ({prompts.prefilled / prompts.tokens:.0%})"
+    said = f"; prompt tokens {prompts.tokens:,}, prefilled {prompts.prefilled:,} ({prompts.prefilled / prompts.tokens:.0%})"
     if prompts.prefix_store_bytes is None:
         return said + ", prefix reuse off"
     hits = f"{prompts.prefix_hits} prompt{'' if prompts.prefix_hits == 1 else 's'}"
-    return said + (f", {prompts.reused} from the prefix store ({hits} found a beginning there; store "
+    return said + (f", {prompts.reused:,} from the prefix store ({hits} found a beginning there; store "
                    f"{prompts.prefix_store_bytes / 2**20:,.0f} MiB)")
 
 
