@@ -246,7 +246,9 @@ def test_a_killed_replica_ends_the_job_and_the_same_command_resumes_it_exactly(t
     command = accelgen_command("run", "--device", "cpu", "--world-size", "2", "--data-parallel", "2", "--model", folder,
                                "--dataset", str(dataset), "--batch-size", "2", "--max-new-tokens", "30",
                                "--do-sample", "--seed", "11", "--output", str(output), "--quiet")
-    job = subprocess.Popen(command, env=job_environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # without restarts, the job stops (tests/test_restarts.py has the job that starts its workers again)
+    job = subprocess.Popen([*command, "--max-restarts", "0"], env=job_environment, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 5):
         time.sleep(0.01)

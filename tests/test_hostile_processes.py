@@ -186,7 +186,8 @@ def test_a_signal_at_any_moment_ends_the_job_in_one_line(tiny_model_folder, star
 
 
 def test_a_rank_killed_while_it_joins_ends_the_job_in_one_line(tiny_model_folder, start_job):
-    job = start_job(*run_arguments(tiny_model_folder("llama")))
+    """Without restarts (``--max-restarts 0``; tests/test_restarts.py has the job that starts its workers again)."""
+    job = start_job(*run_arguments(tiny_model_folder("llama"), "--max-restarts", "0"))
     os.kill(job.rank_pid("1"), signal.SIGKILL)
     assert job.end() == 1
     assert job.our_lines() == ["accelgen: error: worker rank 1 was killed by SIGKILL; the job was stopped."]

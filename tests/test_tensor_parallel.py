@@ -122,7 +122,7 @@ def test_a_failing_worker_ends_the_whole_job(tiny_model_folder, job_environment)
     """Rank 1 raises after loading while rank 0 waits for it inside an all-reduce."""
     environment = with_fault_drill(job_environment)
     result = run_job(environment, "--device", "cpu", "--world-size", "2", "--model", str(tiny_model_folder("llama")),
-                     "--prompt", "Hello", "--max-new-tokens", "200", timeout=120)
+                     "--prompt", "Hello", "--max-new-tokens", "200", "--max-restarts", "0", timeout=120)
     assert result.returncode == 1
     assert "accelgen: error: worker rank 1 failed: RuntimeError: injected fault on rank 1" in result.stderr
     assert processes_of(environment) == []

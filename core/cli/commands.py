@@ -31,6 +31,7 @@ from accelgen.cli.terminal import (
 from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
+from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far
 
 if TYPE_CHECKING:
     from accelgen.plugin.manager import PluginManager
@@ -82,6 +83,8 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
                 return _stopped(stop.signal_number)
             if worker:
                 record_worker_failure(error)
+                if lost_a_peer(error):  # the launcher names the rank that went first; this one says nothing
+                    return 1
             raise
 
 
@@ -140,7 +143,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
     job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
-                   overwrite=arguments.overwrite,
+                   overwrite=arguments.overwrite and not restarts_so_far(),  # a restarted worker resumes
                    lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0)
     try:
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
@@ -323,8 +326,10 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
     elif arguments.world_size not in (None, 1) or data_parallel > 1:
         from accelgen.parallel.launcher import launch_job, plan_launch
 
+        # restarted workers resume an output; without one they would print every completion again
+        restarts = getattr(arguments, "max_restarts", 0) if getattr(arguments, "output", None) else 0
         plan = plan_launch(arguments.world_size or 1, arguments.nnodes, arguments.node_rank, arguments.master_addr,
-                           arguments.master_port, data_parallel)
+                           arguments.master_port, data_parallel, restarts)
         request.check_world_size(plan.world_size, data_parallel)
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)

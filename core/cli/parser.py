@@ -9,6 +9,7 @@ from accelgen.bench.protocol import BENCH_BATCHING, PUBLISHED_PROMPT, BenchProto
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import (
     BATCHING_MODES,
+    DEFAULT_MAX_RESTARTS,
     DTYPES,
     OFFLOAD_MODES,
     QUANTIZATION_SCHEMES,
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--data-parallel", type=_number("data_parallel"), default=1, metavar="R",
                           help=_with_range("model replicas sharing the rows, each tensor-parallel over world-size / R "
                                            "ranks of one node (default 1: one copy over all the ranks)", "data_parallel"))
+    _add_number(parallel, "--max-restarts", DEFAULT_MAX_RESTARTS,
+                "times a job of several ranks starts its workers again after one is killed or crashes: they resume "
+                "from --output, so no finished row is lost or written twice (a mistake of the command is not tried "
+                "again); 0: the job ends at the first failure (default {default})")
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)

@@ -10,6 +10,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 from accelgen.common.errors import AccelgenWarning
+from accelgen.parallel.worker_processes import restarts_so_far
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import package_of
 
@@ -68,7 +69,7 @@ def print_summary(report: "RunReport") -> None:
         f"({report.tokens_per_second:.1f} tokens/s, decode {report.ms_per_decode_step:.2f} ms/step), "
         f"model loaded in {report.load_seconds:.2f} s, device {report.device}, dtype {report.dtype}"
         + ("" if report.quantize is None else f" ({report.quantize} weights)") + ", "
-        f"world size {_world_size(report)}, graph captures: {report.graph_captures}"
+        f"world size {_world_size(report)}{_restarts()}, graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
@@ -109,6 +110,13 @@ def _held_back(replicas: list) -> str:
         return ""
     return "; held back by a slower replica's row: " + ", ".join(
         f"replica {replica.replica} waited {replica.waited_seconds:.2f} s" for replica in held)
+
+
+def _restarts() -> str:
+    """What the summary says of the workers' restarts after a failure (``--max-restarts``): the figures are those of
+    the workers' last start, which resumed the output."""
+    restarts = restarts_so_far()
+    return f" (workers started again {restarts} time{'' if restarts == 1 else 's'}; figures since)" if restarts else ""
 
 
 def _world_size(report: "RunReport") -> str:

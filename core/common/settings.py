@@ -216,6 +216,10 @@ class World:
         return self.rank == 0
 
 
+#: How many times a job of several ranks starts its workers again after one fails (``--max-restarts``).
+DEFAULT_MAX_RESTARTS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """How the ranks of a job are spread over machines; one launch per node."""
@@ -225,6 +229,7 @@ class LaunchPlan:
     node_rank: int
     master_addr: str
     master_port: int
+    max_restarts: int = 0  # times torch's agent starts the workers again after one fails (they resume the output)
 
     @property
     def processes_per_node(self) -> int:

@@ -76,6 +76,7 @@ RANGES: dict[str, Range] = {
     "limit": COUNT,
     "num_samples": Range(int, 1, 1 << 16),
     "prefill_chunk": Range(int, 0, INT32_MAX),
+    "max_restarts": Range(int, 0, 1000),
     "world_size": Range(int, 1, 65536),
     "data_parallel": Range(int, 1, 65536),
     "nnodes": Range(int, 1, 65536),

@@ -1,7 +1,8 @@
 """The key-value store every rank of a data-parallel job (``--data-parallel R``) shares, and the replicas'
 process groups built on it.
 
-The launcher already runs one store for its workers' rendezvous (torch's elastic agent hosts a TCPStore at
+The tensor-parallel process group of a job of one replica is made on it too. The launcher already runs one store
+for its workers' rendezvous (torch's elastic agent hosts a TCPStore at
 MASTER_ADDR:MASTER_PORT; under DeepSpeed's launcher, rank 0 hosts it there): the replicas meet in it and
 need no server of ours. Each replica's ranks form the default process group of their processes, under
 their own prefix of the store, so that everything that works within a tensor-parallel job (DeepSpeed's
@@ -17,6 +18,7 @@ import functools
 import torch
 
 from accelgen.common.settings import World
+from accelgen.parallel.worker_processes import restarts_so_far
 
 #: How long a store operation may wait (a replica's other ranks wait for its leader's next row number).
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
@@ -24,9 +26,11 @@ STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 @functools.cache
 def job_store() -> torch.distributed.Store:
-    """This process's connection to the job's store (made once), its keys under accelgen's own prefix."""
+    """This process's connection to the job's store (made once), its keys under accelgen's own prefix and the
+    workers' start: the agent's store outlives a restart of the workers (``--max-restarts``), whose keys from the
+    start before (ranks' addresses, counts of ranks joined) must not be read as theirs."""
     store, _, _ = next(torch.distributed.rendezvous("env://", timeout=STORE_TIMEOUT))
-    return torch.distributed.PrefixStore("accelgen/", store)
+    return torch.distributed.PrefixStore(f"accelgen/start{restarts_so_far()}/", store)
 
 
 def join_replicas(world: World, backend: str) -> None:

@@ -60,9 +60,10 @@ def _port_taken(address: str, port: int, why: str) -> UsageError:
 
 
 def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None,
-                data_parallel: int = 1) -> LaunchPlan:
+                data_parallel: int = 1, max_restarts: int = 0) -> LaunchPlan:
     """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank``, in
-    ``data_parallel`` replicas (each number already in its range: ``accelgen.common.value_ranges``)."""
+    ``data_parallel`` replicas, its workers started again up to ``max_restarts`` times after one fails (each
+    number already in its range: ``accelgen.common.value_ranges``)."""
     if world_size % nnodes:
         raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
     if not 0 <= node_rank < nnodes:
@@ -71,7 +72,7 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
     port = master_port or (free_port() if nnodes == 1 else 29500)
     if node_rank == 0:
         check_port_free(master_addr, port)
-    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port)
+    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port, max_restarts)
 
 
 def check_data_parallel(world_size: int, data_parallel: int, ranks_per_node: int) -> None:
@@ -158,7 +159,7 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
         f"--node-rank={plan.node_rank}",
         f"--master-addr={plan.master_addr}",
         f"--master-port={plan.master_port}",
-        "--max-restarts=0",
+        f"--max-restarts={plan.max_restarts}",
         "--monitor-interval=0.1",  # notice a failed worker within a tenth of a second
         "--signals-to-handle=SIGQUIT",  # and the JOB_ENDING_SIGNALS, handled here
         "--module",
@@ -168,14 +169,17 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
     # a worker that did not stop on the launcher's signal is killed (with its process group) after this
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
     signals = _SignalsEndTheJob(SignalException)
+    restarts = _RestartsSaid(plan.max_restarts)
     try:
-        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say), _quiet_agent():
+        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say), _quiet_agent(), \
+                restarts:
             torchrun.run(launcher_arguments)
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
         if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
             return JobEnd(CLOSED_OUTPUT_STATUS)
-        return JobEnd(2 if process_failure.exitcode == 2 else 1, f"error: {_failure_line(rank, process_failure)}")
+        return JobEnd(2 if process_failure.exitcode == 2 else 1,
+                      f"error: {_failure_line(rank, process_failure)}{restarts.after()}")
     except SignalException as interrupt:
         received = signals.received or interrupt.sigval
         ended = "interrupted" if received == signal.SIGINT else "stopped"
@@ -186,6 +190,52 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
         # another job took the port between plan_launch's check and the agent's store
         raise _port_taken(plan.master_addr, plan.master_port, "another job took it as this one started") from None
     return JobEnd(0)
+
+
+class _RestartsSaid:
+    """Around a job run by torch's agent with ``max_restarts``: each time a worker fails and the agent is about to
+    start the workers again, one line says which rank, why, and which restart it is; a worker that failed on the
+    user's mistake (exit status 2: the same command would fail the same way) or whose output's reader went away
+    ends the job at once instead. The agent is told so the way it tells itself (no restarts left)."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts, self.done = max_restarts, 0
+        self._original = None
+
+    def __enter__(self) -> "_RestartsSaid":
+        if self.max_restarts:
+            from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+            self._agent_class, self._original = LocalElasticAgent, LocalElasticAgent._monitor_workers
+            said = self
+
+            def monitor_workers(agent, worker_group):
+                result = said._original(agent, worker_group)
+                if result.is_failed() and agent._remaining_restarts > 0:
+                    said._decide(agent, result.failures)
+                return result
+
+            LocalElasticAgent._monitor_workers = monitor_workers
+        return self
+
+    def _decide(self, agent, failures: dict) -> None:
+        # the first to fail (by the second); of those, a killed one before one that failed on losing it
+        rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode != -signal.SIGKILL,
+                                                                 item[1].exitcode >= 0))
+        if failure.exitcode in (2, CLOSED_OUTPUT_STATUS):
+            agent._remaining_restarts = 0  # a user's mistake is not tried again
+            return
+        self.done += 1
+        _say(f"{_failure_line(rank, failure).removesuffix('; the job was stopped.').rstrip('.')}; starting the "
+             f"workers again (restart {self.done} of {self.max_restarts}): they resume from the output.")
+
+    def after(self) -> str:
+        """What the job's last line adds when restarts were made."""
+        return f" (after {self.done} restart{'' if self.done == 1 else 's'})" if self.done else ""
+
+    def __exit__(self, *exception) -> None:
+        if self._original is not None:
+            self._agent_class._monitor_workers = self._original
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from accelgen.common.settings import World
-from accelgen.parallel.job_store import join_replicas
+from accelgen.parallel.job_store import job_store, join_replicas
 
 
 def init_process_group(world: World, backend: str) -> None:
@@ -18,7 +18,7 @@ def init_process_group(world: World, backend: str) -> None:
     if world.replicas > 1:
         join_replicas(world, backend)
     elif world.size > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=backend, rank=world.rank, world_size=world.size)
+        torch.distributed.init_process_group(backend=backend, store=job_store(), rank=world.rank, world_size=world.size)
 
 
 def leave_process_group() -> None:

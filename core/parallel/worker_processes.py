@@ -26,6 +26,25 @@ LAUNCHER_VARIABLE = "ACCELGEN_LAUNCHER_PID"
 STOPPED_NOTICE_SECONDS = 3.0
 
 
+#: Set by torch's elastic agent in every rank: how many times it has started the job's workers again.
+RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restarts_so_far() -> int:
+    """How many times the workers of this job were started again after one failed (0 outside a launched job)."""
+    return int(os.environ.get(RESTART_VARIABLE) or 0)
+
+
+#: What a collective's error says when another rank of the job is gone (gloo's words; NCCL's): this rank's
+#: failure is that one's consequence, which the launcher reports.
+PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank of the job went away."""
+    return any(sign in str(error) for sign in PEER_LOST_SIGNS)
+
+
 def running_as_worker() -> bool:
     """True inside a process started by torchrun / torch's elastic agent (ours or the user's)."""
     return WORKER_VARIABLE in os.environ or "RANK" in os.environ
