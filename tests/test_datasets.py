@@ -216,6 +216,25 @@ def test_progress_draws_a_bar_on_a_terminal():
     assert "4/4" in terminal.getvalue() and "row" in terminal.getvalue()
 
 
+def test_progress_lines_in_a_log_say_the_last_count_once():
+    """Off a terminal a line is printed every few seconds; one printed at the last row is not printed again."""
+    import io
+
+    from accelgen.jobs.progress import Progress
+
+    log = io.StringIO()
+    progress = Progress(total=12, stream=log, every_seconds=0)
+    progress.update(5)
+    progress.update(7)
+    progress.close()
+    assert [line.split(",")[0] for line in log.getvalue().splitlines()] == ["accelgen: 5/12 rows", "accelgen: 12/12 rows"]
+    quiet = io.StringIO()
+    progress = Progress(total=12, stream=quiet, every_seconds=3600)
+    progress.update(12)
+    progress.close()
+    assert [line.split(",")[0] for line in quiet.getvalue().splitlines()] == ["accelgen: 12/12 rows"]
+
+
 def test_a_hub_dataset_that_cannot_be_reached_suggests_a_local_file(monkeypatch, capsys):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here; fail at once
     assert complete("--dataset", "JulesBelveze/tldr_news", "--dataset-config", "all", "--split", "test") == 2

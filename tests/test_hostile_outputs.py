@@ -77,6 +77,21 @@ def test_a_file_planted_where_accelgen_writes_its_own_is_refused_and_never_writt
     assert sorted(path.name for path in tmp_path.iterdir()) == before  # the plant kept, nothing made
 
 
+@pytest.mark.parametrize("companion", [".run.json", ".lock"])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["", "overwrite"])
+def test_an_outputs_companion_file_is_never_an_output(tmp_path, capsys, companion, overwrite):
+    """Another output's run record or lock named as --output: refused, so the first output still resumes."""
+    first = tmp_path / "out.jsonl"
+    assert main(["run", *QUICK, "--prompt", "Hello", "--output", str(first)]) == 0
+    capsys.readouterr()
+    kept = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert main(["run", *QUICK, "--prompt", "Other", "--output", f"{first}{companion}", *overwrite]) == 2
+    assert "has the name of the files accelgen keeps beside an output" in one_error_line(capsys)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == kept
+    assert main(["run", *QUICK, "--prompt", "Hello", "--output", str(first)]) == 0  # resumes: nothing to do
+    assert "all 1 rows are already in" in capsys.readouterr().err
+
+
 def test_a_temporary_file_name_planted_as_a_link_is_never_opened(tmp_path, capsys):
     """The run record and bench/compare outputs go through a temporary file: a new name each time (the old
     ``<file>.tmp`` and ``<file>.tmp<pid>`` names were predictable, and opened through a planted link)."""

@@ -51,3 +51,26 @@ def test_a_stop_wrapped_anywhere_in_the_run_is_a_stop_not_a_traceback(capsys, ti
     assert status == 143, stderr
     assert stderr.strip().splitlines()[-1] == "accelgen: stopped (SIGTERM)"
     assert "Traceback" not in stderr
+
+
+def test_a_stopped_dataset_run_says_where_its_rows_are_and_how_to_go_on(tiny_model_folder, tmp_path, cli_environment):
+    """Ctrl-C or SIGTERM to a run writing an output: one line naming the output and the command that resumes."""
+    import json
+    import subprocess
+    import sys
+
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": f"Row {number}"}) + "\n" for number in range(400)))
+    for sent, status, said in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped (SIGTERM)")):
+        output = tmp_path / f"out-{sent.name}.jsonl"
+        run = subprocess.Popen([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model",
+                                str(tiny_model_folder("llama")), "--dataset", str(dataset), "--max-new-tokens", "16",
+                                "--output", str(output), "--quiet"], env=cli_environment, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 2):
+            time.sleep(0.01)
+        run.send_signal(sent)
+        _, stderr = run.communicate(timeout=60)
+        assert run.returncode == status, stderr
+        assert stderr.splitlines()[-1] == (f"accelgen: {said}: the rows finished are kept in {output}, and the same "
+                                           f"command resumes")

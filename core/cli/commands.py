@@ -54,10 +54,12 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     worker, world = running_as_worker(), World.from_environment()
+    arguments = None
     with warnings.catch_warnings(), signals_stop_the_command(worker) as stop:
         show_our_warnings_as_lines(shown=not worker or world.is_main)
         try:
-            status = _run(Invocation(argv, build_parser().parse_args(argv), worker, world), plugin_manager)
+            arguments = build_parser().parse_args(argv)
+            status = _run(Invocation(argv, arguments, worker, world), plugin_manager)
             flush_output()
             return status
         except BrokenPipeError:
@@ -74,13 +76,13 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             return 2
         except KeyboardInterrupt:
             if not worker:
-                print("accelgen: interrupted", file=sys.stderr)
+                print(f"accelgen: interrupted{_kept(arguments)}", file=sys.stderr)
             return 130
         except Stopped as stopped:
-            return _stopped(stopped.signal_number)
+            return _stopped(stopped.signal_number, arguments)
         except Exception as error:
             if stop.signal_number is not None:  # a library made the Stopped raised inside its code an error of its own
-                return _stopped(stop.signal_number)
+                return _stopped(stop.signal_number, arguments)
             if worker:
                 record_worker_failure(error)
                 if lost_a_peer(error):  # the launcher names the rank that went first; this one says nothing
@@ -88,10 +90,17 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             raise
 
 
-def _stopped(signal_number: int) -> int:
+def _stopped(signal_number: int, arguments: argparse.Namespace | None) -> int:
     """Say that SIGTERM or SIGHUP stopped the command; its exit status."""
-    print(f"accelgen: stopped ({signal.Signals(signal_number).name})", file=sys.stderr)
+    print(f"accelgen: stopped ({signal.Signals(signal_number).name}){_kept(arguments)}", file=sys.stderr)
     return 128 + signal_number
+
+
+def _kept(arguments: argparse.Namespace | None) -> str:
+    """What the line of a stopped ``accelgen run`` with an output adds: where its finished rows are, and how to go on."""
+    if arguments is None or getattr(arguments, "command", None) != "run" or not getattr(arguments, "output", None):
+        return ""
+    return f": the rows finished are kept in {arguments.output}, and the same command resumes"
 
 
 def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
@@ -334,6 +343,7 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)
         if ended.line is not None:
-            print(f"accelgen: {ended.line}", file=sys.stderr)
+            stopped = ended.status in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP)
+            print(f"accelgen: {ended.line}{_kept(arguments) if stopped else ''}", file=sys.stderr)
         return ended.status
     return command()

@@ -62,6 +62,11 @@ class CompletionLines:
         return text
 
 
+#: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``): never an
+#: output themselves, with or without --overwrite.
+COMPANION_SUFFIXES = (".run.json", ".lock")
+
+
 class CompletionFile:
     """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
 
@@ -71,6 +76,10 @@ class CompletionFile:
         job other than rank 0 read the file but do not lock it. ``lines``: what a line holds (accelgen's own,
         or ``accelgen.jobs.openai_batch.BatchOutputLines``)."""
         check_output_file(path, "--output", "out.jsonl")
+        if path.endswith(COMPANION_SUFFIXES):
+            raise UsageError(f"--output {path!r} has the name of the files accelgen keeps beside an output (its run "
+                             f"record, *.run.json, and its lock, *.lock), which another output may need to resume: "
+                             f"choose a name ending otherwise, such as out.jsonl.")
         self.path, self.lines = path, lines
         self.run_file = run_record_path(path)
         refuse_link(self.run_file, "Run record")

@@ -15,6 +15,7 @@ class Progress:
         self.total, self.done, self.stream, self.every_seconds = total, done, stream, every_seconds
         self._started = self._last_line = time.monotonic()
         self._resumed_at = done
+        self._printed: int | None = None  # rows done when the last line was printed
         self._bar = None
         if stream.isatty():
             from tqdm import tqdm
@@ -29,10 +30,10 @@ class Progress:
             self._print_line()
 
     def close(self, final_line: bool = True) -> None:
-        """End the bar, or print the last progress line when ``final_line``."""
+        """End the bar, or print the last progress line when ``final_line`` (unless the last line printed says it)."""
         if self._bar is not None:
             self._bar.close()
-        elif final_line:
+        elif final_line and self._printed != self.done:
             self._print_line()
 
     def line(self) -> str:
@@ -45,5 +46,5 @@ class Progress:
         return text
 
     def _print_line(self) -> None:
-        self._last_line = time.monotonic()
+        self._last_line, self._printed = time.monotonic(), self.done
         print(self.line(), file=self.stream, flush=True)
