@@ -398,7 +398,8 @@ def test_run_out_of_memory_says_which_batch_size_would_fit(tiny_model_folder, ca
 
     capsys.readouterr()  # what building the model printed
     status = main(["run", "--device", "cpu", "--model", str(folder), "--batch-size", "4", "--max-new-tokens", "5",
-                   "--prompt", "Hello", "--prompt", "DeepSpeed is"], plugin_manager=plugin_manager_with(ThreeRowsCpu()))
+                   *[argument for prompt in ("Hello", "DeepSpeed is", "Hi", "It") for argument in ("--prompt", prompt)]],
+                  plugin_manager=plugin_manager_with(ThreeRowsCpu()))  # four rows: the four slots are kept
     assert status == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1

@@ -241,3 +241,20 @@ def test_a_hub_dataset_that_cannot_be_reached_suggests_a_local_file(monkeypatch,
     error = capsys.readouterr().err
     assert "Dataset 'JulesBelveze/tldr_news' not found, or the Hub cannot be reached" in error
     assert "pass a local JSON, JSONL, CSV or Parquet file" in error and error.count("\n") == 1
+
+
+def test_a_batch_larger_than_the_rows_left_runs_as_many_slots_as_they_need(tiny_model_folder, tmp_path, capsys):
+    """--batch-size 5000 on 3 rows: 3 slots (said in one line), the rows of a run with --batch-size 3."""
+    folder = str(tiny_model_folder("llama"))
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": f"Row {number} says"}) + "\n" for number in range(3)))
+    outputs = {}
+    for size in ("5000", "3"):
+        outputs[size] = tmp_path / f"out{size}.jsonl"
+        assert complete("--model", folder, "--dataset", str(dataset), "--max-new-tokens", "4", "--batch-size", size,
+                        "--output", str(outputs[size]), "--quiet") == 0
+        said = [line for line in capsys.readouterr().err.splitlines() if "--batch-size" in line]
+        assert said == (["accelgen: warning: --batch-size 5,000 is more than the 3 slots the rows left to complete "
+                         "need: running 3"] if size == "5000" else [])
+    assert [row["completion_token_ids"] for row in rows_of(outputs["5000"])] == [
+        row["completion_token_ids"] for row in rows_of(outputs["3"])]

@@ -15,9 +15,10 @@ import itertools
 import json
 import os
 import time
+import warnings
 from typing import Callable, Iterator, Sequence
 
-from accelgen.common.errors import UsageError
+from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
@@ -234,6 +235,22 @@ def run_record(request: Request, source: dict) -> dict:
                 **request.run.output_deciding())
 
 
+def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
+    """The request with no more slots than the rows left to complete take (each of its samples a slot), said in one
+    line: a batch shape larger than that would compute empty slots at every step. Rows that choose their own number
+    of samples (an OpenAI batch file) or a count not known beforehand (a streamed dataset) keep the asked size."""
+    run = request.run
+    if job.rows.total is None or run.rows_choose:
+        return request
+    slots = max(1, (job.rows.total - job.done) * run.num_samples)
+    if slots >= run.batch_size:
+        return request
+    warnings.warn(AccelgenWarning(
+        f"--batch-size {run.batch_size:,} is more than the {slots:,} slots the rows left to complete "
+        f"{'(with their samples) ' if run.num_samples > 1 else ''}need: running {slots}"), stacklevel=3)
+    return dataclasses.replace(request, run=dataclasses.replace(run, batch_size=slots))
+
+
 def complete(
     request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
     show_progress: bool = False,
@@ -245,6 +262,7 @@ def complete(
     is_main = request.world.is_main
     if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
+    request = _slots_for_the_rows(request, job)
     try:
         started = time.perf_counter()
         generator = load_request(request)

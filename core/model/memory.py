@@ -98,7 +98,7 @@ def out_of_memory_advice(
     usable = USABLE_SHARE * total_bytes
     per_sequence = bytes_per_sequence(config, cache_length, dtype, world_size, prefill_chunk)
     sizes = (f"the weights take {weight_bytes_per_rank / GIB:.1f} GiB per device of {total_bytes / GIB:.1f} GiB and "
-             f"each sequence about {per_sequence / GIB:.2f} GiB")
+             f"each sequence about {format_size(per_sequence)}")
     weights_that_fit = usable - per_sequence * batch_size
     offload = ""
     if offload_mode is not None and 0 < weights_that_fit < weight_bytes_per_rank:
