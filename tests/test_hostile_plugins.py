@@ -106,6 +106,11 @@ BROKEN_PLUGINS = {
                            "def is_available(self):\n    return True"),
         "registering Npu called sys.exit(7)",
     ),
+    "a hook that returns its accelerator instead of registering it": (
+        accelerator_plugin("def is_available(self):\n    return True").replace("    register(Npu())", "    return [Npu()]"),
+        "its accelgen_register_accelerators hook returned list instead of calling register(accelerator) for each "
+        "accelerator: nothing of it was registered",
+    ),
     "a device named auto": (
         accelerator_plugin("def is_available(self):\n    return True", name="auto"),
         "registers Npu with the name 'auto', which --device keeps for the best available device",

@@ -54,9 +54,12 @@ def accelerator_registry(plugin_manager: PluginManager) -> Registry:
             "accelgen_register_accelerators", remove_plugins=[other for other in plugins if other is not plugin]
         )
         try:
-            call_plugin(origin, "accelgen_register_accelerators", only_this_plugin, register=register_one)
+            returned = call_plugin(origin, "accelgen_register_accelerators", only_this_plugin, register=register_one)
         except PluginFailure as failure:
             broken.append(BrokenPlugin(origin.plugin, origin.package, failure.problem))
+            continue
+        if returned:  # pluggy collects what hooks return: this one returned something instead of registering it
+            broken.append(BrokenPlugin(origin.plugin, origin.package, _returned_instead(returned)))
     ranked = sorted(found.items(), key=lambda item: (-item[1][0], item[0]))
     return Registry({name: guard.accelerator for name, (_, guard) in ranked}, broken,
                     {name: guard for name, (_, guard) in ranked}, list(getattr(plugin_manager, "skipped", [])))
@@ -65,6 +68,13 @@ def accelerator_registry(plugin_manager: PluginManager) -> Registry:
 def registered_accelerators(plugin_manager: PluginManager) -> dict[str, Accelerator]:
     """Every usable registered accelerator by name, highest priority first."""
     return accelerator_registry(plugin_manager).accelerators
+
+
+def _returned_instead(returned: list) -> str:
+    """The problem of a hook that returned its accelerators (or anything) instead of passing them to ``register``."""
+    what = ", ".join(type(value).__name__ for value in returned)
+    return (f"its accelgen_register_accelerators hook returned {what} instead of calling register(accelerator) for "
+            f"each accelerator: nothing of it was registered")
 
 
 def _register(found: dict, broken: list, origin: PluginOrigin, accelerator: Accelerator) -> None:
