@@ -59,11 +59,6 @@ class Generator:
         return self.runner.capture_failure
 
     @property
-    def prefix_store_bytes(self) -> int | None:
-        """The size of the store of prompt prefixes (``--prefix-cache``), None when prefixes are not reused."""
-        return None if self.runner.prefixes is None else self.runner.prefixes.budget_bytes
-
-    @property
     def cache_length_in_use(self) -> int | None:
         """Positions per row of the KV cache memory this generator holds (its largest cache), None before any."""
         return self.runner.cache_length_in_use

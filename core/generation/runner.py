@@ -113,6 +113,7 @@ class SlotRunner:
         self.prefixes = None if run.prefix_cache == 0 or self.rows_aligned else PrefixReuse(
             min(gather_from_ranks(store_bytes(run.prefix_cache, accelerator.memory_stats().get("free_bytes")), world)),
             device, stats)
+        stats.prefix_store_bytes = None if self.prefixes is None else self.prefixes.budget_bytes
 
     @property
     def cache_length_in_use(self) -> int | None:

@@ -36,6 +36,7 @@ class GenerationStats:
     prefilled_tokens: int = 0  # of those, run through the model (a prefill window may run some reused ones again)
     reused_tokens: int = 0  # of those, copied from the prefix store instead of being computed
     prefix_hits: int = 0  # prompts that found their beginning in the prefix store
+    prefix_store_bytes: int | None = None  # the size of that store (--prefix-cache); None when prefixes are not reused
     #: the longest wait of running rows between two decode steps, and the longest prefill forward pass: host clock
     #: seconds (on a device that runs steps as they are issued, the CPU, the time they took)
     longest_decode_gap: float = 0.0

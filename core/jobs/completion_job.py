@@ -78,7 +78,7 @@ class PromptFigures:
         counts = replicas or [generator.stats]
         return cls(*(sum(getattr(count, field) for count in counts)
                      for field in ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")),
-                   generator.prefix_store_bytes)
+                   generator.stats.prefix_store_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
