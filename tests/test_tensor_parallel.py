@@ -73,8 +73,9 @@ def test_two_ranks_generate_what_one_process_generates(
     expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=batch_size,
                                  max_new_tokens=MAX_NEW_TOKENS)
     assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
-    # only rank 0 printed: each prompt once
+    # only rank 0 printed: each prompt once, and nothing but completions (DeepSpeed's lines go to stderr)
     assert result.stdout.count("Input: ") == len(PROMPTS)
+    assert "built successfully" not in result.stdout and "Setting accelerator" not in result.stdout, result.stdout
     assert "world size 2" in result.stderr
 
     # each rank holds only its shard: at most 0.6x the unsharded parameter bytes
@@ -135,7 +136,7 @@ def test_ctrl_c_stops_every_worker(tiny_model_folder, job_environment):
                          "--max-new-tokens", "50", "--ignore-eos"),
         env=job_environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    for line in launcher.stdout:  # DeepSpeed logs to stdout too
+    for line in launcher.stdout:
         if line == "Batch n°1\n":  # the workers are generating
             break
     launcher.send_signal(signal.SIGINT)  # to the launcher alone, as a supervisor would

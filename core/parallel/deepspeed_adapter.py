@@ -14,8 +14,10 @@ given to DeepSpeed as its injection policy, so the split it makes is the one the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable
+import sys
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,6 +27,15 @@ from accelgen.model.architectures import architecture_of
 from accelgen.model.empty_model import is_empty
 from accelgen.model.shape import check_shardable
 from accelgen.parallel.vocab_parallel import split_vocabulary
+
+
+@contextlib.contextmanager
+def deepspeed_prints_to_stderr() -> Iterator[None]:
+    """Inside the block, what DeepSpeed writes to the standard output goes to standard error: its logger's handler,
+    made when it is first imported, keeps the standard output of that moment, and it prints its kernels' builds,
+    where ``accelgen run`` writes completions (``accelgen run > file`` must capture completions alone)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, host_ranks: int | None = None,
@@ -37,7 +48,8 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, ho
     ``inference_options`` go to ``init_inference`` (e.g. ``replace_with_kernel_inject=True``).
     """
     try:
-        import deepspeed
+        with deepspeed_prints_to_stderr():
+            import deepspeed
     except ImportError:
         raise UsageError(
             "Tensor parallelism needs DeepSpeed: pip install 'accelgen[deepspeed]' (or your vendor's DeepSpeed build)."
@@ -50,9 +62,10 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, ho
     if host_ranks is not None:
         os.environ["LOCAL_SIZE"] = str(host_ranks)
     try:
-        engine = deepspeed.init_inference(
-            model, tensor_parallel={"tp_size": world.size}, dtype=torch_dtype(dtype), **options
-        )
+        with deepspeed_prints_to_stderr():
+            engine = deepspeed.init_inference(
+                model, tensor_parallel={"tp_size": world.size}, dtype=torch_dtype(dtype), **options
+            )
     except AssertionError as error:  # AutoTP states unsupported models with assertions
         raise UsageError(
             f"DeepSpeed cannot shard {type(model).__name__} with AutoTP ({str(error).strip()}); "
