@@ -324,13 +324,17 @@ def test_a_kv_cache_larger_than_free_memory_is_refused_before_it_is_allocated(ca
     (["--batch-size", "10000000"], r"--batch-size \d+ fits; or lower --max-new-tokens"),  # 4 TiB: more than any machine
     (["--buckets", "2147483647"], r": lower --max-new-tokens or --buckets / --max-input-tokens \(shorter rows\)\.$"),
 ])
-def test_host_memory_is_checked_before_a_batch_or_bucket_too_large_for_it(cli_environment, arguments, fix):
+def test_host_memory_is_checked_before_a_batch_or_bucket_too_large_for_it(cli_environment, tmp_path, arguments, fix):
     """On the CPU an allocation larger than the machine is granted lazily and the kernel then kills the process
     (exit 137, no word): the check comes first. Run in a process whose address space is capped below the
-    machine's memory, so that a regression fails with an error here instead of taking the machine down."""
+    machine's memory, so that a regression fails with an error here instead of taking the machine down. The batch
+    comes with rows streamed from a dataset: their count is not known beforehand, so the slots are not cut to it."""
     limit = 12 * 2**30
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "Hello"}\n')
+    source = ["--dataset", str(rows), "--streaming"] if "--batch-size" in arguments else ["--prompt", "Hello"]
     result = subprocess.run(
-        [sys.executable, "-m", "accelgen.cli", "run", *QUICK, "--prompt", "Hello", *arguments],
+        [sys.executable, "-m", "accelgen.cli", "run", *QUICK, *source, *arguments],
         env=cli_environment, capture_output=True, text=True, timeout=300,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
     )
