@@ -4,8 +4,10 @@
 process starts, then runs ``python -m accelgen.cli run ...`` N times (``N / nnodes`` on this node) with the
 device's own launcher or under ``torch.distributed.run``: the launcher's agent sets RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of them when one fails or
-when it is interrupted. Workers report a failure through the error file the agent gives them
-(:func:`record_worker_failure`), so the launcher can print it as one line.
+when it is interrupted; with ``--max-restarts N`` it then starts them again, up to N times, and they resume the
+output (each restart said in one line; a failure on the user's mistake is not retried). Workers report a failure
+through the error file the agent gives them (:func:`record_worker_failure`), so the launcher can print it as one
+line.
 """
 
 from __future__ import annotations
