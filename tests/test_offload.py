@@ -342,7 +342,8 @@ def test_a_run_stopped_by_sigterm_removes_its_offloaded_copies_and_keeps_its_row
     finally:
         process.kill()
     assert process.returncode == 128 + stop, stderr[-4000:]  # the tail names the final error
-    assert stderr.strip().splitlines()[-1] == f"accelgen: stopped ({signal.Signals(stop).name})"
+    assert stderr.strip().splitlines()[-1] == (f"accelgen: stopped ({signal.Signals(stop).name}): the rows finished are "
+                                               f"kept in {output}, and the same command resumes")
     assert "Traceback" not in stderr
     assert list(folder.iterdir()) == []
     rows = [json.loads(line) for line in output.read_text().splitlines()]
