@@ -98,8 +98,7 @@ class PrefixReuse:
         """Copy the prefilled prompts' full blocks that are not in the store yet out of their cache rows into it."""
         keep = {place for places in self._found for place in places}  # what this insertion's prompts found
         moves = [(slot, bucket - len(row.prompt_ids) + number * BLOCK_TOKENS, place)
-                 for row, slot, places in zip(prompts, slots, self._found)
-                 for number, place in self.index.places_for(row.prompt_ids, len(places), keep)]
+                 for row, slot in zip(prompts, slots) for number, place in self.index.places_for(row.prompt_ids, keep)]
         if moves:
             self._move(cache, moves, into_cache=False)
 

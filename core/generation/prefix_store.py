@@ -58,17 +58,16 @@ class PrefixStore:
             if key in self._places:
                 self._places.move_to_end(key)
 
-    def places_for(self, prompt_ids: Sequence[int], stored: int, keep: set[int]) -> list[tuple[int, int]]:
-        """(block number, place) for the prompt's full blocks past its first ``stored`` (already in the store),
-        each given a place: a free one, else the least recently used block's, never one of ``keep`` (blocks read or
-        written by the same insertion) nor one of the prompt's own blocks before it (a block is of no use without
-        them). Stops where no place is left."""
+    def places_for(self, prompt_ids: Sequence[int], keep: set[int]) -> list[tuple[int, int]]:
+        """(block number, place) for the prompt's full blocks not in the store yet, each given a place: a free one,
+        else the least recently used block's, never one of ``keep`` (blocks read or written by the same insertion,
+        which holds the places the prompt's stored beginning was found at) nor one of the prompt's own blocks before
+        it (a block is of no use without them). Stops where no place is left."""
         keys = block_keys(prompt_ids, len(prompt_ids) // BLOCK_TOKENS)
         given = []
         for number, key in enumerate(keys):
-            if number < stored or key in self._places:  # stored already (by another prompt of the insertion too)
-                if key in self._places:
-                    keep.add(self._places[key])
+            if key in self._places:  # stored already (found by this prompt, or stored by another of the insertion)
+                keep.add(self._places[key])
                 continue
             place = self._free.pop() if self._free else self._evict(keep)
             if place is None:
