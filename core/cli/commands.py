@@ -338,7 +338,7 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
         # restarted workers resume an output; without one they would print every completion again
         restarts = getattr(arguments, "max_restarts", 0) if getattr(arguments, "output", None) else 0
         plan = plan_launch(arguments.world_size or 1, arguments.nnodes, arguments.node_rank, arguments.master_addr,
-                           arguments.master_port, data_parallel, restarts)
+                           arguments.master_port, data_parallel, restarts, arguments.node_wait)
         request.check_world_size(plan.world_size, data_parallel)
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)

@@ -10,6 +10,7 @@ from accelgen.common.errors import UsageError
 from accelgen.common.settings import (
     BATCHING_MODES,
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_NODE_WAIT,
     DTYPES,
     OFFLOAD_MODES,
     QUANTIZATION_SCHEMES,
@@ -177,6 +178,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser):
     parallel.add_argument("--node-rank", type=_number("node_rank"), default=0, help=_with_range("this machine's index, 0 to nnodes-1", "node_rank"))
     parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
     parallel.add_argument("--master-port", type=_number("master_port"), help=_with_range("free port on node 0 (default: any free port on one node, 29500 on several)", "master_port"))
+    _add_number(parallel, "--node-wait", DEFAULT_NODE_WAIT, "seconds a node of several waits for the others, saying "
+                "which it waits for, before it gives up (default {default})")
     return parallel
 
 

@@ -218,6 +218,9 @@ class World:
 
 #: How many times a job of several ranks starts its workers again after one fails (``--max-restarts``).
 DEFAULT_MAX_RESTARTS = 3
+#: Seconds a node of a multi-node job waits for the others before it gives up (``--node-wait``), as torch's own
+#: rendezvous: long enough for nodes started by hand one after another.
+DEFAULT_NODE_WAIT = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +233,7 @@ class LaunchPlan:
     master_addr: str
     master_port: int
     max_restarts: int = 0  # times torch's agent starts the workers again after one fails (they resume the output)
+    node_wait: int = DEFAULT_NODE_WAIT  # seconds a node of several waits for the others before it gives up
 
     @property
     def processes_per_node(self) -> int:

@@ -83,6 +83,7 @@ RANGES: dict[str, Range] = {
     "max_file_mib": Range(int, 1, 1 << 20),
     "node_rank": Range(int, 0, 65535),
     "master_port": Range(int, 1, 65535),
+    "node_wait": Range(int, 1, INT32_MAX),
     "batch_sizes": COUNT,
     "runs": COUNT,
     "warmup_runs": Range(int, 0, INT32_MAX),

@@ -5,7 +5,8 @@ process starts, then runs ``python -m accelgen.cli run ...`` N times (``N / nnod
 device's own launcher or under ``torch.distributed.run``: the launcher's agent sets RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches the workers, and stops all of them when one fails or
 when it is interrupted; with ``--max-restarts N`` it then starts them again, up to N times, and they resume the
-output (each restart said in one line; a failure on the user's mistake is not retried). Workers report a failure
+output (each restart said in one line; a failure on the user's mistake is not retried). The nodes of a multi-node
+job meet before the agent starts (``accelgen.parallel.node_meeting``: a wait that speaks). Workers report a failure
 through the error file the agent gives them (:func:`record_worker_failure`), so the launcher can print it as one
 line.
 """
@@ -27,7 +28,8 @@ import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
-from accelgen.common.settings import LaunchPlan
+from accelgen.common.settings import DEFAULT_NODE_WAIT, LaunchPlan
+from accelgen.parallel.node_meeting import NodeMeeting, NodesMissing
 from accelgen.parallel.worker_processes import (
     LAUNCHER_VARIABLE,
     StoppedWorkerWatch,
@@ -62,10 +64,10 @@ def _port_taken(address: str, port: int, why: str) -> UsageError:
 
 
 def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None,
-                data_parallel: int = 1, max_restarts: int = 0) -> LaunchPlan:
+                data_parallel: int = 1, max_restarts: int = 0, node_wait: int = DEFAULT_NODE_WAIT) -> LaunchPlan:
     """The checked plan of a job of ``world_size`` ranks over ``nnodes`` machines, this one ``node_rank``, in
-    ``data_parallel`` replicas, its workers started again up to ``max_restarts`` times after one fails (each
-    number already in its range: ``accelgen.common.value_ranges``)."""
+    ``data_parallel`` replicas, its workers started again up to ``max_restarts`` times after one fails, each node
+    waiting ``node_wait`` seconds for the others (each number already in its range: ``accelgen.common.value_ranges``)."""
     if world_size % nnodes:
         raise UsageError(f"--world-size {world_size} must be a multiple of --nnodes {nnodes}: each node runs as many ranks.")
     if not 0 <= node_rank < nnodes:
@@ -74,7 +76,7 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
     port = master_port or (free_port() if nnodes == 1 else 29500)
     if node_rank == 0:
         check_port_free(master_addr, port)
-    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port, max_restarts)
+    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port, max_restarts, node_wait)
 
 
 def check_data_parallel(world_size: int, data_parallel: int, ranks_per_node: int) -> None:
@@ -172,10 +174,13 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
     signals = _SignalsEndTheJob(SignalException)
     restarts = _RestartsSaid(plan.max_restarts)
+    meeting = NodeMeeting(plan, _say)
     try:
         with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say), _quiet_agent(), \
-                restarts:
+                restarts, meeting:
             torchrun.run(launcher_arguments)
+    except NodesMissing as missing:
+        return JobEnd(1, f"error: {missing}")
     except ChildFailedError as failure:
         rank, process_failure = failure.get_first_failure()
         if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
@@ -185,6 +190,8 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
     except SignalException as interrupt:
         received = signals.received or interrupt.sigval
         ended = "interrupted" if received == signal.SIGINT else "stopped"
+        if not meeting.met:
+            return JobEnd(128 + received, f"{ended} ({received.name}) while waiting for {meeting.waiting_for()}")
         return JobEnd(128 + received, f"{ended} ({received.name}); all workers stopped")
     except DistNetworkError as error:
         if "EADDRINUSE" not in str(error):
