@@ -78,7 +78,7 @@ def start_node(job_environment):
 def test_node_0_says_which_node_it_waits_for_and_stops_at_once_on_a_signal(start_node, stop):
     node = start_node(free_port(), 2, 0)
     line = node.wait_for_line("waiting for")
-    assert line.startswith(f"accelgen: waiting for node 1 to join at {node.where} (2 s so far; this node gives up "
+    assert line.startswith(f"accelgen: waiting for node 1 to join at {node.where} (1 s so far; this node gives up "
                            f"after 600 s: --node-wait)"), line
     node.process.send_signal(stop)
     status, lines = node.end()
@@ -89,7 +89,7 @@ def test_node_0_says_which_node_it_waits_for_and_stops_at_once_on_a_signal(start
 
 def test_a_node_without_node_0_names_its_address_and_gives_up_after_node_wait(start_node):
     node = start_node(free_port(), 2, 1, "--node-wait", "3")
-    assert node.wait_for_line("waiting for") == (f"accelgen: waiting for node 0 at {node.where} (2 s so far; this node "
+    assert node.wait_for_line("waiting for") == (f"accelgen: waiting for node 0 at {node.where} (1 s so far; this node "
                                                  f"gives up after 3 s: --node-wait)")
     status, lines = node.end()
     assert status == 1

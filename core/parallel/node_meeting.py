@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from accelgen.common.settings import LaunchPlan
 
 #: Seconds of waiting before the first line: nodes started together meet in less, and say nothing.
-FIRST_LINE_SECONDS = 2.0
+FIRST_LINE_SECONDS = 1.0
 #: Seconds between the lines of a wait that goes on.
 REPEAT_SECONDS = 30.0
 #: Seconds between two looks at the store (or at node 0's port).
