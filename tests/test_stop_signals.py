@@ -74,3 +74,15 @@ def test_a_stopped_dataset_run_says_where_its_rows_are_and_how_to_go_on(tiny_mod
         assert run.returncode == status, stderr
         assert stderr.splitlines()[-1] == (f"accelgen: {said}: the rows finished are kept in {output}, and the same "
                                            f"command resumes")
+
+
+def test_a_dataset_run_stopped_before_any_row_finished_does_not_claim_rows_kept(capsys, tiny_model_folder, tmp_path):
+    """SIGTERM while the first insertion's step is captured: no row has finished, so none is said to be kept."""
+    dataset, output = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+    dataset.write_text('{"text": "Hello"}\n{"text": "World"}\n')
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--dataset", str(dataset),
+                   "--output", str(output), "--max-new-tokens", "4", "--graphs"],
+                  plugin_manager=plugin_manager_with(CaptureStoppedCpu()))
+    stderr = capsys.readouterr().err
+    assert status == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "accelgen: stopped (SIGTERM): no row had finished yet"

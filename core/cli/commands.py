@@ -29,6 +29,7 @@ from accelgen.cli.terminal import (
     show_our_warnings_as_lines,
 )
 from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
+from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
 from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far
@@ -100,6 +101,8 @@ def _kept(arguments: argparse.Namespace | None) -> str:
     """What the line of a stopped ``accelgen run`` with an output adds: where its finished rows are, and how to go on."""
     if arguments is None or getattr(arguments, "command", None) != "run" or not getattr(arguments, "output", None):
         return ""
+    if not holds_rows(arguments.output):
+        return ": no row had finished yet"
     return f": the rows finished are kept in {arguments.output}, and the same command resumes"
 
 

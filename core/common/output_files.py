@@ -22,6 +22,11 @@ def real_path(path: str) -> str:
     return os.path.realpath(path)
 
 
+def holds_rows(path: str | None) -> bool:
+    """Whether ``path`` names a completion file with something in it (what a stopped run may say it kept)."""
+    return path is not None and os.path.isfile(path) and os.path.getsize(path) > 0
+
+
 def check_output_file(path: str, option: str, example: str, *, exists_ok: bool = True) -> None:
     """Raise UsageError, before any work, when ``option`` (e.g. "--output") names ``path`` that cannot be
     written as a regular file: a folder, a device or pipe, a missing or read-only folder, a read-only file,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from accelgen.common.output_files import holds_rows
 from accelgen.generation.generator import Generator
 from accelgen.model.memory import out_of_memory_advice, parameter_bytes, parameter_bytes_of_config
 from accelgen.session.request import Request
@@ -29,8 +28,7 @@ def out_of_memory_line(request: Request, generator: Generator | None, kept_outpu
         offload_mode=None if run.offload is not None or world.size > 1 else offload_mode,
         device_is_host=request.accelerator.shares_host_memory, prefill_chunk=run.prefill_chunk,
     )
-    written = kept_output is not None and os.path.isfile(kept_output) and os.path.getsize(kept_output) > 0
-    kept = f" (rows finished so far are kept in {kept_output})" if written else ""
+    kept = f" (rows finished so far are kept in {kept_output})" if holds_rows(kept_output) else ""
     return (f"Out of memory on {request.accelerator.name} with --batch-size {run.batch_size} and --world-size "
             f"{world.size}{kept}: {advice}")
 
