@@ -180,3 +180,13 @@ def test_bad_input_from_the_real_script_has_no_traceback(cli_environment):
     assert result.returncode == 2
     assert result.stderr == ("accelgen: error: argument --batch-size: must be a whole number from 1 to 2147483647, "
                              "got '-1' (see 'accelgen run --help')\n")
+
+
+def test_help_names_the_built_in_models_folder(capsys):
+    """A user can find the built-in model to shard or bench it: ``--help`` names its folder, a model by that path."""
+    for command in ("run", "shard"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert str(DEFAULT_MODEL) in " ".join(capsys.readouterr().out.split())  # help wraps long lines
+    assert run_cli("--device", "cpu", "--model", str(DEFAULT_MODEL), "--prompt", "In the beginning",
+                   "--max-new-tokens", "2") == 0

@@ -10,6 +10,7 @@ from accelgen.common.errors import UsageError
 from accelgen.common.settings import (
     BATCHING_MODES,
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_MODEL,
     DEFAULT_NODE_WAIT,
     DTYPES,
     OFFLOAD_MODES,
@@ -130,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--plot", help="also draw a PNG chart to this file (needs matplotlib)")
 
     shard = commands.add_parser("shard", help="split a model once for a world size and dtype; runs then read only their own files")
-    shard.add_argument("--model", required=True, help="Hub id or local folder of the model to split")
+    shard.add_argument("--model", required=True, help=f"Hub id or local folder of the model to split (the built-in demo "
+                                                      f"model is the folder {DEFAULT_MODEL})")
     shard.add_argument("--dtype", required=True, choices=DTYPES, help="the dtype runs of the sharded model will use")
     shard.add_argument("--output", required=True, help="folder to write (written as OUTPUT.partial, renamed when complete)")
     shard.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
-    parser.add_argument("--model", help="Hub id or local folder (default: the built-in demo model)")
+    parser.add_argument("--model", help=f"Hub id or local folder (default: the built-in demo model, the folder {DEFAULT_MODEL})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: the device's (float32 on cpu)")
     parser.add_argument("--quantize", choices=QUANTIZATION_SCHEMES,
                         help="store the linear layers' weights as int8 (one scale per output channel) or the device's "

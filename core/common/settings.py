@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from accelgen.common.errors import UsageError
+
+#: The small BLOOM-architecture model shipped with accelgen, used when no --model is given (rebuilt by
+#: examples/build_default_model.py); named in ``--help`` so that it can be sharded or benched by its path.
+DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
 
 #: Dtype names users pass (``--dtype``) and the torch attribute each one names.
 DTYPES = ("float32", "bfloat16", "float16")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.common.settings import DEFAULT_MODEL as DEFAULT_MODEL  # loading takes it from here too
 
-#: The small BLOOM-architecture model shipped with accelgen (rebuilt by examples/build_default_model.py).
-DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
 #: What reports and run records call it.
 BUILT_IN_NAME = "accelgen built-in default"
 
