@@ -63,11 +63,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.set_defaults(workload="varied")  # dataset_throughput's default workload
     arguments = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
         folder, dataset, output = Path(scratch, "model"), Path(scratch, "rows.jsonl"), Path(scratch, "out.jsonl")
-        prompts, _ = build_workload(arguments, folder)
+        prompts_of, _ = build_workload(arguments, folder)
+        prompts = prompts_of(0)
         dataset.write_text("".join(json.dumps({"text": prompt}) + "\n" for prompt in prompts))
         rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
         texts = {}
