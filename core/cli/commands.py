@@ -16,7 +16,7 @@ import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from accelgen.cli.parser import build_parser
-from accelgen.cli.signals import Stopped, signals_stop_the_command
+from accelgen.cli.signals import Stopped, interrupts_end_at_once, signals_stop_the_command
 from accelgen.cli.terminal import (
     bench_progress_line,
     closed_reader_streams,
@@ -110,9 +110,10 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
     command = invocation.arguments.command
     if command == "compare":
         return compare_command(invocation.arguments)
-    from accelgen.plugin.manager import get_plugin_manager
+    with interrupts_end_at_once(f"accelgen: interrupted{_kept(invocation.arguments)}"):
+        from accelgen.plugin.manager import get_plugin_manager
 
-    plugin_manager = plugin_manager or get_plugin_manager()
+        plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
         return devices_command(plugin_manager)
     return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
@@ -138,16 +139,21 @@ def devices_command(plugin_manager: PluginManager) -> int:
 
 
 def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
-    from accelgen.jobs.completion_job import open_job
-    from accelgen.jobs.dataset_rows import DatasetRequest
-
     arguments = invocation.arguments
     if arguments.prompt and arguments.dataset:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
-    request = _request(arguments, plugin_manager, _replica_world(invocation),
-                       chat_template=_chat_template(arguments.chat_template_file))
+    with interrupts_end_at_once(f"accelgen: interrupted{_kept(arguments)}"):  # until the output is opened
+        from accelgen.jobs.completion_job import open_job
+        from accelgen.jobs.dataset_rows import DatasetRequest
+
+        request = _request(arguments, plugin_manager, _replica_world(invocation),
+                           chat_template=_chat_template(arguments.chat_template_file))
+        if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
+            from accelgen.model.empty_model import import_model_code
+
+            import_model_code(request.model.config())  # the model is built in this process: its code, now
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,

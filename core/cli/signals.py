@@ -4,9 +4,11 @@ never lands inside an import."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Iterator
@@ -49,13 +51,33 @@ def signals_stop_the_command(worker: bool) -> Iterator[StopSignal]:
     interrupt = _InterruptOutsideImports()
     before[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     ours = {signal.SIGTERM: stop, signal.SIGHUP: stop, signal.SIGINT: interrupt}
+    interrupt.watch_imports()
     try:
         yield received
     finally:
         interrupt.cancel()
+        interrupt.stop_watching_imports()
         for number, handler in before.items():
             if signal.getsignal(number) is ours[number]:  # not one set since (a launcher ignoring a late Ctrl-C)
                 signal.signal(number, handler)
+
+
+#: While set (:func:`interrupts_end_at_once`), the line a Ctrl-C inside an import ends the process with, at once.
+_AT_ONCE_LINE: str | None = None
+
+
+@contextlib.contextmanager
+def interrupts_end_at_once(line: str) -> Iterator[None]:
+    """Inside the block (a command's start: its modules imported, its model's files read, nothing opened for writing
+    yet), a Ctrl-C that lands inside an import prints ``line`` and ends the process at once with status 130, rather
+    than waiting for the import (torch's takes seconds): nothing is left to tidy, and no half-imported library is
+    ever used."""
+    global _AT_ONCE_LINE
+    previous, _AT_ONCE_LINE = _AT_ONCE_LINE, line
+    try:
+        yield
+    finally:
+        _AT_ONCE_LINE = previous
 
 
 class _InterruptOutsideImports:
@@ -63,8 +85,10 @@ class _InterruptOutsideImports:
     while a module is being imported. An import cut short by KeyboardInterrupt can leave torch, numpy or a
     transformers lazy module half set up, and what imports it next then fails in ways that hide the Ctrl-C
     (a RecursionError reported as a damaged model; a run that goes on to the end). There the interrupt is
-    delivered again a moment later, until it lands outside any import; after ``PATIENCE_SECONDS`` it is raised
-    wherever it lands (a plugin whose import never ends must still be stoppable)."""
+    delivered as soon as an ``import`` statement of accelgen's own or the outermost one returns (:meth:`watch_imports`:
+    torch, numpy, transformers are then whole), else again a
+    moment later until it lands outside any import; after ``PATIENCE_SECONDS`` it is raised wherever it lands (a
+    plugin whose import never ends must still be stoppable)."""
 
     PATIENCE_SECONDS = 3.0
     RETRY_SECONDS = 0.05
@@ -72,8 +96,39 @@ class _InterruptOutsideImports:
     def __init__(self):
         self.first_deferred: float | None = None
         self.retry: threading.Timer | None = None
+        self._import = self._counted = None  # builtins.__import__ as it was before watch_imports, and ours
+        self._depth = 0  # import statements of the main thread running, one inside another
+
+    def watch_imports(self) -> None:
+        """Route import statements through a counter, so that an interrupt held back by an import is raised the
+        moment the outermost one returns (torch's own import takes seconds: waiting for a gap between imports
+        would mostly wait for ``PATIENCE_SECONDS``)."""
+        original, main_thread = builtins.__import__, threading.main_thread()
+
+        def counted_import(*arguments, **keywords):
+            if threading.current_thread() is not main_thread:
+                return original(*arguments, **keywords)
+            self._depth += 1
+            try:
+                return original(*arguments, **keywords)
+            finally:
+                self._depth -= 1
+                if self.first_deferred is not None and _may_interrupt_after_import(sys._getframe(1), self._depth):
+                    self.cancel()
+                    raise KeyboardInterrupt
+
+        self._import, self._counted, builtins.__import__ = original, counted_import, counted_import
+
+    def stop_watching_imports(self) -> None:
+        """Put ``builtins.__import__`` back as it was, unless something replaced ours since (theirs stays)."""
+        if self._import is not None and builtins.__import__ is self._counted:
+            builtins.__import__ = self._import
+        self._import = None
 
     def __call__(self, signal_number, frame) -> None:
+        if _AT_ONCE_LINE is not None and _importing(frame):
+            print(_AT_ONCE_LINE, file=sys.stderr, flush=True)
+            os._exit(130)
         now = time.monotonic()
         if _importing(frame) and (self.first_deferred is None or now - self.first_deferred < self.PATIENCE_SECONDS):
             self.first_deferred = self.first_deferred or now
@@ -90,6 +145,13 @@ class _InterruptOutsideImports:
         self.first_deferred = None
         if self.retry is not None:
             self.retry.cancel()
+
+
+def _may_interrupt_after_import(caller, depth: int) -> bool:
+    """Whether an interrupt may be raised where ``caller`` has just finished an import statement: outside any
+    import, or in accelgen's own modules (what they imported is whole; a module of ours cut short is dropped by
+    Python's import system and imported again whole by whatever asks for it)."""
+    return (not depth and not _importing(caller)) or caller.f_globals.get("__name__", "").startswith("accelgen")
 
 
 def _importing(frame) -> bool:

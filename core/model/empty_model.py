@@ -24,6 +24,16 @@ def empty_model(config: transformers.PretrainedConfig, dtype: str, trust_remote_
     return model.eval()
 
 
+def import_model_code(config: transformers.PretrainedConfig) -> None:
+    """Import the transformers module that defines ``config``'s model now (transformers imports it lazily when the
+    model is built: seconds of imports, torch's compiler included, on the way of every run), so that a command can
+    do it at its start, where Ctrl-C ends it at once. Models of remote code are left to their loading."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with contextlib.suppress(KeyError):
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
 def is_empty(model: torch.nn.Module) -> bool:
     """True when the model's parameters have no memory yet."""
     return any(parameter.is_meta for parameter in model.parameters())
