@@ -2,14 +2,15 @@
 them: each is refused with one ``accelgen: error:`` line, exit status 2 and no traceback, before any rank starts,
 and nothing the user had is changed (byte for byte) or read from outside the model's folder.
 
-Most cases run ``accelgen.cli.main`` in this process; a full disk (a file size limit) and a two-rank shard job
-need real processes.
+Most cases run ``accelgen.cli.main`` in this process; a full disk (a file size limit for one process, a small
+tmpfs for a two-rank shard job) and a two-rank shard job need real processes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -261,6 +262,51 @@ def test_a_full_disk_while_sharding_leaves_no_folder(source_model, tmp_path, cli
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith(f"accelgen: error: Cannot write --output {str(output)!r}: File too large")
     assert contents(tmp_path) == before and not output.exists() and not Path(f"{output}.partial").exists()
+
+
+def run_on_a_small_disk(disk: Path, size: int, command: list[str], environment: dict) -> tuple[subprocess.CompletedProcess,
+                                                                                                list[str]]:
+    """Run ``command`` with a real filesystem of ``size`` bytes (a tmpfs, which fails a write past its size with
+    ENOSPC, "No space left on device", as a full disk does) mounted on ``disk``; what it printed, and the names
+    left on that disk after it. The mount lives in a mount namespace of the command's own (``unshare --mount
+    --map-root-user``: no root needed where user namespaces are allowed), so nothing outside sees it and it goes
+    with the command, whatever happens to the test. Skips the test where such a mount is not permitted."""
+    mount = ["unshare", "--mount", "--map-root-user", "--", "mount", "-t", "tmpfs", "-o", "size=4096", "tmpfs", str(disk)]
+    try:
+        probe = subprocess.run(mount, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("unshare (util-linux) is not installed: a small disk cannot be mounted for this test")
+    if probe.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted in a private mount namespace here: {probe.stderr.strip()}")
+    left = disk.parent / f"{disk.name}-left.txt"
+    script = 'mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 99; shift 2; "$@"; status=$?; ls -A "$DISK" > "$LEFT"; exit $status'
+    result = subprocess.run(["unshare", "--mount", "--map-root-user", "--", "sh", "-c", script, "sh", str(size), str(disk),
+                             *command], env=dict(environment, DISK=str(disk), LEFT=str(left)), capture_output=True,
+                            text=True, timeout=200)
+    assert result.returncode != 99, result.stderr
+    return result, left.read_text().split()
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_a_two_rank_shard_is_one_line_naming_the_rank_and_gives_the_disk_back(source_model, tmp_path,
+                                                                                                cli_environment):
+    """A disk with room for one rank's file, not two: the rank that comes second fails with ENOSPC while the other
+    waits for it in a collective, which then fails too (its peer is gone). The job ends in the failing rank's one
+    line, no traceback from the other, and the staging folder is removed: the disk is as empty as before."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    output = disk / "out"
+    size = (source_model / "model.safetensors").stat().st_size  # a rank file holds half the model and more
+    result, left = run_on_a_small_disk(disk, size, [sys.executable, "-m", "accelgen.cli",
+                                                    *shard_arguments(source_model, str(output), 2)], cli_environment)
+    assert result.returncode == 2, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("accelgen:")]
+    assert len(ours) == 1 and re.fullmatch(
+        rf"accelgen: error: Cannot write --output {re.escape(repr(str(output)))} \(rank [01]\): No space left on device: "
+        r"the checkpoint was not written; free space on that disk, or pass another --output, and run again\.", ours[0]), \
+        result.stderr
+    assert "Traceback" not in result.stderr and "[rank" not in result.stderr and "gloo" not in result.stderr, result.stderr
+    assert left == []  # neither out nor out.partial: the space is given back
 
 
 # -- 6. weight files that are not what they claim ------------------------------------------------------------------

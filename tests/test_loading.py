@@ -20,6 +20,7 @@ import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import AccelgenWarning
 from accelgen.loading.pre_sharded import MANIFEST
+from accelgen.parallel.launcher import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -216,15 +217,23 @@ def test_shard_refuses_an_existing_output_unless_told_to_overwrite(tiny_model_fo
     assert (output / MANIFEST).is_file()
 
 
-def test_a_shard_job_killed_half_way_leaves_nothing_that_passes_for_complete(tiny_model_folder, tmp_path, cli_environment,
-                                                                            capsys):
+def test_a_shard_job_stopped_half_way_leaves_nothing_that_passes_for_complete(tiny_model_folder, tmp_path, cli_environment,
+                                                                             capsys):
     output = tmp_path / "llama-tp2"
+    partial = Path(f"{output}.partial")
     failing = with_fault_drill(cli_environment, hook="shard")  # rank 1 fails once DeepSpeed has split the model
     result = shard(failing, tiny_model_folder("llama"), output)
     assert result.returncode != 0
     assert "injected fault on rank 1" in result.stderr
-    assert not output.exists()
-    partial = Path(f"{output}.partial")
+    assert not output.exists() and not partial.exists()  # removed by the launcher once its ranks had ended
+    # ranks that end half-way with no launcher of ours to clean up (torchrun started by hand; a launcher killed
+    # outright) leave the staging folder behind
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "accelgen.cli", "shard", "--device", "cpu", "--model",
+                             str(tiny_model_folder("llama")), "--world-size", "2", "--dtype", "float32", "--output",
+                             str(output)], env=failing, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "injected fault on rank 1" in result.stderr
+    assert not output.exists() and partial.is_dir()
     assert not (partial / MANIFEST).exists() and not (partial / "config.json").exists()
     status, error = run_exit(capsys, "run", "--device", "cpu", "--model", str(partial), "--prompt", "a")
     assert status == 2 and "has no config.json" in error

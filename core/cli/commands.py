@@ -261,14 +261,21 @@ def _measure(arguments: argparse.Namespace, request: Request, protocol) -> int:
 
 
 def shard_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
-    from accelgen.jobs.shard_job import check_shard_request
+    from accelgen.jobs.shard_job import check_shard_request, remove_staging_left
 
     arguments = invocation.arguments
     if arguments.world_size is None:
         raise UsageError("accelgen shard needs --world-size N: the number of ranks the runs will use.")
     request = _request(arguments, plugin_manager, invocation.world)
     check_shard_request(request, arguments.output, arguments.overwrite)
-    return _here_or_launched(invocation, request, lambda: _shard(arguments, request))
+    status = None
+    try:
+        status = _here_or_launched(invocation, request, lambda: _shard(arguments, request))
+        return status
+    finally:
+        if status != 0 and not invocation.worker and arguments.node_rank == 0:
+            # the job did not complete and none of its ranks runs any more: what they wrote goes (a full disk back)
+            remove_staging_left(arguments.output)
 
 
 def _shard(arguments: argparse.Namespace, request: Request) -> int:

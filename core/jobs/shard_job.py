@@ -5,8 +5,10 @@ The job is a tensor-parallel load like a run's, on whatever device the user name
 the world size, not on the device): each rank gives memory to its parameters a file's worth at a time,
 fills them from the checkpoint, writes them and lets them go, so a rank holds at most one file's worth of
 weights. Everything is written into ``<output>.partial`` (the staging folder); rank 0 adds config, tokenizer
-and, last, the manifest, then renames the folder to ``<output>``: a killed job leaves only the ``.partial``
-folder, which nothing takes for a model and the next run removes.
+and, last, the manifest, then renames the folder to ``<output>``. A job that does not complete (a full disk, a
+failed rank, Ctrl-C) has its ``.partial`` folder removed by the user's own process once no rank runs
+(:func:`remove_staging_left`); a job killed outright leaves only that folder, which nothing takes for a model and
+the next run removes.
 
 The job deletes only what it wrote: the staging folder holds a marker file (``STAGING_MARKER``) from its first
 moment, and a ``.partial`` folder without one is the user's and refused; ``--overwrite`` replaces only a folder
@@ -26,6 +28,7 @@ import tempfile
 import torch
 
 from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.common.settings import World
 from accelgen.loading.aligned_safetensors import save_aligned
 from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import MANIFEST, rank_file_name, rank_metadata, write_manifest
@@ -111,7 +114,7 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     folder = output_folder(output)
     staging = folder + STAGING_SUFFIX
     if world.is_main:
-        with _writing(staging):
+        with _writing(staging, world):
             _make_staging(staging)
     wait_for_every_rank()
     opened = request.model.open(dtype, world)
@@ -125,7 +128,7 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     if world.is_main:
         source = {"model": request.model.report_name, "identity": request.model.identity(),
                   "unsharded_parameter_bytes": unsharded_bytes}
-        with _writing(staging):
+        with _writing(staging, world):
             request.model.config().save_pretrained(staging)
             opened.tokenizer.save_pretrained(staging)
             opened.skeleton.generation_config.save_pretrained(staging)
@@ -145,20 +148,31 @@ def _make_staging(staging: str) -> None:
     open(os.path.join(staging, STAGING_MARKER), "w").close()
 
 
+def remove_staging_left(output: str) -> None:
+    """Remove the staging folder of ``--output`` that a job which did not complete left behind, giving its disk
+    space back. The user's own process calls it once every rank has ended (none writes there any more); only a
+    folder a shard job made (holding the marker) is removed. (Ranks started by torchrun by hand have no such
+    process: the next job removes what they left.)"""
+    staging = output_folder(output) + STAGING_SUFFIX
+    if _is_staging(staging):
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def _writing(staging: str, is_main: bool = True):
-    """Errors writing the checkpoint (a full disk, a folder that went away) as one line. Rank 0 (``is_main``)
-    removes the staging folder: nothing half-written is left. Another rank leaves it to the next job (removed
-    under rank 0's writes, it would make rank 0 fail too, for a reason that misleads)."""
+def _writing(staging: str, world: World):
+    """Errors writing the checkpoint (a full disk, a folder that went away) as one line, naming the rank in a job
+    of several. The staging folder is left for the user's own process to remove once every rank has ended
+    (:func:`remove_staging_left`): removed under another rank's writes, it would make that rank fail too, for a
+    reason that misleads."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as error:
-        if is_main and _is_staging(staging):
-            shutil.rmtree(staging, ignore_errors=True)
-        raise UsageError(f"Cannot write --output {staging.removesuffix(STAGING_SUFFIX)!r}: {_write_error(error)}: the "
-                         f"checkpoint was not written; make room (or pass another --output) and run again.") from None
+        rank = f" (rank {world.rank})" if world.size > 1 else ""
+        raise UsageError(f"Cannot write --output {staging.removesuffix(STAGING_SUFFIX)!r}{rank}: {_write_error(error)}: "
+                         f"the checkpoint was not written; free space on that disk, or pass another --output, and "
+                         f"run again.") from None
 
 
 def _write_error(error: BaseException) -> str:
@@ -193,7 +207,7 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
             else:
                 tensors[load.name] = parameters[load.name]
         name = rank_file_name(world.rank, world.size, len(names))
-        with _writing(folder, world.is_main):
+        with _writing(folder, world):
             save_aligned({key: tensor.data.contiguous().cpu() for key, tensor in tensors.items()}, os.path.join(folder, name),
                          rank_metadata(world.rank, world.size))
         for tensor in tensors.values():

@@ -33,6 +33,7 @@ from accelgen.parallel.node_meeting import NodeMeeting, NodesMissing
 from accelgen.parallel.worker_processes import (
     LAUNCHER_VARIABLE,
     StoppedWorkerWatch,
+    lost_a_peer,
     stop_leftover_workers,
 )
 from accelgen.parallel.worker_processes import running_as_worker as running_as_worker  # the command line asks here
@@ -182,7 +183,7 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
     except NodesMissing as missing:
         return JobEnd(1, f"error: {missing}")
     except ChildFailedError as failure:
-        rank, process_failure = failure.get_first_failure()
+        rank, process_failure = _first_cause(failure.failures)
         if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
             return JobEnd(CLOSED_OUTPUT_STATUS)
         return JobEnd(2 if process_failure.exitcode == 2 else 1,
@@ -228,9 +229,7 @@ class _RestartsSaid:
         return self
 
     def _decide(self, agent, failures: dict) -> None:
-        # the first to fail (by the second); of those, a killed one before one that failed on losing it
-        rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode != -signal.SIGKILL,
-                                                                 item[1].exitcode >= 0))
+        rank, failure = _first_cause(failures)
         if failure.exitcode in (2, CLOSED_OUTPUT_STATUS):
             agent._remaining_restarts = 0  # a user's mistake is not tried again
             return
@@ -320,10 +319,29 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def _failure_line(rank: int, process_failure) -> str:
+def _first_cause(failures: dict) -> tuple[int, object]:
+    """Of a job's failed ranks (rank: torch's ProcessFailure), the one whose failure the job's line names: not a
+    rank whose collective failed because another had gone (its recorded error says so, as the rank itself told by
+    :func:`lost_a_peer` when it kept quiet), then the first to fail (by the second: two often fail in the same
+    one), then a killed rank before one that failed on losing it."""
+    def consequence(process_failure) -> bool:
+        message = _message_of(process_failure)
+        return not message.startswith("UsageError: ") and lost_a_peer(message)
+
+    return min(failures.items(), key=lambda item: (consequence(item[1]), item[1].timestamp,
+                                                   item[1].exitcode != -signal.SIGKILL, item[1].exitcode >= 0))
+
+
+def _message_of(process_failure) -> str:
+    """The one-line message a failed rank recorded in its error file ("" when it recorded none)."""
     message = process_failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
+    return message
+
+
+def _failure_line(rank: int, process_failure) -> str:
+    message = _message_of(process_failure)
     if message.startswith("UsageError: "):
         return message.removeprefix("UsageError: ")
     if process_failure.exitcode < 0:

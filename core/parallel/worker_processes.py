@@ -40,8 +40,9 @@ def restarts_so_far() -> int:
 PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
 
 
-def lost_a_peer(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because another rank of the job went away."""
+def lost_a_peer(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception, or the message a failed rank recorded for its launcher) is a collective
+    failing because another rank of the job went away."""
     return any(sign in str(error) for sign in PEER_LOST_SIGNS)
 
 
