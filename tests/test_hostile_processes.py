@@ -1,9 +1,10 @@
 """Processes at the wrong moment: a launcher killed or interrupted while its ranks start, a rank killed or
-stopped, two jobs on one port, an unwritable HOME, a build lock nobody holds. Each job ends in one line (or
-none, killed) with its exit status, and leaves no process behind."""
+stopped, two jobs on one port, an unwritable HOME, a build lock nobody holds or a compile holds for long. Each job
+ends in one line (or none, killed) with its exit status, and leaves no process behind."""
 
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -293,6 +294,82 @@ def test_a_build_lock_dated_in_the_future_is_aged_by_watching_it_and_the_wait_sa
     assert not lock.exists()
     assert capsys.readouterr().err.startswith(f"accelgen: waiting for {lock}: no process is compiling DeepSpeed's "
                                               f"CPU all-reduce extension; the lock goes in ")
+
+
+def start_a_compile_in(folder: Path, programs: Path) -> subprocess.Popen:
+    """A process that looks to the lock check like a compile at work: a build tool named ``ninja`` (``sleep``
+    under that name) whose working directory is the build folder, started by this process as torch starts ninja
+    from the process that took the lock."""
+    ninja = programs / "ninja"
+    shutil.copy(shutil.which("sleep"), ninja)
+    return subprocess.Popen([str(ninja), "600"], cwd=folder)
+
+
+class StderrThatRemovesTheLock:
+    """Standard error that keeps each line written, and removes ``lock`` (the compile is over) once a line says
+    the wait goes on: a wait long enough to repeat itself, without a timed test."""
+
+    def __init__(self, lock: Path):
+        self.lock, self.text = lock, ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        if "still waiting" in text:
+            self.lock.unlink(missing_ok=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_wait_on_a_compile_names_the_process_holding_the_lock_and_repeats_with_the_time_so_far(tmp_path,
+                                                                                                 monkeypatch):
+    """Before: "waiting for process N, compiling ... (once per machine; a minute or two)", said once, however long
+    the wait (a user waited 442 s under it)."""
+    from accelgen_cpu import extension_lock
+
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    stderr = StderrThatRemovesTheLock(lock)
+    compile_at_work = start_a_compile_in(folder, tmp_path)
+    try:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        extension_lock.wait_for_build_lock(str(lock), str(folder), repeat_seconds=1)
+    finally:
+        monkeypatch.undo()
+        compile_at_work.kill()
+        compile_at_work.wait()
+    first, again = stderr.text.splitlines()
+    holder = rf"process {os.getpid()} \(\S*python\S* .+\)"  # the process that started the compile: this one
+    compiling = rf"to finish compiling DeepSpeed's CPU all-reduce extension in {re.escape(str(folder))}"
+    assert re.fullmatch(rf"accelgen: waiting for {holder} {compiling} \(it holds the lock there; Ctrl-C stops this "
+                        rf"job\)", first), first
+    assert re.fullmatch(rf"accelgen: still waiting for {holder} {compiling} \(\d+ s so far\)", again), again
+    assert "minute" not in stderr.text
+
+
+def test_a_job_waiting_on_a_compile_says_for_what_and_ctrl_c_ends_it(tiny_model_folder, tmp_path, start_job,
+                                                                     job_environment):
+    extensions = extensions_folder_with_a_lock(tmp_path)
+    lock = next(extensions.glob("*/lock"))
+    compile_at_work = start_a_compile_in(lock.parent, tmp_path)
+    try:
+        job = start_job(*run_arguments(tiny_model_folder("llama")),
+                        environment=dict(job_environment, TORCH_EXTENSIONS_DIR=str(extensions)))
+        line = job.wait_for_line("waiting for")
+        assert line.startswith(f"accelgen: waiting for process {os.getpid()} (")
+        assert line.endswith(f" to finish compiling DeepSpeed's CPU all-reduce extension in {lock.parent} (it holds the "
+                             f"lock there; Ctrl-C stops this job)\n")
+        job.process.send_signal(signal.SIGINT)
+        assert job.end() == 130, job.text()
+    finally:
+        compile_at_work.kill()
+        compile_at_work.wait()
+    assert job.our_lines() == [line.strip(), "accelgen: interrupted (SIGINT); all workers stopped"]
+    assert "Traceback" not in job.text()
+    job.assert_nothing_left()
 
 
 # -- torchrun started by hand -----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ compile that was stopped (SIGTERM, SIGKILL). A compile in progress runs its buil
 with the build folder as their working directory: a lock is attributed to such a process only, not to any
 process that happens to work in the folder (a shell), and never by its modification time alone (which may
 lie in the future). A lock with no compile at work for :data:`STALE_AFTER_SECONDS` is removed; every wait
-says what it waits for within :data:`SAY_AFTER_SECONDS`.
+says what it waits for within :data:`SAY_AFTER_SECONDS` (the compile, and the process that started it and holds
+the lock), and again every :data:`REPEAT_SECONDS` with the time waited so far.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ EXTENSION = "deepspeed_shm_comm"
 STALE_AFTER_SECONDS = 30
 #: How long a wait goes on before it says what it waits for.
 SAY_AFTER_SECONDS = 3
+#: How often a wait says again what it waits for, with the time waited so far.
+REPEAT_SECONDS = 30
 #: The programs of a compile in progress: torch runs ninja in the build folder, ninja the compiler and linker.
 BUILD_PROGRAMS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "clang", "clang++", "ld", "collect2", "as"})
 WHAT = "DeepSpeed's CPU all-reduce extension"
@@ -55,11 +58,14 @@ def check_build_folder_writable(folder: str) -> None:
                          f"to a writable folder{where}.") from None
 
 
-def wait_for_build_lock(lock: str, folder: str) -> None:
-    """Return once ``lock`` is gone: removed by the compile holding it, or by us when no compile holds it."""
+def wait_for_build_lock(lock: str, folder: str, repeat_seconds: float = REPEAT_SECONDS) -> None:
+    """Return once ``lock`` is gone: removed by the compile holding it, or by us when no compile holds it. While it
+    waits it says what for (the compile and the process holding the lock, or a lock no compile holds), once at
+    first and again every ``repeat_seconds`` with the time waited so far: how long a compile takes depends on the
+    machine, so no duration is promised. Ctrl-C (KeyboardInterrupt, or the signal that ends a rank) stops it at once."""
     watch_started = time.monotonic()
     last_build_seen: float | None = None
-    said = None
+    said, said_at = None, 0.0
     while os.path.exists(lock):
         now = time.monotonic()
         builders = build_processes_in(folder)
@@ -73,14 +79,29 @@ def wait_for_build_lock(lock: str, folder: str) -> None:
         if not builders and quiet >= STALE_AFTER_SECONDS:
             _remove_stale_lock(lock)
             return
-        if builders or quiet >= SAY_AFTER_SECONDS:  # one line for each change: a compile seen, none seen
-            if said != bool(builders):
-                said = bool(builders)
-                _say(f"waiting for process {', '.join(map(str, builders))}, compiling {WHAT} in {folder} (once per "
-                     f"machine; a minute or two)" if builders else
-                     f"waiting for {lock}: no process is compiling {WHAT}; the lock goes in "
-                     f"{STALE_AFTER_SECONDS - quiet:.0f} s unless a compile starts")
-        time.sleep(1)
+        if builders or quiet >= SAY_AFTER_SECONDS:  # a line for each change (a compile seen, none seen), then repeated
+            again = said == bool(builders)
+            if not again or now - said_at >= repeat_seconds:
+                said, said_at = bool(builders), now
+                _say(_waiting_line(lock, folder, builders, quiet, now - watch_started if again else None))
+        time.sleep(min(1.0, repeat_seconds))
+
+
+def _waiting_line(lock: str, folder: str, builders: list[int], quiet: float, waited: float | None) -> str:
+    """What a wait says: the compile and the process holding the lock, or a lock no compile holds; ``waited``: the
+    seconds waited so far, in a line that repeats one said before (None in the first)."""
+    still, so_far = ("still ", f" ({_duration(waited)} so far)") if waited is not None else ("", "")
+    if builders:
+        return (f"{still}waiting for {lock_holder(builders)} to finish compiling {WHAT} in {folder}" +
+                (so_far or " (it holds the lock there; Ctrl-C stops this job)"))
+    return (f"{still}waiting for {lock}{so_far}: no process is compiling {WHAT}; the lock goes in "
+            f"{STALE_AFTER_SECONDS - quiet:.0f} s unless a compile starts")
+
+
+def _duration(seconds: float) -> str:
+    """``45 s``, ``7 min 22 s``."""
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 def _say(line: str) -> None:
@@ -140,9 +161,49 @@ def build_processes_in(folder: str) -> list[int]:
             try:
                 if os.readlink(f"/proc/{entry}/cwd") != folder:
                     continue
-                with open(f"/proc/{entry}/comm") as comm:
-                    if comm.read().strip() in BUILD_PROGRAMS:
-                        found.append(int(entry))
             except OSError:
                 continue
+            if _program_of(int(entry)) in BUILD_PROGRAMS:
+                found.append(int(entry))
     return found
+
+
+def lock_holder(builders: list[int]) -> str:
+    """The process holding the lock, as a message names it: the one that started the compile (torch takes the lock
+    in the Python process that runs the build tool), with its command line; else the build processes themselves."""
+    for pid in builders:
+        parent = _parent_of(pid)
+        while parent and _program_of(parent) in BUILD_PROGRAMS:  # a compiler's parent is the build tool
+            parent = _parent_of(parent)
+        command = _command_line_of(parent) if parent and parent != 1 else None
+        if command:
+            return f"process {parent} ({command})"
+    return ", ".join(f"process {pid} ({_program_of(pid) or '?'})" for pid in builders)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read().decode(errors="replace")
+    except OSError:
+        return None
+    return int(text[text.rfind(")") + 2:].split()[1])  # the name, in parentheses, may hold spaces
+
+
+def _program_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return None
+
+
+def _command_line_of(pid: int, longest: int = 80) -> str | None:
+    """A process's command line, shortened to ``longest`` characters; None when unreadable or empty."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    command = " ".join([os.path.basename(words[0]), *words[1:]]).strip()
+    return (command if len(command) <= longest else command[:longest - 3] + "...") or None
