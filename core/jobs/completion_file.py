@@ -3,7 +3,9 @@ run stopped at any moment (SIGKILL, a full disk) keeps every row it finished and
 resumes after them.
 
 Beside it, ``<output>.run.json`` records what decides the rows (model, source, settings): a different run
-is refused on an existing file unless it overwrites. Every check is made when the file is opened, before
+is refused on an existing file unless it overwrites. A line kept on resume must still stand for the row it
+completed: one whose prompt was edited by hand (:mod:`accelgen.jobs.prompt_digest`; an OpenAI batch line's
+custom_id) is refused, naming its line. Every check is made when the file is opened, before
 any model loads; nothing on disk changes until the first completion is written. An --output that is a
 symbolic link is its target: the run record (and the lock) lie beside the real file, so every name of one
 output resumes the same rows; a run record that is itself a link is refused, never written through.
@@ -14,19 +16,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import IO, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
 from accelgen.generation.text import OPTIONAL_FIELDS, Completion
 from accelgen.jobs.output_lock import OutputLock
+from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
 
-#: Run record fields for people, not compared: the model as named (the same model by another path resumes;
-#: what decides is ``model_identity``, its content).
-DESCRIPTIVE_FIELDS = ("model",)
+#: Run record fields not compared with a resumed run's: the model as named, for people (the same model by another
+#: path resumes; what decides is ``model_identity``, its content), and what the lines carry (an output resumes in
+#: the form it was started in).
+UNCOMPARED_FIELDS = ("model", RECORD_FIELD)
 
-#: The fields a line may hold besides :data:`LINE_FIELDS`.
-OPTIONAL_LINE_FIELDS = OPTIONAL_FIELDS
+#: The fields a line may hold besides :data:`LINE_FIELDS` (lines written before the digest have none).
+OPTIONAL_LINE_FIELDS = (*OPTIONAL_FIELDS, DIGEST_FIELD)
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
 LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion) if field.name not in OPTIONAL_LINE_FIELDS)
 
@@ -37,11 +41,25 @@ def run_record_path(output: str) -> str:
 
 
 class CompletionLines:
-    """accelgen's own output lines: each completion's fields (:meth:`Completion.as_row`)."""
+    """accelgen's own output lines: each completion's fields (:meth:`Completion.as_row`) and the digest of its
+    prompt (:mod:`accelgen.jobs.prompt_digest`)."""
 
     @staticmethod
     def line(completion: Completion) -> dict:
-        return completion.as_row()
+        return with_digest(completion.as_row())
+
+    @staticmethod
+    def record_fields() -> dict:
+        """What a new output's run record says of its lines: each carries its prompt's digest."""
+        return {RECORD_FIELD: DIGEST_FIELD}
+
+    @staticmethod
+    def edits(run_record: dict, dataset_keys: Callable[[], Iterator[object]] | None) -> Callable[[dict], str | None]:
+        """Why a kept line (parsed) no longer stands for its row, or None, line after line from the first: its
+        prompt is not the one its digest was made of (a line without one is refused only when ``run_record``, the
+        output's, says every line was written with one). The dataset is not read (``dataset_keys`` unused)."""
+        required = run_record.get(RECORD_FIELD) == DIGEST_FIELD
+        return lambda line: digest_problem(line, required)
 
     @staticmethod
     def problem(line: object, index: int) -> str | None:
@@ -54,8 +72,9 @@ class CompletionLines:
 
     @staticmethod
     def row_key(line: dict) -> object:
-        """What a written line says of the row it completes, to compare with the dataset's (:meth:`request_key`)."""
-        return line.get("prompt")
+        """What a written line says of the row it completes, to compare with the dataset's (:meth:`request_key`);
+        None for a line whose prompt was edited (:class:`CompletionFile` names it)."""
+        return None if digest_problem(line, required=False) else line.get("prompt")
 
     @staticmethod
     def request_key(text: object) -> object:
@@ -71,10 +90,11 @@ class CompletionFile:
     """Appends completions to ``path``, resuming after the rows already there when ``run_record`` matches."""
 
     def __init__(self, path: str, run_record: dict, overwrite: bool = False, lock: bool = True,
-                 lines=CompletionLines()):
+                 lines=CompletionLines(), dataset_keys: Callable[[], Iterator[object]] | None = None):
         """``lock``: take the output's lock (:mod:`accelgen.jobs.output_lock`) until :meth:`close`; the ranks of a
         job other than rank 0 read the file but do not lock it. ``lines``: what a line holds (accelgen's own,
-        or ``accelgen.jobs.openai_batch.BatchOutputLines``)."""
+        or ``accelgen.jobs.openai_batch.BatchOutputLines``). ``dataset_keys()``: the rows from the first, as
+        ``lines.request_key`` gives them, for lines that are checked against their rows on resume."""
         check_output_file(path, "--output", "out.jsonl")
         if path.endswith(COMPANION_SUFFIXES):
             raise UsageError(f"--output {path!r} has the name of the files accelgen keeps beside an output (its run "
@@ -85,7 +105,8 @@ class CompletionFile:
         refuse_link(self.run_file, "Run record")
         if os.path.exists(self.run_file) and not os.path.isfile(self.run_file):
             raise UsageError(f"Run record {self.run_file!r} (beside --output {path!r}) is not a file: move it away.")
-        self.run_record = run_record
+        self.run_record = {**run_record, **lines.record_fields()}
+        self.dataset_keys = dataset_keys
         self._file: IO[bytes] | None = None
         self._lock = OutputLock(path) if lock else None
         if self._lock:
@@ -105,18 +126,25 @@ class CompletionFile:
                 f"--output {self.path!r} already exists and was not written by accelgen run: "
                 f"pass --overwrite to replace it, or choose another file."
             )
-        self._check_same_run(self._earlier_run_record())
+        earlier = self._earlier_run_record()
+        self._check_same_run(earlier)
+        edited = self.lines.edits(earlier, self.dataset_keys)
         rows = 0
         with user_errors(f"Cannot read --output {self.path!r}", "pass --overwrite to start it again, or another file"):
             with open(self.path, "rb") as existing:
                 for line in existing:
                     if not line.endswith(b"\n"):
                         break  # torn by a stop mid-write: written again on resume
-                    problem = self._line_problem(line, rows)
+                    written, problem = self._read_line(line, rows)
+                    keep = f"keep its first {rows} lines (head -n {rows}) to resume after them, or " if rows else ""
                     if problem:
-                        keep = f"keep its first {rows} lines (head -n {rows}) to resume after them, or " if rows else ""
                         raise UsageError(f"--output {self.path!r} line {rows + 1} {problem}: the file is damaged; "
                                          f"{keep}pass --overwrite to start it again.")
+                    edit = edited(written)
+                    if edit:
+                        raise UsageError(f"--output {self.path!r} line {rows + 1} (row {rows}) {edit}: kept, it would "
+                                         f"stand for a row that says otherwise; restore that line, {keep}pass "
+                                         f"--overwrite to start it again.")
                     rows += 1
         return rows
 
@@ -131,7 +159,7 @@ class CompletionFile:
 
     def _check_same_run(self, earlier: dict) -> None:
         changed = sorted(key for key in earlier.keys() | self.run_record.keys()
-                         if key not in DESCRIPTIVE_FIELDS and earlier.get(key) != self.run_record.get(key))
+                         if key not in UNCOMPARED_FIELDS and earlier.get(key) != self.run_record.get(key))
         if changed:
             raise UsageError(
                 f"--output {self.path!r} holds completions of another run (different {', '.join(changed)}): "
@@ -163,13 +191,13 @@ class CompletionFile:
         with open(path, "w", encoding="utf-8") as run_file:
             json.dump(self.run_record, run_file, indent=1)
 
-    def _line_problem(self, line: bytes, index: int) -> str | None:
-        """Why ``line`` is not the line of row ``index`` written by ``accelgen run``, or None."""
+    def _read_line(self, line: bytes, index: int) -> tuple[object, str | None]:
+        """``line`` parsed, and why it is not the line of row ``index`` written by ``accelgen run`` (or None)."""
         try:
             row = json.loads(line)
         except ValueError as error:  # not JSON, or not UTF-8
-            return f"is not a JSON line ({reason(error)})"
-        return self.lines.problem(row, index)
+            return None, f"is not a JSON line ({reason(error)})"
+        return row, self.lines.problem(row, index)
 
     def close(self) -> None:
         """Close the file and give up its lock (again: nothing)."""

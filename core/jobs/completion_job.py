@@ -162,20 +162,24 @@ def open_job(
             open_dataset = open_rows
         rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+
+        def dataset_keys() -> Iterator[object]:  # the rows read again, where a resume compares them with the output's
+            return map(lines.request_key, open_dataset(dataset).texts)
+
         if output:
             pin = dataset_pin(dataset, rows.revision)
             earlier = _resumed_run_record(output, overwrite)
-            source.update(resumable_pin(dataset, pin, earlier, output, row_key=lines.row_key,
-                                        reread=lambda: map(lines.request_key, open_dataset(dataset).texts)))
+            source.update(resumable_pin(dataset, pin, earlier, output, row_key=lines.row_key, reread=dataset_keys))
     else:
         if not request.run.skip_bad_rows:  # else a prompt that cannot be one becomes an error row
             check_prompts(prompts)
-        rows = TextRows(iter(prompts), len(prompts))
+        rows, dataset_keys = TextRows(iter(prompts), len(prompts)), None
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
     if request.run.chat.text_as_user or rows.conversational:
         source["chat_template_sha256"] = chat_template_hash(request)
     lock_output = request.world.is_main if lock_output is None else lock_output
-    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output, lines=lines) if output else None
+    writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output, lines=lines,
+                            dataset_keys=dataset_keys) if output else None
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
 
 

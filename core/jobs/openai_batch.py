@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from accelgen.common.errors import UsageError, user_errors
 from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
@@ -206,6 +206,27 @@ class BatchOutputLines:
         if line["id"] != f"batch_req_{index}":
             return f"is {line['id']!r}, not batch_req_{index}"
         return None
+
+    @staticmethod
+    def record_fields() -> dict:
+        """What a new output's run record says of its lines: nothing (they hold OpenAI's fields only)."""
+        return {}
+
+    @staticmethod
+    def edits(run_record: dict, dataset_keys: Callable[[], Iterator[object]]) -> Callable[[dict], str | None]:
+        """Why a kept line (parsed) no longer stands for its request, or None, line after line from the first. A
+        batch output line holds no prompt: its custom_id names the request it answers, and is compared with the
+        custom_id of the request of its row (``dataset_keys()``: the batch file's, from the first, read again).
+        A line past the requests read (a lower --limit) is not compared."""
+        requests = dataset_keys()
+        past_the_end = object()
+
+        def edited(line: dict) -> str | None:
+            request = next(requests, past_the_end)
+            if request is past_the_end or line.get("custom_id") == request:
+                return None
+            return f"has custom_id {line.get('custom_id')!r} where the batch file's request of that row has {request!r}"
+        return edited
 
     @staticmethod
     def row_key(line: dict) -> object:
