@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -35,6 +37,33 @@ def _seeded_and_quiet(monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_extensions_folder(tmp_path_factory) -> Path:
+    """This session's own TORCH_EXTENSIONS_DIR, so that a compile of DeepSpeed's CPU all-reduce extension by another
+    job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
+    from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
+    of the session compiles it here."""
+    from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
+
+    usual = Path(extension_build_folder(EXTENSION))
+    folder = tmp_path_factory.mktemp("torch_extensions")
+    if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
+        shutil.copytree(usual, folder / EXTENSION, ignore=shutil.ignore_patterns("lock"))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def built_extension(_private_extensions_folder) -> Path:
+    """The session's extensions folder with DeepSpeed's CPU all-reduce extension compiled in it (now, if no job has
+    compiled it yet): ``<folder>/deepspeed_shm_comm``."""
+    built = _private_extensions_folder / "deepspeed_shm_comm"
+    if not (built / "deepspeed_shm_comm.so").is_file():
+        subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+                        "ShareMemCommBuilder().load()"], check=True, capture_output=True)
+    return built
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,12 @@
 it waits for, stops at once on SIGTERM / SIGINT during the wait, and gives up after --node-wait naming the nodes
 that never came."""
 
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
+from stderr_lines import StderrLines
 
 from accelgen.parallel.launcher import free_port
 
@@ -29,30 +27,15 @@ class Node:
              str(nnodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--prompt", "Hello", "--max-new-tokens", "2", *more],
             env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stderr], daemon=True).start()
+        self.stderr = StderrLines(self.process)
 
     def wait_for_line(self, text: str) -> str:
-        deadline = time.monotonic() + DEADLINE
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.process.poll() is None, "".join(self.seen)
-                continue
-            self.seen.append(line)
-            if text in line:
-                return line.strip()
-        raise AssertionError(f"no line with {text!r} in {''.join(self.seen)}")
+        return self.stderr.wait_for(text, DEADLINE, while_running=True).strip()
 
     def end(self) -> tuple[int, list[str]]:
         """Its exit status and its lines."""
         status = self.process.wait(timeout=DEADLINE)
-        time.sleep(0.2)  # the reader's last lines
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return status, [line.strip() for line in self.seen if line.startswith("accelgen:")]
+        return status, [line.strip() for line in self.stderr.text().splitlines() if line.startswith("accelgen:")]
 
     def kill(self):
         if self.process.poll() is None:

@@ -1,5 +1,6 @@
 """Tensor parallelism for real: `accelgen run --world-size 2` starts two processes that talk over gloo."""
 
+import dataclasses
 import json
 import os
 import re
@@ -16,7 +17,9 @@ from conftest import with_fault_drill
 
 import accelgen
 from accelgen.cli import main
-from accelgen.parallel.launcher import free_port
+from accelgen.common.errors import UsageError
+from accelgen.common.settings import LaunchPlan
+from accelgen.parallel.launcher import JobEnd, free_port, launch_with_torchrun
 
 pytest.importorskip("deepspeed")
 
@@ -204,3 +207,18 @@ def test_a_port_in_use_is_one_line(tiny_model_folder, capsys):
         assert main(argv) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"Cannot use --master-port {port} on 127.0.0.1" in error
+
+
+def test_a_picked_port_another_process_takes_before_the_agent_listens_is_picked_again(tiny_model_folder):
+    """Between picking a free port and torch's agent listening on it, another process (a job starting beside this
+    one) may take the port: a port picked by the launcher is picked again; a port the user named is reported."""
+    argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "a",
+            "--max-new-tokens", "2", "--world-size", "2"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picked = LaunchPlan(2, 1, 0, "127.0.0.1", port, port_given=False)
+        assert launch_with_torchrun(argv, picked) == JobEnd(0)
+        with pytest.raises(UsageError, match=f"^Cannot use --master-port {port} on 127.0.0.1: another job took it "):
+            launch_with_torchrun(argv, dataclasses.replace(picked, port_given=True))

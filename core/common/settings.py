@@ -239,6 +239,7 @@ class LaunchPlan:
     master_port: int
     max_restarts: int = 0  # times torch's agent starts the workers again after one fails (they resume the output)
     node_wait: int = DEFAULT_NODE_WAIT  # seconds a node of several waits for the others before it gives up
+    port_given: bool = True  # the user named --master-port (else it was picked free here, and may be picked again)
 
     @property
     def processes_per_node(self) -> int:

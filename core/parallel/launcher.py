@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 #: Seconds torch's launcher gives an interrupted worker before it kills it (its default: 30).
 SHUTDOWN_GRACE_SECONDS = 3
+#: Ports picked, one after another, for a one-node job whose picked port another process took first.
+PORT_PICKS = 5
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -74,10 +76,11 @@ def plan_launch(world_size: int, nnodes: int, node_rank: int, master_addr: str, 
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank}).")
     check_data_parallel(world_size, data_parallel, world_size // nnodes)
-    port = master_port or (free_port() if nnodes == 1 else 29500)
+    port = master_port or (free_port(master_addr) if nnodes == 1 else 29500)
     if node_rank == 0:
         check_port_free(master_addr, port)
-    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port, max_restarts, node_wait)
+    return LaunchPlan(world_size, nnodes, node_rank, master_addr, port, max_restarts, node_wait,
+                      port_given=master_port is not None or nnodes > 1)
 
 
 def check_data_parallel(world_size: int, data_parallel: int, ranks_per_node: int) -> None:
@@ -152,8 +155,25 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
 
     Whatever ends the job (its end, a failing rank, a signal, even a signal while the ranks start), no rank
     outlives it: the ranks die with this process (``accelgen.parallel.worker_processes``), and any rank torch's
-    agent left running is killed before this returns."""
+    agent left running is killed before this returns. A port picked here (no ``--master-port``) that another
+    process takes before the agent listens on it is picked again; a port the user named is theirs to change."""
     from torch.distributed import DistNetworkError
+
+    picks = 1
+    while True:
+        try:
+            return _run_agent(worker_argv, plan)
+        except DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+            if plan.port_given or picks == PORT_PICKS:
+                raise _port_taken(plan.master_addr, plan.master_port,
+                                  "another job took it as this one started") from None
+            plan, picks = dataclasses.replace(plan, master_port=free_port(plan.master_addr)), picks + 1
+
+
+def _run_agent(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
+    """One run of torch's agent over this node's workers (``launch_with_torchrun``)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -194,11 +214,6 @@ def launch_with_torchrun(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd
         if not meeting.met:
             return JobEnd(128 + received, f"{ended} ({received.name}) while waiting for {meeting.waiting_for()}")
         return JobEnd(128 + received, f"{ended} ({received.name}); all workers stopped")
-    except DistNetworkError as error:
-        if "EADDRINUSE" not in str(error):
-            raise
-        # another job took the port between plan_launch's check and the agent's store
-        raise _port_taken(plan.master_addr, plan.master_port, "another job took it as this one started") from None
     return JobEnd(0)
 
 
