@@ -10,6 +10,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# One thread per test process, unless the developer set OMP_NUM_THREADS: float sums in one order on any machine and
+# any load (a reference and the run it checks may not run at different thread counts), and no OpenMP thread
+# spinning for a core a busy machine does not give it. Jobs the tests start inherit it (the CPU plugin keeps a
+# thread count the user set); the tests of the plugin's own choice start their jobs without it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
+
 from tiny_models import build_model, build_tokenizer, tiny_configs  # noqa: E402
 
 ARCHITECTURES = ("bloom", "gpt2", "llama", "opt", "falcon")

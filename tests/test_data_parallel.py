@@ -150,8 +150,8 @@ def test_the_summary_says_which_replicas_a_slower_one_held_back(capsys):
 
     replicas = [ReplicaReport(0, 5, 50, 2.0), ReplicaReport(1, 7, 70, 2.0, waited_seconds=1.25)]
     report = RunReport(rows=12, new_tokens=120, load_seconds=1.0, generate_seconds=2.0, decode_seconds=1.5,
-                       decode_steps=100, device="cpu", dtype="float32", quantize=None, world_size=1, graph_captures=0,
-                       capture_seconds=0.0, capture_failure=None, batching="continuous", slot_occupancy=0.9,
+                       decode_steps=100, device="cpu", device_settings=None, dtype="float32", quantize=None,
+                       world_size=1, graph_captures=0, capture_seconds=0.0, capture_failure=None, batching="continuous", slot_occupancy=0.9,
                        offload=None, unsharded_parameter_bytes=100, rank_memory=[{"parameter_bytes": 100}],
                        replicas=replicas)
     print_summary(report)

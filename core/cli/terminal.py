@@ -67,7 +67,8 @@ def print_summary(report: "RunReport") -> None:
     print(
         f"accelgen: {report.new_tokens} new tokens in {report.generate_seconds:.2f} s "
         f"({report.tokens_per_second:.1f} tokens/s, decode {report.ms_per_decode_step:.2f} ms/step), "
-        f"model loaded in {report.load_seconds:.2f} s, device {report.device}, dtype {report.dtype}"
+        f"model loaded in {report.load_seconds:.2f} s, device {report.device}"
+        + ("" if report.device_settings is None else f" ({report.device_settings})") + f", dtype {report.dtype}"
         + ("" if report.quantize is None else f" ({report.quantize} weights)") + ", "
         f"world size {_world_size(report)}{_restarts()}, graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")

@@ -93,6 +93,7 @@ class RunReport:
     decode_seconds: float  # in decode steps (after each batch's first token)
     decode_steps: int
     device: str
+    device_settings: str | None  # what the accelerator chose for the run (its summary_phrase)
     dtype: str
     quantize: str | None  # the weights' scheme, None when they are in dtype
     world_size: int
@@ -135,7 +136,8 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         new_tokens=sum(replica.new_tokens for replica in replicas) if replicas else stats.new_tokens, load_seconds=load_seconds, generate_seconds=generate_seconds,
         decode_seconds=sum(timing.decode_seconds for timing in stats.timings),
         decode_steps=sum(timing.decode_steps for timing in stats.timings),
-        device=generator.accelerator.name, dtype=generator.run.dtype, quantize=generator.run.quantize, world_size=generator.world.size,
+        device=generator.accelerator.name, device_settings=generator.accelerator.summary_phrase(),
+        dtype=generator.run.dtype, quantize=generator.run.quantize, world_size=generator.world.size,
         graph_captures=stats.graph_captures, capture_seconds=stats.capture_seconds,
         capture_failure=generator.capture_failure, batching=generator.batching, slot_occupancy=stats.slot_occupancy,
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),

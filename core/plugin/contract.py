@@ -200,6 +200,12 @@ class Accelerator(abc.ABC):
         launcher (Habana: DeepSpeed's launcher or mpirun) return it here. Default: None."""
         return None
 
+    def summary_phrase(self) -> str | None:
+        """What this accelerator chose for the run that its user should see, as a phrase the summary line shows
+        after the device's name (the CPU: how many threads, of how many cores, and why), or None. Called after the
+        run. Default: None."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for reports and ``accelgen devices``: ``device_name``, ``device_count``, and where
         known ``driver``, ``peak_memory_bandwidth_gbps`` and ``peak_bf16_tflops`` (None if unknown).

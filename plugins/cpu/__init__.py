@@ -1,5 +1,5 @@
-"""The built-in CPU accelerator: runs everywhere, captures the decode step with ``torch.compile``, runs
-weight-only int8 with torch's fused kernel."""
+"""The built-in CPU accelerator: runs everywhere, chooses its threads from the machine as it finds it, captures the
+decode step with ``torch.compile``, runs weight-only int8 with torch's fused kernel."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any, Callable
 import torch
 
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
-from accelgen.common.settings import RunSettings, World
+from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
+from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
 
 class CpuAccelerator(Accelerator):
@@ -26,11 +27,27 @@ class CpuAccelerator(Accelerator):
     shares_host_memory = True
     quantization_schemes = ("int8",)
 
+    def __init__(self):
+        self._thread_chooser = ThreadChooser()
+        self.thread_choice: ThreadChoice | None = None  # once the model is ready
+
     def is_available(self) -> bool:
         return True
 
     def setup(self, world: World) -> torch.device:
+        self._thread_chooser.started()  # how busy the machine is gets measured over the model's loading
         return torch.device("cpu")
+
+    def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
+                      world: World) -> torch.nn.Module:
+        self.thread_choice = self._thread_chooser.choose(world.local_size)
+        return model
+
+    def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
+        return launch_environment(plan.processes_per_node)
+
+    def summary_phrase(self) -> str | None:
+        return None if self.thread_choice is None else self.thread_choice.describe()
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
