@@ -136,6 +136,9 @@ def accelgen_contender(folder, arguments, batching, **settings):
         settings["buckets"] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
+    chose = getattr(generator.accelerator, "summary_phrase", lambda: None)()  # a baseline from before it has none
+    if chose:
+        print(f"accelgen {batching}: device {arguments.device} ({chose})", flush=True)
 
     samples = settings.get("num_samples", 1)
 

@@ -27,20 +27,20 @@ class CpuAccelerator(Accelerator):
     shares_host_memory = True
     quantization_schemes = ("int8",)
 
-    def __init__(self):
-        self._thread_chooser = ThreadChooser()
-        self.thread_choice: ThreadChoice | None = None  # once the model is ready
+    #: Threads chosen for this run, once its model is ready (``prepare_model``); None before.
+    thread_choice: ThreadChoice | None = None
+    _thread_chooser: ThreadChooser | None = None  # from ``setup`` on
 
     def is_available(self) -> bool:
         return True
 
     def setup(self, world: World) -> torch.device:
-        self._thread_chooser.started()  # how busy the machine is gets measured over the model's loading
+        self._thread_chooser = ThreadChooser()  # how busy the machine is gets measured over the model's loading
         return torch.device("cpu")
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
                       world: World) -> torch.nn.Module:
-        self.thread_choice = self._thread_chooser.choose(world.local_size)
+        self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
         return model
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:

@@ -150,13 +150,10 @@ def _leading_number(value: str, otherwise: int) -> int:
 
 
 class ThreadChooser:
-    """Within one process: a reading when the run starts (``started``), then, once the model has loaded,
+    """Within one process: a reading when the run starts (made with this object), then, once the model has loaded,
     ``choose`` sets torch's threads from what other processes kept busy meanwhile and returns the choice."""
 
     def __init__(self):
-        self._start: CpuTimes | None = None
-
-    def started(self) -> None:
         self._start = CpuTimes.now()
 
     def choose(self, ranks_here: int) -> ThreadChoice:
