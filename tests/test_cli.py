@@ -182,6 +182,17 @@ def test_bad_input_from_the_real_script_has_no_traceback(cli_environment):
                              "got '-1' (see 'accelgen run --help')\n")
 
 
+def test_help_never_cuts_a_folder_at_a_hyphen(monkeypatch, capsys):
+    """A checkout in ``my-work/accel-gen``: the folder --help names is whole on its line, to be copied."""
+    import accelgen.cli.parser
+
+    folder = "/home/someone/my-work/accel-gen/core/default_model-with-a-long-name/and-a-deeper-folder"
+    monkeypatch.setattr(accelgen.cli.parser, "DEFAULT_MODEL", folder)
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert any(folder in line for line in capsys.readouterr().out.splitlines())
+
+
 def test_help_names_the_built_in_models_folder(capsys):
     """A user can find the built-in model to shard or bench it: ``--help`` names its folder, a model by that path."""
     for command in ("run", "shard"):

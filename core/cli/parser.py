@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from accelgen.bench.compare import METRICS
 from accelgen.bench.protocol import BENCH_BATCHING, PUBLISHED_PROMPT, BenchProtocol
@@ -25,8 +26,20 @@ from accelgen.plugin.registry import AUTO_DEVICE
 DEFAULT_FILE_MIB = 4096
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped at spaces only: a folder's path in it (``/home/me/my-venv/...``) is never cut at a
+    hyphen, so that it can be copied whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports mistakes as one line (and exit status 2) instead of usage text."""
+
+    def __init__(self, *arguments, **options):
+        options.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*arguments, **options)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')")
