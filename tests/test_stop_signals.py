@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 from accelerators import CapturingCpu, plugin_manager_with
 
 from accelgen.cli import main
@@ -33,6 +34,32 @@ class SynchronizeStoppedCpu(CapturingCpu):
         _stopped_inside_a_library()
 
 
+class SignalsAsItIsCollected:
+    """An object whose finalizer sends this process a signal: the handler runs inside ``__del__``, where Python
+    prints an exception raised and drops it."""
+
+    def __init__(self, signal_number: int):
+        self.signal_number = signal_number
+
+    def __del__(self):
+        os.kill(os.getpid(), self.signal_number)
+        sum(range(100_000))  # the handler runs here, inside the finalizer
+
+
+class SignalledInAFinalizerCpu(CapturingCpu):
+    """Its first synchronize drops an object whose finalizer signals the process, then works on (a second)."""
+
+    def __init__(self, signal_number: int):
+        super().__init__()
+        self.signal_number, self.sent = signal_number, False
+
+    def synchronize(self):
+        if not self.sent:
+            self.sent = True
+            SignalsAsItIsCollected(self.signal_number)  # collected at once, here
+            time.sleep(5)  # the signal, sent again once the finalizer has returned, lands here
+
+
 def run_with(accelerator, capsys, tiny_model_folder) -> tuple[int, str]:
     status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello",
                    "--max-new-tokens", "4", "--graphs"], plugin_manager=plugin_manager_with(accelerator))
@@ -51,6 +78,16 @@ def test_a_stop_wrapped_anywhere_in_the_run_is_a_stop_not_a_traceback(capsys, ti
     assert status == 143, stderr
     assert stderr.strip().splitlines()[-1] == "accelgen: stopped (SIGTERM)"
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("sent", "status", "line"), [(signal.SIGTERM, 143, "accelgen: stopped (SIGTERM)"),
+                                                     (signal.SIGINT, 130, "accelgen: interrupted")])
+def test_a_signal_that_lands_inside_a_finalizer_still_stops_the_run(capsys, tiny_model_folder, sent, status, line):
+    """Before: "Exception ignored in: <function Group.__del__ ...>", and a run sent SIGTERM went on to the end."""
+    status_seen, stderr = run_with(SignalledInAFinalizerCpu(sent), capsys, tiny_model_folder)
+    assert status_seen == status, stderr
+    assert stderr.strip().splitlines()[-1] == line
+    assert "Exception ignored" not in stderr and "Traceback" not in stderr
 
 
 def test_a_stopped_dataset_run_says_where_its_rows_are_and_how_to_go_on(tiny_model_folder, tmp_path, cli_environment):

@@ -1,6 +1,6 @@
 """How signals end a command in the user's own process (a launched rank ends at once instead, and its launcher
-cleans up: ``accelgen.parallel.worker_processes``): SIGTERM and SIGHUP unwind it as Ctrl-C does, and Ctrl-C
-never lands inside an import."""
+cleans up: ``accelgen.parallel.worker_processes``): SIGTERM and SIGHUP unwind it as Ctrl-C does, Ctrl-C never
+lands inside an import, and no signal is lost in an object's finalizer (sent again once it has returned)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,13 @@ def signals_stop_the_command(worker: bool) -> Iterator[StopSignal]:
         yield received
         return
 
+    resend: list[threading.Timer] = []
+
     def stop(signal_number, frame):
         received.signal_number = signal_number
+        if _inside_finalizer(frame):  # raised there, it would be printed and dropped: the run would go on
+            resend.append(_send_again(signal_number))
+            return
         raise Stopped(signal_number)
 
     before = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGHUP)}
@@ -56,6 +61,8 @@ def signals_stop_the_command(worker: bool) -> Iterator[StopSignal]:
         yield received
     finally:
         interrupt.cancel()
+        for timer in resend:
+            timer.cancel()
         interrupt.stop_watching_imports()
         for number, handler in before.items():
             if signal.getsignal(number) is ours[number]:  # not one set since (a launcher ignoring a late Ctrl-C)
@@ -91,7 +98,6 @@ class _InterruptOutsideImports:
     plugin whose import never ends must still be stoppable)."""
 
     PATIENCE_SECONDS = 3.0
-    RETRY_SECONDS = 0.05
 
     def __init__(self):
         self.first_deferred: float | None = None
@@ -130,12 +136,11 @@ class _InterruptOutsideImports:
             print(_AT_ONCE_LINE, file=sys.stderr, flush=True)
             os._exit(130)
         now = time.monotonic()
-        if _importing(frame) and (self.first_deferred is None or now - self.first_deferred < self.PATIENCE_SECONDS):
+        if _inside_finalizer(frame) or (
+                _importing(frame) and (self.first_deferred is None or now - self.first_deferred < self.PATIENCE_SECONDS)):
             self.first_deferred = self.first_deferred or now
             if self.retry is None or not self.retry.is_alive():  # one interrupt pending at a time
-                self.retry = threading.Timer(self.RETRY_SECONDS, os.kill, (os.getpid(), signal.SIGINT))
-                self.retry.daemon = True
-                self.retry.start()
+                self.retry = _send_again(signal.SIGINT)
             return
         self.cancel()
         raise KeyboardInterrupt
@@ -152,6 +157,28 @@ def _may_interrupt_after_import(caller, depth: int) -> bool:
     import, or in accelgen's own modules (what they imported is whole; a module of ours cut short is dropped by
     Python's import system and imported again whole by whatever asks for it)."""
     return (not depth and not _importing(caller)) or caller.f_globals.get("__name__", "").startswith("accelgen")
+
+
+#: Seconds after which a signal held back (inside an import, inside a finalizer) is sent again.
+RETRY_SECONDS = 0.05
+
+
+def _send_again(signal_number: int) -> threading.Timer:
+    """Send this process ``signal_number`` again in a moment (the started timer, to cancel)."""
+    timer = threading.Timer(RETRY_SECONDS, os.kill, (os.getpid(), signal_number))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _inside_finalizer(frame) -> bool:
+    """Whether ``frame`` runs inside an object's ``__del__`` (garbage collection can run one at any bytecode), where
+    Python prints an exception raised and drops it ("Exception ignored in ..."): a stop raised there would be lost."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _importing(frame) -> bool:
