@@ -86,16 +86,18 @@ def main() -> None:
 
     seconds: dict[str, list[float]] = {"uninterrupted": [], "killed_at_half": []}
     with tempfile.TemporaryDirectory() as scratch:
-        folder, dataset, output = Path(scratch, "model"), Path(scratch, "rows.jsonl"), Path(scratch, "out.jsonl")
+        folder, dataset = Path(scratch, "model"), Path(scratch, "rows.jsonl")
         prompts_of, _ = build_workload(arguments, folder)
         prompts = prompts_of(0)
         dataset.write_text("".join(json.dumps({"text": prompt}) + "\n" for prompt in prompts))
         same, restart_lines = True, []
         for round_number in range(arguments.rounds):
-            wall, expected, _ = run_once(folder, dataset, output, arguments, None)
+            # a new output each run: the killed job's rank must not be killed on the rows of a run before
+            wall, expected, _ = run_once(folder, dataset, Path(scratch, f"whole-{round_number}.jsonl"), arguments, None)
             seconds["uninterrupted"].append(wall)
             print(f"round {round_number + 1}: uninterrupted  {wall:6.1f} s", file=sys.stderr, flush=True)
-            wall, rows, stderr = run_once(folder, dataset, output, arguments, arguments.prompts // 2)
+            wall, rows, stderr = run_once(folder, dataset, Path(scratch, f"killed-{round_number}.jsonl"), arguments,
+                                          arguments.prompts // 2)
             seconds["killed_at_half"].append(wall)
             same = same and rows == expected
             restart_lines.append(sum("starting the workers again" in line for line in stderr.splitlines()))

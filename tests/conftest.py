@@ -108,8 +108,9 @@ def job_environment(cli_environment):
 FAULT_DRILL = Path(__file__).parent / "fault_drill"
 
 
-def with_fault_drill(environment: dict, rank: int = 1, hook: str = "prepare_model") -> dict:
+def with_fault_drill(environment: dict, rank: int = 1, hook: str = "prepare_model", first_start_only: bool = False) -> dict:
     """``environment`` with the fault-drill plugin installed (``tests/fault_drill``): rank ``rank`` of the
-    processes started with it raises in the accelerator's ``hook``."""
+    processes started with it raises in the accelerator's ``hook`` (with ``first_start_only``, not after a restart)."""
     path = os.pathsep.join(filter(None, [str(FAULT_DRILL), environment.get("PYTHONPATH")]))
-    return dict(environment, PYTHONPATH=path, ACCELGEN_FAULT_RANK=str(rank), ACCELGEN_FAULT_HOOK=hook)
+    return dict(environment, PYTHONPATH=path, ACCELGEN_FAULT_RANK=str(rank), ACCELGEN_FAULT_HOOK=hook,
+                ACCELGEN_FAULT_STARTS="first" if first_start_only else "every")

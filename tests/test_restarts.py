@@ -85,6 +85,25 @@ def test_a_killed_rank_restarts_the_job_which_writes_the_uninterrupted_file(tiny
     assert not (tmp_path / "restarted.jsonl.lock").exists()
 
 
+def test_with_overwrite_a_rank_failing_before_any_row_is_written_still_replaces_the_older_output(tiny_model_folder,
+                                                                                                 tmp_path,
+                                                                                                 job_environment):
+    """The restarted workers resume only what this job wrote: the output of an older run (another seed) is replaced
+    as --overwrite asks. Before: the restarted workers resumed it, and refused it as another run's."""
+    pytest.importorskip("deepspeed")
+    output = tmp_path / "out.jsonl"
+    command = command_of(tiny_model_folder("bloom"), dataset_of(tmp_path), "--world-size", "2", "--batch-size", "1",
+                         "--do-sample")
+    whole_run([*command, "--seed", "1"], output, job_environment)
+    ended = subprocess.run([*command, "--seed", "2", "--overwrite", "--output", str(output)], capture_output=True,
+                           text=True, timeout=300, env=with_fault_drill(job_environment, rank=1, first_start_only=True))
+    assert ended.returncode == 0, ended.stderr
+    assert len(restart_lines(ended.stderr)) == 1, ended.stderr
+    assert "accelgen: resuming: " not in ended.stderr
+    whole_run([*command, "--seed", "2"], tmp_path / "whole.jsonl", job_environment)
+    assert output.read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
 def test_a_rank_that_keeps_failing_ends_the_job_after_its_restarts(tiny_model_folder, tmp_path, job_environment):
     pytest.importorskip("deepspeed")
     command = command_of(tiny_model_folder("bloom"), dataset_of(tmp_path), "--world-size", "2", "--max-restarts", "2",

@@ -32,7 +32,7 @@ from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
 from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
-from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far
+from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far, written_by_this_job
 
 if TYPE_CHECKING:
     from accelgen.plugin.manager import PluginManager
@@ -161,7 +161,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
     job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
-                   overwrite=arguments.overwrite and not restarts_so_far(),  # a restarted worker resumes
+                   # a restarted worker resumes what the job wrote (an output from before it is still replaced)
+                   overwrite=arguments.overwrite and not (restarts_so_far() and written_by_this_job(arguments.output)),
                    lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0)
     try:
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))

@@ -31,6 +31,7 @@ from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
 from accelgen.common.settings import DEFAULT_NODE_WAIT, LaunchPlan
 from accelgen.parallel.node_meeting import NodeMeeting, NodesMissing
 from accelgen.parallel.worker_processes import (
+    JOB_STARTED_VARIABLE,
     LAUNCHER_VARIABLE,
     StoppedWorkerWatch,
     lost_a_peer,
@@ -193,12 +194,13 @@ def _run_agent(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
     ])
     # a worker that did not stop on the launcher's signal is killed (with its process group) after this
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_SECONDS))
+    started = str(time.time())  # an output changed since was written by this job's workers: a restart resumes it
     signals = _SignalsEndTheJob(SignalException)
     restarts = _RestartsSaid(plan.max_restarts)
     meeting = NodeMeeting(plan, _say)
     try:
-        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), StoppedWorkerWatch(_say), _quiet_agent(), \
-                restarts, meeting:
+        with signals, _environment(LAUNCHER_VARIABLE, str(os.getpid())), _environment(JOB_STARTED_VARIABLE, started), \
+                StoppedWorkerWatch(_say), _quiet_agent(), restarts, meeting:
             torchrun.run(launcher_arguments)
     except NodesMissing as missing:
         return JobEnd(1, f"error: {missing}")

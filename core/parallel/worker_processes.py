@@ -35,6 +35,22 @@ def restarts_so_far() -> int:
     return int(os.environ.get(RESTART_VARIABLE) or 0)
 
 
+#: Set by our launcher, for the ranks it starts, to the time it first started them (seconds since the epoch).
+JOB_STARTED_VARIABLE = "ACCELGEN_JOB_STARTED"
+
+
+def written_by_this_job(path: str | None) -> bool:
+    """Whether this launched job's workers wrote ``path`` (changed since the job started them first): a restarted
+    worker resumes such an output, and replaces one from before the job when the command says --overwrite."""
+    started = os.environ.get(JOB_STARTED_VARIABLE)
+    if started is None or path is None:
+        return False
+    try:
+        return os.path.getmtime(path) >= float(started)
+    except OSError:
+        return False
+
+
 #: What a collective's error says when another rank of the job is gone (gloo's words; NCCL's): this rank's
 #: failure is that one's consequence, which the launcher reports.
 PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
