@@ -339,14 +339,19 @@ def _environment(name: str, value: str) -> Iterator[None]:
 def _first_cause(failures: dict) -> tuple[int, object]:
     """Of a job's failed ranks (rank: torch's ProcessFailure), the one whose failure the job's line names: not a
     rank whose collective failed because another had gone (its recorded error says so, as the rank itself told by
-    :func:`lost_a_peer` when it kept quiet), then the first to fail (by the second: two often fail in the same
-    one), then a killed rank before one that failed on losing it."""
+    :func:`lost_a_peer` when it kept quiet), nor one the agent stopped (SIGTERM) because another failed, then the
+    first to fail (by the second: two often fail in the same one), then a killed rank before one that failed on
+    losing it."""
     def consequence(process_failure) -> bool:
         message = _message_of(process_failure)
         return not message.startswith("UsageError: ") and lost_a_peer(message)
 
-    return min(failures.items(), key=lambda item: (consequence(item[1]), item[1].timestamp,
-                                                   item[1].exitcode != -signal.SIGKILL, item[1].exitcode >= 0))
+    def stopped_by_the_agent(process_failure) -> bool:  # torch's agent sends SIGTERM to the others when one fails
+        return process_failure.exitcode == -signal.SIGTERM
+
+    return min(failures.items(), key=lambda item: (consequence(item[1]), stopped_by_the_agent(item[1]),
+                                                   item[1].timestamp, item[1].exitcode != -signal.SIGKILL,
+                                                   item[1].exitcode >= 0))
 
 
 def _message_of(process_failure) -> str:
