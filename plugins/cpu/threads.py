@@ -129,8 +129,8 @@ def launch_environment(processes_per_node: int) -> dict[str, str]:
     on a machine other processes keep busy, threads that sleep at once at a barrier instead of spinning there.
     Only what the user left unset."""
     users_threads = os.environ.get("OMP_NUM_THREADS")
-    if users_threads is not None and "OMP_WAIT_POLICY" in os.environ:
-        return {}
+    if users_threads is not None and ("OMP_WAIT_POLICY" in os.environ or _leading_number(users_threads, 2) < 2):
+        return {}  # nothing left to choose (one thread never waits at a barrier): no measuring
     busy = busy_elsewhere_now()
     threads = choose_threads(usable_cores(), busy, processes_per_node)
     environment = {}
