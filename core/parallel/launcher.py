@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
+from accelgen.common.output_files import replace_whole
 from accelgen.common.settings import DEFAULT_NODE_WAIT, LaunchPlan
 from accelgen.parallel.node_meeting import NodeMeeting, NodesMissing
 from accelgen.parallel.worker_processes import (
@@ -376,7 +377,10 @@ def _failure_line(rank: int, process_failure) -> str:
 def record_worker_failure(error: BaseException) -> bool:
     """Hand a worker's error to torch's launcher through the error file its agent reads: a user's mistake as
     its one line, which the agent's report then shows in place of a traceback; any other error with its
-    traceback.
+    traceback, in the form torch's ``ErrorHandler`` writes.
+
+    The file appears whole or not at all: a SIGTERM landing while it was written (the agent stops the other
+    ranks when one fails) left half a JSON document, on which the agent itself failed with a traceback.
 
     Returns True when our launcher will print the error; False when the caller must: this process has no error
     file (started by another launcher), or torchrun started by hand runs it, whose report holds the line
@@ -384,12 +388,21 @@ def record_worker_failure(error: BaseException) -> bool:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return False
+    timestamp = str(int(time.time()))
     if isinstance(error, UsageError):
-        message = {"message": f"UsageError: {error}", "timestamp": str(int(time.time()))}
-        with open(error_file, "w") as file:
-            json.dump(message, file)
+        record = {"message": f"UsageError: {error}", "timestamp": timestamp}
     else:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        import traceback
 
-        ErrorHandler().record_exception(error)
+        record = {"message": {"message": f"{type(error).__name__}: {error}",
+                              "extraInfo": {"py_callstack": "".join(traceback.format_exception(error)),
+                                            "timestamp": timestamp}}}
+    text = json.dumps(record)
+
+    def write(path: str) -> None:
+        with open(path, "w") as file:
+            file.write(text)
+
+    replace_whole(error_file, write)
     return LAUNCHER_VARIABLE in os.environ
+
