@@ -11,10 +11,13 @@ from accelgen_cpu import CpuAccelerator
 
 
 class CapturingCpu(CpuAccelerator):
-    """The CPU accelerator, except that it captures the decode step by default (so captures are counted) and its
-    capture is the plain step, which a replay runs: fast, and the same output as the eager run."""
+    """The CPU accelerator, except that it captures the decode step and the prefill shapes of every run by default
+    (so captures are counted) and its capture is the plain step, which a replay runs: fast, and the same output as
+    the eager run."""
 
     captures_by_default = True
+    capture_pays_after_steps = 0
+    captures_prefill = True
 
     def capture(self, step, example_inputs, run):
         return step

@@ -155,6 +155,39 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_after_one_warning_line(tiny
     assert written == eager_token_ids(folder, prompts, buckets=(8, 64))
 
 
+class CompilingCpu(CapturingCpu):
+    """Captures as a compiler does by default: the decode step of a job of at least 40 decode steps, never a prefill."""
+
+    capture_pays_after_steps = 40
+    captures_prefill = False
+
+
+@pytest.mark.parametrize("prompts, flag, captures", [
+    (2, None, 0),  # 2 rows x 20 tokens in 2 slots: 20 steps at most
+    (8, None, 1),  # 80 steps at most
+    (8, "--no-graphs", 0),
+    (2, "--graphs", 1),
+])
+def test_a_device_whose_capture_pays_only_for_long_jobs_captures_the_decode_step_of_long_jobs(
+        tiny_model_folder, tmp_path, capsys, prompts, flag, captures):
+    texts = [f"{PROMPTS[number % len(PROMPTS)]} {number}" for number in range(prompts)]
+    output = tmp_path / "out.jsonl"
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens",
+                   str(NEW_TOKENS), "--batch-size", "2", "--quiet", "--output", str(output), *([flag] if flag else []),
+                   *[argument for text in texts for argument in ("--prompt", text)]],
+                  plugin_manager=plugin_manager_with(CompilingCpu()))
+    assert status == 0
+    assert f"graph captures: {captures}" in capsys.readouterr().err
+    written = [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()]
+    assert written == eager_token_ids(tiny_model_folder("llama"), texts, batch_size=2)
+
+
+def test_the_cpu_compiles_no_step_of_a_short_job_by_default(tiny_model_folder, capsys):
+    assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens", "4",
+                 "--quiet", "--prompt", PROMPTS[0]]) == 0
+    assert "graph captures: 0" in capsys.readouterr().err
+
+
 def test_the_python_interface_warns_with_a_warning_category(tiny_model_folder):
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=NEW_TOKENS,
                               plugin_manager=plugin_manager_with(UncapturableCpu()))

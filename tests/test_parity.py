@@ -78,3 +78,18 @@ def test_compiled_decode_step_matches_hugging_face_and_is_captured_once(tiny_mod
     # two batches of the same bucket: one capture, replayed for both
     assert generator.stats.batches == 2
     assert generator.stats.graph_captures == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_compiled_and_eager_steps_draw_the_same_tokens(tiny_model_folder, architecture):
+    """float32, sampled (the seeded draw runs inside the step), continuous batching, a prompt past the first bucket:
+    the CPU's compiled decode step (inductor) gives the eager step's tokens. The prefill shapes run eagerly on the
+    CPU whether or not the decode step is compiled."""
+    folder = tiny_model_folder(architecture)
+    prompts = PROMPTS + [" ".join(PROMPTS)]  # one prompt past the first bucket
+    settings = dict(batch_size=2, do_sample=True, temperature=0.8, top_p=0.9, seed=7, buckets=[16, 64])
+    eager, _ = ours(folder, prompts, graphs=False, **settings)
+    compiled, generator = ours(folder, prompts, graphs=True, **settings)
+    assert compiled == eager
+    assert generator.stats.graph_captures == 1 and generator.stats.prefill_captures == 0

@@ -174,7 +174,7 @@ def measurement_record(
         "world_size": generator.world.size,
         "dtype": generator.run.dtype,
         "quantize": generator.run.quantize,  # the weights' scheme (None: the weights are in dtype)
-        "graphs": generator.run.use_graphs and generator.capture_failure is None,
+        "graphs": bool(generator.run.use_graphs) and generator.capture_failure is None,
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,
         "offload": None if generator.loaded.placement is None else generator.loaded.placement.record(),

@@ -100,7 +100,7 @@ class RunSettings:
     max_new_tokens: int = 100
     max_input_tokens: int | None = None  # truncate prompts to their first N tokens
     ignore_eos: bool = False
-    use_graphs: bool = False
+    use_graphs: bool | None = False  # None: left to the job's length (``Request.capture_decided``); eager until then
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None

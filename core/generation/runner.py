@@ -376,6 +376,8 @@ class SlotRunner:
         stop signal that the compiler wrapped in its own error goes on as itself."""
         if not self.run.use_graphs or self.capture_failure is not None:
             return step
+        if counter == "prefill_captures" and not self.accelerator.captures_prefill:
+            return step
         started = time.perf_counter()
         try:
             captured = self.accelerator.capture(step, buffers, self.run)

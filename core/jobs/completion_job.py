@@ -257,6 +257,16 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
     return dataclasses.replace(request, run=dataclasses.replace(run, batch_size=slots))
 
 
+def _decode_steps_at_most(request: Request, job: CompletionJob) -> int | None:
+    """The decode steps the rows left to complete take at most (each row its whole ``--max-new-tokens``, the slots
+    always full); None when their number is not known (a streamed dataset)."""
+    if job.rows.total is None:
+        return None
+    run = request.run
+    row_samples = (job.rows.total - job.done) * run.num_samples
+    return -(-row_samples // run.batch_size) * run.max_new_tokens
+
+
 def complete(
     request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
     show_progress: bool = False,
@@ -269,6 +279,7 @@ def complete(
     if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
     request = _slots_for_the_rows(request, job)
+    request = request.capture_decided(_decode_steps_at_most(request, job))
     try:
         started = time.perf_counter()
         generator = load_request(request)

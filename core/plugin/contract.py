@@ -73,6 +73,13 @@ class Accelerator(abc.ABC):
     default_dtype: str = "float32"
     #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
     captures_by_default: bool = False
+    #: With ``captures_by_default``: the decode steps a job must be expected to take before capturing pays for
+    #: itself (a compiler's cost, seconds to minutes, against what it saves per step); a shorter job, or one whose
+    #: length is not known (a call of the Python API), then runs eagerly. 0: capturing always pays.
+    capture_pays_after_steps: int = 0
+    #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
+    #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
+    captures_prefill: bool = True
     #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
     priority: int = 0
     #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most

@@ -43,6 +43,16 @@ class Request:
     accelerator: Accelerator
     world: World
 
+    def capture_decided(self, decode_steps: int | None) -> "Request":
+        """The request with a capture left undecided (``run.use_graphs`` None: the device's capture pays only for
+        long jobs) decided for a job that may take ``decode_steps`` decode steps; None: a length not known
+        beforehand (a streamed dataset), where the cost is certain and the payback is not: not captured. A decided
+        one is kept."""
+        if self.run.use_graphs is not None:
+            return self
+        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after_steps
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
+
     def check_world_size(self, world_size: int, data_parallel: int = 1) -> None:
         """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
         (heads that do not split over a replica's ranks, a pre-sharded folder made for another split or dtype,
@@ -103,7 +113,8 @@ def run_settings(
     prefill_chunk: int = RunSettings.prefill_chunk,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
-    ``graphs=None`` lets the device decide whether to capture the decode step. ``offload`` ("cpu" or "disk")
+    ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays only
+for long jobs leaves it to the job: :meth:`Request.capture_decided`). ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
     "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
@@ -128,8 +139,9 @@ def run_settings(
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
-    if graphs is None:  # offloaded steps are never captured; otherwise the device decides
-        graphs = accelerator.captures_by_default and offload is None
+    if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
+        graphs = (accelerator.captures_by_default and offload is None) and (
+            True if accelerator.capture_pays_after_steps == 0 else None)
     run = RunSettings(
         dtype=check_dtype(accelerator, dtype),
         batch_size=batch_size,

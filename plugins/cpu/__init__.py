@@ -18,11 +18,18 @@ from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
 
 class CpuAccelerator(Accelerator):
-    """The host's own processor. Ranks share it (torchrun gives each one OMP thread by default), over gloo.
-    Compiling the decode step costs tens of seconds on small models and gains little per token
-    (benchmarks/decode_latency.py), so capture is opt-in (--graphs) here: the defaults say so."""
+    """The host's own processor. Ranks share it (each with the threads it was given), over gloo.
+
+    Capture is compilation (inductor): it costs tens of seconds the first time a model's step is compiled
+    (seconds once inductor's cache holds it) and saves a few milliseconds per step, so by default only the
+    decode step of a job long enough to pay that back even uncached is compiled (``--graphs`` / ``--no-graphs``
+    decide otherwise; RESULTS.md, "Compiled decode step on the CPU"). The prefill shapes always run eagerly:
+    each compiles anew, for a few runs."""
 
     name = "cpu"
+    captures_by_default = True
+    capture_pays_after_steps = 20_000
+    captures_prefill = False
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
     quantization_schemes = ("int8",)

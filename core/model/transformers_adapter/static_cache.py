@@ -113,9 +113,10 @@ def _each_row_update(layer, write_positions: torch.Tensor, batch_size: int):
         """key_states [B, heads, 1, dim] -> the layer's keys and values [B, heads, L, dim]."""
         _give_memory(layer, key_states, value_states, batch_size)
         key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
-        index = write_positions.view(-1, 1, 1, 1)
-        layer.keys.scatter_(2, index.expand_as(key_states), key_states)
-        layer.values.scatter_(2, index.expand_as(value_states), value_states)
+        # an indexed write, not a scatter: a compiler writes it in place, where it copied the whole layer for a scatter
+        rows = torch.arange(batch_size, device=write_positions.device)
+        layer.keys[rows, :, write_positions] = key_states[:, :, 0]
+        layer.values[rows, :, write_positions] = value_states[:, :, 0]
         return layer.keys, layer.values
 
     return update
