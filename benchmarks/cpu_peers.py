@@ -251,7 +251,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for job in arguments.jobs.split(","):
             folder = prepare(job, Path(scratch), arguments)
-            convert(folder, arguments.peers_python, peers)
+            if peers:
+                convert(folder, arguments.peers_python, peers)
             figures = {name: [] for name in names}
             for _ in range(arguments.rounds):
                 for name in names:

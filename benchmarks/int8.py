@@ -148,14 +148,32 @@ def perplexity(generator, lines: list[str]) -> float:
     return math.exp(total / count)
 
 
+def perplexity_token_by_token(generator, lines: list[str]) -> float:
+    """The same, with the model fed one token per forward pass (a key/value cache between them), as batch-1
+    decoding runs it: on the CPU, int8 layers then quantize their one input row too (``int8_product_on_cpu``)."""
+    from transformers import DynamicCache
+
+    total, count = 0.0, 0
+    for line in lines:
+        ids = generator.tokenizer(line)["input_ids"]
+        cache = DynamicCache()
+        with torch.no_grad():
+            for position in range(len(ids) - 1):
+                logits = generator.model(torch.tensor([[ids[position]]]), past_key_values=cache, use_cache=True).logits
+                total -= torch.log_softmax(logits[0, -1].float(), -1)[ids[position + 1]].item()
+        count += len(ids) - 1
+    return math.exp(total / count)
+
+
 def quality(arguments) -> None:
     lines = [line.strip() for line in TEXT.read_text().splitlines() if len(line.split()) >= 6]
     prompts = [" ".join(line.split()[:4]) for line in lines]
-    results, tokens = {}, {}
+    results, stepwise, tokens = {}, {}, {}
     for name, settings in QUALITY_CONTENDERS.items():
         generator = accelgen.load(str(DEFAULT_MODEL), device="cpu", max_new_tokens=100, ignore_eos=True,
                                   batch_size=8, **settings)
         results[name] = perplexity(generator, lines)
+        stepwise[name] = perplexity_token_by_token(generator, lines)
         tokens[name] = [completion.completion_token_ids for completion in generator.generate(prompts)]
     total = sum(len(row) for row in tokens["bfloat16"])
 
@@ -164,10 +182,11 @@ def quality(arguments) -> None:
 
     print(f"\nThe default model on {TEXT.name} ({len(lines)} lines); greedy 100-token completions of {len(prompts)} "
           f"prompts (each line's first 4 words):\n")
-    print("| weights | perplexity | vs bfloat16 |")
-    print("| --- | ---: | ---: |")
+    print("| weights | perplexity | vs bfloat16 | one token per pass | vs bfloat16 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, value in results.items():
-        print(f"| {name} | {value:.3f} | {100 * (value / results['bfloat16'] - 1):+.2f}% |")
+        print(f"| {name} | {value:.3f} | {100 * (value / results['bfloat16'] - 1):+.2f}% | {stepwise[name]:.3f} | "
+              f"{100 * (stepwise[name] / stepwise['bfloat16'] - 1):+.2f}% |")
     for name in ("int8", "float32"):
         print(f"{name} chose bfloat16's greedy token at {agreement(name)} of {total} positions "
               f"({100 * agreement(name) / total:.1f}%)")

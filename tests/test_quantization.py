@@ -82,15 +82,36 @@ def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architect
     assert 0 < error < 0.05
 
 
-def quantized_logits_error(folder: str, device: str, scheme: str) -> float:
+@pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
+@pytest.mark.parametrize("one_token_per_pass, batch_size", [(True, 1), (False, 4)], ids=["one-row", "rows"])
+def test_int8_logits_of_quantized_rows_stay_within_the_rounding_bound(tiny_model_folder, architecture,
+                                                                      one_token_per_pass, batch_size):
+    """Where the CPU quantizes each input row to int8 too (its own scale): one row per product (batch-1 decoding),
+    or every product of a run of several slots (its weights laid out for int8 products of several rows). The
+    rows' rounding adds an error of the weights' size, well inside the bound above."""
+    error = quantized_logits_error(str(tiny_model_folder(architecture)), "cpu", "int8", one_token_per_pass,
+                                   batch_size=batch_size)
+    assert 0 < error < 0.05
+
+
+def quantized_logits_error(folder: str, device: str, scheme: str, one_token_per_pass: bool = False,
+                           batch_size: int = 1) -> float:
     """How far the logits of ``scheme`` are from the unquantized model's over a fixed sequence, as the relative
-    L2 norm of their difference; float32 activations, so that only the quantization differs."""
+    L2 norm of their difference; float32 activations, so that only the quantization differs. ``one_token_per_pass``
+    feeds the sequence a token at a time (a key/value cache between the passes), as batch-1 decoding does."""
+    from transformers import DynamicCache
+
     tokens = torch.tensor([[3, 17, 42, 9, 120, 7, 64, 5]])
     logits = {}
     for quantize in (None, scheme):
-        generator = accelgen.load(folder, device=device, dtype="float32", quantize=quantize)
+        generator = accelgen.load(folder, device=device, dtype="float32", quantize=quantize, batch_size=batch_size)
         with torch.no_grad():
-            logits[quantize] = generator.model(tokens).logits
+            if one_token_per_pass:
+                cache = DynamicCache()
+                logits[quantize] = torch.cat([generator.model(tokens[:, place:place + 1], past_key_values=cache,
+                                                              use_cache=True).logits for place in range(tokens.shape[1])], 1)
+            else:
+                logits[quantize] = generator.model(tokens).logits
     return float((logits[scheme] - logits[None]).norm() / logits[None].norm())
 
 
@@ -102,6 +123,18 @@ def test_a_layer_of_rows_that_do_not_fit_the_fused_kernel_gives_the_same_product
         x = torch.randn(3, inputs, dtype=torch.bfloat16)
         assert torch.allclose(int8_product_on_cpu(x, values, scales).float(), int8_product(x, values, scales).float(),
                               rtol=0.02, atol=0.02)
+
+
+def test_one_row_is_multiplied_in_int8_within_its_own_rounding():
+    """One row (batch-1 decoding) is quantized to int8 too: each product moves by at most the row's rounding,
+    half a step (its absmax / 254) per value; a wrong scale or a transposed weight moves it far more."""
+    torch.manual_seed(0)
+    values, scales = quantize_rows(torch.randn(64, 256))
+    x = torch.randn(1, 256)
+    exact = int8_product(x, values, scales)
+    bound = (x.abs().max() / 254) * (values.float().abs() * scales[:, None]).sum(1)  # [64]
+    difference = (int8_product_on_cpu(x, values, scales) - exact).abs()[0]
+    assert bool((difference <= bound + 1e-4).all()) and difference.max() > 0
 
 
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):
