@@ -12,6 +12,7 @@ import torch
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen_cpu.decode_attention import use_decode_attention
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
@@ -48,6 +49,7 @@ class CpuAccelerator(Accelerator):
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
                       world: World) -> torch.nn.Module:
         self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
+        use_decode_attention(model)
         return model
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:

@@ -1,0 +1,66 @@
+"""Attention of one query per row (a decode step) on the CPU: two batched matrix products and a softmax.
+
+SDPA's flash kernel for the CPU works in blocks per (row, head), which at one query are tiny products that cost
+more to set up than to run: 670 us per layer for 16 rows x 8 heads over 256 cached positions, against about 450 us
+here (the step of benchmarks/cpu_compile.py's model: 7.6 -> 6.5 ms compiled, 10.7 -> 9.6 eager). The function is
+registered with transformers' ``AttentionInterface`` as :data:`NAME` and given to models whose attention goes through
+that interface and runs SDPA; prompts (several queries) and what it does not handle (soft-capping, attention sinks,
+no mask) go to transformers' own SDPA function. The products run as one custom operator, so that a compiled step
+calls it whole: inductor otherwise rewrites them as loops of its own, slower here.
+
+Shapes: B rows, H query heads, K key/value heads (H = K x G), L cached positions, D head size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "accelgen_cpu_decode"
+
+
+@torch.library.custom_op("accelgen_cpu::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """query [B, H, 1, D], key and value [B, K, L, D], mask [B, 1, 1, L] (additive, or True where a key is seen)
+    -> [B, H, 1, D]. Grouped query heads share their key/value head without copying it."""
+    rows, heads, _, size = query.shape
+    groups = heads // key.shape[1]
+    grouped = query.reshape(rows, key.shape[1], groups, size)  # [B, K, G, D]: a group's queries side by side
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)  # [B, K, G, L]
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores.add_(mask)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(weights, value).reshape(rows, heads, 1, size)
+
+
+@decode_attention.register_fake
+def _(query, key, value, mask, scale):
+    return torch.empty_like(query)
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature: the output [B, 1, H, D] and no weights."""
+    own = (query.shape[2] == 1 and attention_mask is not None and attention_mask.shape[1] == attention_mask.shape[2] == 1
+           and query.shape[1] % key.shape[1] == 0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
+    if not own:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output = decode_attention(query, key, value, attention_mask[..., : key.shape[2]], scale)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def use_decode_attention(model: torch.nn.Module) -> bool:
+    """Give ``model`` this attention for its decode steps when its attention goes through transformers'
+    ``AttentionInterface`` and runs SDPA; True when it was given."""
+    if not getattr(model, "_supports_attention_backend", False) or model.config._attn_implementation != "sdpa":
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    model.set_attn_implementation(NAME)
+    return True
