@@ -248,7 +248,7 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
     run = request.run
     if job.rows.total is None or run.rows_choose:
         return request
-    slots = max(1, (job.rows.total - job.done) * run.num_samples)
+    slots = max(1, _row_samples_left(request, job))
     if slots >= run.batch_size:
         return request
     warnings.warn(AccelgenWarning(
@@ -257,14 +257,17 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
     return dataclasses.replace(request, run=dataclasses.replace(run, batch_size=slots))
 
 
+def _row_samples_left(request: Request, job: CompletionJob) -> int:
+    """The completions the rows left take: each of their samples (a job whose rows number is known)."""
+    return (job.rows.total - job.done) * request.run.num_samples
+
+
 def _decode_steps_at_most(request: Request, job: CompletionJob) -> int | None:
     """The decode steps the rows left to complete take at most (each row its whole ``--max-new-tokens``, the slots
     always full); None when their number is not known (a streamed dataset)."""
     if job.rows.total is None:
         return None
-    run = request.run
-    row_samples = (job.rows.total - job.done) * run.num_samples
-    return -(-row_samples // run.batch_size) * run.max_new_tokens
+    return -(-_row_samples_left(request, job) // request.run.batch_size) * request.run.max_new_tokens
 
 
 def complete(

@@ -405,4 +405,3 @@ def record_worker_failure(error: BaseException) -> bool:
 
     replace_whole(error_file, write)
     return LAUNCHER_VARIABLE in os.environ
-

@@ -113,8 +113,8 @@ def run_settings(
     prefill_chunk: int = RunSettings.prefill_chunk,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
-    ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays only
-for long jobs leaves it to the job: :meth:`Request.capture_decided`). ``offload`` ("cpu" or "disk")
+    ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays
+    only for long jobs leaves it to the job: :meth:`Request.capture_decided`). ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
     "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
@@ -140,8 +140,12 @@ for long jobs leaves it to the job: :meth:`Request.capture_decided`). ``offload`
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
     if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
-        graphs = (accelerator.captures_by_default and offload is None) and (
-            True if accelerator.capture_pays_after_steps == 0 else None)
+        if not accelerator.captures_by_default or offload is not None:
+            graphs = False
+        elif accelerator.capture_pays_after_steps:
+            graphs = None  # decided by Request.capture_decided
+        else:
+            graphs = True
     run = RunSettings(
         dtype=check_dtype(accelerator, dtype),
         batch_size=batch_size,

@@ -12,7 +12,7 @@ import torch
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
-from accelgen_cpu.decode_attention import use_decode_attention
+from accelgen.quantization.int8_layer import int8_product, quantize_rows
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
@@ -48,6 +48,8 @@ class CpuAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
                       world: World) -> torch.nn.Module:
+        from accelgen_cpu.decode_attention import use_decode_attention  # transformers' attention registry
+
         self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
         use_decode_attention(model)
         return model
@@ -120,8 +122,6 @@ def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
     output-major weight: torch's fused weight-only kernel (``_weight_int8pack_mm``), the rows kept in their dtype.
     Both kernels need rows of a multiple of 16 values (others give wrong values or crash); other layers take the
     plain product. Each row's result depends on that row alone, whatever rows share the product."""
-    from accelgen.quantization.int8_layer import int8_product
-
     if x.shape[-1] % 16:
         return int8_product(x, weight, scales)
     if x.shape[0] == 1 or weight.t().is_contiguous():
@@ -130,14 +130,10 @@ def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
 
 
 def _int8_rows_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` [rows, in], each row quantized symmetrically to int8 (its largest magnitude / 127), times ``weight``
+    """``x`` [rows, in], each row quantized as a weight's rows are (:func:`quantize_rows`), times ``weight``
     [out, in] in int32, scaled back by both scales: [rows, out] in x's dtype."""
-    from accelgen.quantization.int8_layer import INT8_LIMIT
-
-    rows = x.float()
-    row_scales = (rows.abs().amax(dim=1, keepdim=True) / INT8_LIMIT).clamp(min=torch.finfo(torch.float32).tiny)
-    values = torch.round(rows / row_scales).to(torch.int8)
-    return (torch._int_mm(values, weight.t()).float() * (row_scales * scales.float())).to(x.dtype)
+    values, row_scales = quantize_rows(x.float())
+    return (torch._int_mm(values, weight.t()).float() * (row_scales[:, None] * scales.float())).to(x.dtype)
 
 
 def _cpu_model_name() -> str:

@@ -14,6 +14,8 @@ Shapes: B rows, H query heads, K key/value heads (H = K x G), L cached positions
 from __future__ import annotations
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "accelgen_cpu_decode"
 
@@ -45,8 +47,6 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     own = (query.shape[2] == 1 and attention_mask is not None and attention_mask.shape[1] == attention_mask.shape[2] == 1
            and query.shape[1] % key.shape[1] == 0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
     if not own:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -59,8 +59,6 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     ``AttentionInterface`` and runs SDPA; True when it was given."""
     if not getattr(model, "_supports_attention_backend", False) or model.config._attn_implementation != "sdpa":
         return False
-    from transformers import AttentionInterface
-
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
     return True

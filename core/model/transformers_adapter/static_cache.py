@@ -109,12 +109,13 @@ def write_each_row_at(cache: StaticCache, write_positions: torch.Tensor) -> None
 
 
 def _each_row_update(layer, write_positions: torch.Tensor, batch_size: int):
+    rows = torch.arange(batch_size, device=write_positions.device)  # made once: the step writes row b at its position
+
     def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states [B, heads, 1, dim] -> the layer's keys and values [B, heads, L, dim]."""
         _give_memory(layer, key_states, value_states, batch_size)
         key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
         # an indexed write, not a scatter: a compiler writes it in place, where it copied the whole layer for a scatter
-        rows = torch.arange(batch_size, device=write_positions.device)
         layer.keys[rows, :, write_positions] = key_states[:, :, 0]
         layer.values[rows, :, write_positions] = value_states[:, :, 0]
         return layer.keys, layer.values
