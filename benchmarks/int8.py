@@ -6,7 +6,8 @@ for float32, bfloat16 and int8 weights with bfloat16 activations; contenders int
 medians of the rounds' medians. Decoding reads every weight once per token, so int8 reads half of bfloat16's
 bytes; the target is int8 at batch 1 within 0.5x of the faster of float32 and bfloat16.
 
-Quality (``--part quality``): the built-in default model (a BLOOM trained on the King James Bible) on
+Quality (``--part quality``): the built-in default model (a BLOOM trained on the King James Bible), and a copy of it
+with an output head of its own (the CPU's int8 quantizes such a head too; the default model's is tied), on
 ``benchmarks/text/psalms.txt``: perplexity in float32, bfloat16 and int8 (bfloat16 activations), and the share
 of greedy tokens over 100-token completions of each line's first words that int8 chooses as bfloat16 does
 (position by position).
@@ -166,11 +167,30 @@ def perplexity_token_by_token(generator, lines: list[str]) -> float:
 
 
 def quality(arguments) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        quality_of(DEFAULT_MODEL, "The default model")
+        quality_of(untied_copy(Path(scratch)), "The default model with an output head of its own (int8 quantizes it)")
+
+
+def untied_copy(folder: Path) -> Path:
+    """The default model saved with its output head untied from the input embedding (the same values, a weight of
+    its own): as in most larger models, where the CPU's int8 quantizes the head too."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(folder)
+    accelgen.loading.model_files.load_tokenizer(str(DEFAULT_MODEL)).save_pretrained(folder)
+    return folder
+
+
+def quality_of(folder: Path, title: str) -> None:
     lines = [line.strip() for line in TEXT.read_text().splitlines() if len(line.split()) >= 6]
     prompts = [" ".join(line.split()[:4]) for line in lines]
     results, stepwise, tokens = {}, {}, {}
     for name, settings in QUALITY_CONTENDERS.items():
-        generator = accelgen.load(str(DEFAULT_MODEL), device="cpu", max_new_tokens=100, ignore_eos=True,
+        generator = accelgen.load(str(folder), device="cpu", max_new_tokens=100, ignore_eos=True,
                                   batch_size=8, **settings)
         results[name] = perplexity(generator, lines)
         stepwise[name] = perplexity_token_by_token(generator, lines)
@@ -180,7 +200,7 @@ def quality(arguments) -> None:
     def agreement(name: str) -> int:
         return sum(a == b for ours, theirs in zip(tokens[name], tokens["bfloat16"]) for a, b in zip(ours, theirs))
 
-    print(f"\nThe default model on {TEXT.name} ({len(lines)} lines); greedy 100-token completions of {len(prompts)} "
+    print(f"\n{title} on {TEXT.name} ({len(lines)} lines); greedy 100-token completions of {len(prompts)} "
           f"prompts (each line's first 4 words):\n")
     print("| weights | perplexity | vs bfloat16 | one token per pass | vs bfloat16 |")
     print("| --- | ---: | ---: | ---: | ---: |")

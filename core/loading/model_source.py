@@ -36,7 +36,7 @@ from accelgen.loading.weight_sources import PickleWeights, RandomWeights, Safete
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
-from accelgen.quantization.model_layers import empty_int8_layers
+from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head
 
 
 @dataclasses.dataclass
@@ -138,13 +138,14 @@ class ModelSource:
     def load(
         self, run: RunSettings, device: torch.device, world: World,
         shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
-        device_is_host: bool = False,
+        device_is_host: bool = False, int8_head: bool = False,
     ) -> LoadedCheckpoint:
         """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
         ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
         (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
-        ``device_is_host``: the device computes in host memory."""
+        ``device_is_host``: the device computes in host memory; ``int8_head``: the device's int8 quantizes a head of
+        its own too (``Accelerator.int8_quantizes_head``: offloaded layers are quantized as they are read)."""
         self.check_runs_on(world.size, run.dtype, run.quantize)
         check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)
@@ -153,7 +154,7 @@ class ModelSource:
         pre_quantized = opened.whole_tensors and run.quantize is not None  # checked: the folder's scheme
         if run.offload is not None:
             model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host,
-                                              pre_quantized)
+                                              pre_quantized, int8_head)
         elif world.size > 1 and not slices_checkpoints(self.config()):
             if world.is_main:
                 warnings.warn(AccelgenWarning(
@@ -161,8 +162,9 @@ class ModelSource:
                     f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
+            stored_head = pre_quantized and holds_int8_head(opened.skeleton, opened.weights)
             model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors,
-                                 before_filling=empty_int8_layers if pre_quantized else None)
+                                 before_filling=functools.partial(empty_int8_layers, head=stored_head) if pre_quantized else None)
         return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:

@@ -40,7 +40,7 @@ from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.loading.weight_sources import SafetensorsWeights
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
-from accelgen.quantization.model_layers import empty_int8_layers, int8_layers
+from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
 from accelgen.quantization.while_loading import QuantizingWeights
 
 
@@ -89,20 +89,26 @@ def check_offload_world(run: RunSettings, world_size: int) -> None:
 
 
 def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run: RunSettings,
-                   free_bytes: int | None, device_is_host: bool, pre_quantized: bool = False) -> tuple[torch.nn.Module, Placement]:
+                   free_bytes: int | None, device_is_host: bool, pre_quantized: bool = False,
+                   int8_head: bool = False) -> tuple[torch.nn.Module, Placement]:
     """The empty ``skeleton`` placed under the run's memory cap, what stays filled from ``weights``, the rest
     left to Accelerate's hooks; and where it all sits. ``free_bytes``: the device's free memory, if known;
     ``device_is_host``: the device computes in host memory (the accelerator's ``shares_host_memory``);
-    ``pre_quantized``: ``weights`` already hold int8 layers' values and scales (with ``run.quantize``)."""
+    ``pre_quantized``: ``weights`` already hold int8 layers' values and scales (with ``run.quantize``), the output
+    head's where the folder was written so; ``int8_head``: the device's int8 quantizes a head of its own too (one the
+    folder holds in full precision is quantized as it is read)."""
     accelerate = _accelerate()
     offload, dtype = run.offload, torch_dtype(run.dtype)
     if offload.mode == "cpu" and device_is_host:
         raise UsageError("--offload cpu keeps offloaded weights in host memory, which is this device's own memory: "
                          "use --offload disk (with --max-device-memory for the memory the run may use).")
     if run.quantize is not None:
-        if not pre_quantized:
-            weights = QuantizingWeights(weights, set(int8_layers(skeleton)), dtype)
-        empty_int8_layers(skeleton)  # on the meta device: int8 shapes, nothing allocated
+        stored_head = pre_quantized and holds_int8_head(skeleton, weights)
+        head = int8_head or stored_head
+        stored = set(int8_layers(skeleton, stored_head)) if pre_quantized else set()
+        if quantized_as_read := set(int8_layers(skeleton, head)) - stored:
+            weights = QuantizingWeights(weights, quantized_as_read, dtype)
+        empty_int8_layers(skeleton, head)  # on the meta device: int8 shapes, nothing allocated
     cap = _memory_cap(offload, free_bytes)
     reserve = run.batch_size * bytes_per_sequence(skeleton.config, min(run.buckets) + run.max_new_tokens, run.dtype, 1,
                                                   run.prefill_chunk)

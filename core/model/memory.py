@@ -125,18 +125,22 @@ def format_size(size: int, whole=None) -> str:
     return f"{whole(size / unit)}{name}" if whole else f"{size / unit:.2f} {name}"
 
 
-def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str, quantize: str | None = None) -> int:
+def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str, quantize: str | None = None,
+                              head: bool = False) -> int:
     """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used). With
-    ``quantize`` (an 8-bit scheme), the linear layers but the output head hold one byte per weight and one
-    ``dtype`` scale per output channel, as ``accelgen.quantization.model_layers`` leaves them."""
+    ``quantize`` (an 8-bit scheme), the linear layers but the output head (with ``head``, that too unless tied to the
+    input embedding) hold one byte per weight and one ``dtype`` scale per output channel, as
+    ``accelgen.quantization.model_layers`` leaves them."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
     if quantize is None:
         return total
-    head = model.get_output_embeddings()
+    kept = model.get_output_embeddings()
+    if head and kept is not None and kept.weight is not getattr(model.get_input_embeddings(), "weight", None):
+        kept = None
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
+        if isinstance(module, torch.nn.Linear) and module is not kept:
             total -= module.weight.numel() * DTYPE_BYTES[dtype] - module.weight.numel() - module.out_features * DTYPE_BYTES[dtype]
     return total
 

@@ -91,6 +91,10 @@ class Accelerator(abc.ABC):
     #: Weight quantization schemes this device runs (``--quantize``), by their names in
     #: ``accelgen.common.settings.QUANTIZATION_SCHEMES``; asking for another is refused in one line.
     quantization_schemes: tuple[str, ...] = ()
+    #: True when the device's int8 also quantizes an output head that holds a weight of its own (not tied to the
+    #: input embedding, not split over ranks): ``quantize`` passes ``head=True`` to
+    #: ``accelgen.quantization.model_layers.quantize_linear_layers``; offloading and memory estimates count it.
+    int8_quantizes_head: bool = False
 
     @abc.abstractmethod
     def is_available(self) -> bool:

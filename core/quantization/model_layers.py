@@ -5,8 +5,10 @@ A column-parallel layer holds whole output rows, quantized as one process quanti
 layer holds a slice of every row: its ranks agree on each row's largest magnitude first, so every rank's
 values and scales are the ones a single process gives that slice, and the outputs of any world size match
 the single process's up to the order of the all-reduce's additions (as unquantized tensor parallelism does).
-The output head and the embeddings keep the run's dtype, as bitsandbytes' and DeepSpeed's int8 do by default:
-they are a small share of a large model and the logits are the most sensitive to rounding.
+The output head and the embeddings keep the run's dtype by default, as bitsandbytes' and DeepSpeed's int8 do: they
+are a small share of a large model and the logits are the most sensitive to rounding. A device may ask for the head
+in int8 too where it holds a weight of its own (:func:`own_head_name`), as CTranslate2 and OpenVINO quantize it: in a
+small model decoding one row it is a large share of the bytes read per token (a fifth of a 0.5B Llama's step).
 
 A pre-quantized checkpoint (``accelgen shard --quantize int8``) is loaded into :func:`empty_int8_layers`, whose
 int8 weights and scales are then filled from its files: the full-precision weights are never read.
@@ -19,28 +21,57 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.parallel.deepspeed_adapter import row_parallel_largest, row_parallel_sum, split_linear_kind
 from accelgen.quantization.int8_layer import Int8Linear, Int8Product, int8_product, quantize_rows
+from accelgen.quantization.while_loading import SCALE_SUFFIX
 
 
-def int8_layers(model: torch.nn.Module) -> dict[str, str]:
-    """The layers int8 applies to, by name: their kind ("whole", "column" or "row"), in the model's order."""
-    head = model.get_output_embeddings()
-    return {name: kind for name, module in model.named_modules() if module is not head and (kind := _kind(module))}
+def int8_layers(model: torch.nn.Module, head: bool = False) -> dict[str, str]:
+    """The layers int8 applies to, by name: their kind ("whole", "column" or "row"), in the model's order; with
+    ``head``, the output head too where it holds a weight of its own (:func:`own_head_name`)."""
+    output_embeddings = model.get_output_embeddings()
+    layers = {name: kind for name, module in model.named_modules()
+              if module is not output_embeddings and (kind := _kind(module))}
+    if head and (name := own_head_name(model)):
+        layers[name] = "whole"
+    return layers
 
 
-def quantize_linear_layers(model: torch.nn.Module, product: Int8Product) -> torch.nn.Module:
-    """``model`` with every linear layer but the output head replaced by an :class:`Int8Linear` computing with
-    ``product``, one layer at a time (the memory of one layer's weight is all it adds while it works); layers
-    already int8 (a pre-quantized checkpoint) are given ``product``."""
+def quantize_linear_layers(model: torch.nn.Module, product: Int8Product, head: bool = False) -> torch.nn.Module:
+    """``model`` with every linear layer but the output head (with ``head``, that too where it holds a weight of its
+    own) replaced by an :class:`Int8Linear` computing with ``product``, one layer at a time (the memory of one layer's
+    weight is all it adds while it works); layers already int8 (a pre-quantized checkpoint) are given ``product``."""
     already = [module for module in model.modules() if isinstance(module, Int8Linear)]
     for module in already:
         module.product = product
-    layers = int8_layers(model)
+    layers = int8_layers(model, head)
     if not layers and not already:
         raise UsageError(f"--quantize int8 finds no linear layers to quantize in this {model.config.model_type} model "
                          f"(its layers are of another kind): drop --quantize.")
     for name, kind in layers.items():
         quantize_layer(model, name, kind, product)
     return model
+
+
+def own_head_name(model: torch.nn.Module) -> str | None:
+    """The name of the output head when it is a plain linear layer with a weight of its own: not the input
+    embedding's (a tied head stays as it is: an int8 copy would add memory, and the embedding lookup needs the
+    full-precision rows), not split over ranks (vocabulary-parallel heads are modules of their own)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight is getattr(model.get_input_embeddings(), "weight", None):
+        return None
+    return next(name for name, module in model.named_modules() if module is head)
+
+
+def holds_int8_head(model: torch.nn.Module, weights) -> bool:
+    """Whether pre-quantized ``weights`` (``accelgen shard --quantize int8``) hold ``model``'s output head in int8:
+    folders written for a device whose int8 quantizes the head do (``Accelerator.int8_quantizes_head``)."""
+    name = own_head_name(model)
+    if name is None:
+        return False
+    try:
+        weights.shape(f"{name}.weight{SCALE_SUFFIX}")
+    except UsageError:
+        return False
+    return True
 
 
 def quantize_layer(model: torch.nn.Module, name: str, kind: str, product: Int8Product = int8_product) -> Int8Linear:
@@ -56,10 +87,11 @@ def quantize_layer(model: torch.nn.Module, name: str, kind: str, product: Int8Pr
     return _replace(model, name, kind, values, scales, product)
 
 
-def empty_int8_layers(model: torch.nn.Module) -> None:
-    """Replace every layer int8 applies to by an :class:`Int8Linear` of the same shape whose weights and scales
-    are allocated, not filled (the layer's full-precision weight is let go), for a pre-quantized checkpoint."""
-    for name, kind in int8_layers(model).items():
+def empty_int8_layers(model: torch.nn.Module, head: bool = False) -> None:
+    """Replace every layer int8 applies to (``head``: see :func:`int8_layers`) by an :class:`Int8Linear` of the same
+    shape whose weights and scales are allocated, not filled (the layer's full-precision weight is let go), for a
+    pre-quantized checkpoint or weights quantized as they are read."""
+    for name, kind in int8_layers(model, head).items():
         weight = model.get_submodule(name).weight
         values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
         scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)

@@ -43,7 +43,8 @@ def load_request(request: Request) -> Generator:
     free_bytes = accelerator.memory_stats().get("free_bytes") if run.offload else None
     host_bytes_before_loading = resident_bytes()
     restart_peak()
-    loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory)
+    loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory,
+                                accelerator.int8_quantizes_head)
     model = accelerator.prepare_model(loaded.model, device, run, world)
     if run.quantize is not None:
         calibrate = calibration_pass(loaded.tokenizer, device, accelerator.mark_step)
