@@ -43,15 +43,17 @@ def hugging_face_alone(folder, prompts, eos_token_id):
 
 @pytest.fixture(scope="module")
 def ending_model(tiny_model_folder, tmp_path_factory):
-    """``ending_model(arch)``: (a copy of the tiny model whose end-of-sequence token its rows choose at varied
-    points, that token)."""
+    """``ending_model(arch, **sampling)``: (a copy of the tiny model whose end-of-sequence token its rows choose at
+    varied points, that token); rows drawn with ``sampling`` (``accelgen.generate``'s options; default greedy)."""
     made = {}
 
-    def make(architecture):
-        if architecture not in made:
+    def make(architecture, **sampling):
+        key = (architecture, *sorted(sampling.items()))
+        if key not in made:
             source = tiny_model_folder(architecture)
             rows = [c.completion_token_ids for c in accelgen.generate(
-                PROMPTS, model=source, device="cpu", max_new_tokens=NEW_TOKENS, ignore_eos=True, batching="static")]
+                PROMPTS, model=source, device="cpu", max_new_tokens=NEW_TOKENS, ignore_eos=True, batching="static",
+                **sampling)]
             # the token that ends the most rows early while leaving some to run to the end
             counts = {}
             for row in rows:
@@ -63,8 +65,8 @@ def ending_model(tiny_model_folder, tmp_path_factory):
             config = json.loads((folder / "generation_config.json").read_text()) if (folder / "generation_config.json").exists() else {}
             config["eos_token_id"] = eos
             (folder / "generation_config.json").write_text(json.dumps(config))
-            made[architecture] = (folder, eos)
-        return made[architecture]
+            made[key] = (folder, eos)
+        return made[key]
 
     return make
 
@@ -106,7 +108,8 @@ def test_continuous_batching_fills_the_slots_that_fixed_batches_leave_idle(endin
 
 @pytest.mark.parametrize("architecture", ["bloom", "llama"])
 def test_a_sampled_run_writes_the_same_rows_in_both_modes(ending_model, architecture, tmp_path, capsys):
-    folder, _ = ending_model(architecture)
+    # the end-of-sequence token one that these sampled rows (whose draws the ending does not change) choose
+    folder, _ = ending_model(architecture, do_sample=True, temperature=0.9, top_k=50, seed=7)
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text("".join(json.dumps({"text": prompt}) + "\n" for prompt in PROMPTS))
     sampling = ["--do-sample", "--temperature", "0.9", "--top-k", "50", "--seed", "7"]

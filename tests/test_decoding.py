@@ -67,6 +67,19 @@ def test_draws_follow_the_distribution():
     assert torch.allclose(frequencies, probs, atol=0.04), frequencies
 
 
+def test_a_draw_never_picks_a_token_filtered_out():
+    """Top-k leaves the other tokens a probability of 0: no draw lands on one, at the edges of the vocabulary
+    included (the first and last tokens are among the kept ones in some rows)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3000, 40)
+    logits[:1000, 0] += 10  # rows where the first token is kept, and likely
+    logits[1000:2000, -1] += 10
+    draws = sampling.choose_tokens(logits, SamplingSettings(do_sample=True, top_k=3, seed=1), torch.arange(3000),
+                                   torch.tensor([0]))
+    assert bool((draws[:, None] == logits.topk(3).indices).any(1).all())
+    assert len(set(draws[2000:].tolist())) > 3  # the other rows spread over many tokens
+
+
 def test_seeds_of_any_size_hash_into_the_draw():
     logits = torch.randn(2, 300)
     rows, step = torch.tensor([0, 1]), torch.tensor([0])
