@@ -13,13 +13,18 @@ from accelgen_cpu.decode_attention import NAME, decode_attention
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("key_heads", [8, 2])
 @pytest.mark.parametrize("boolean_mask", [False, True])
-def test_one_query_per_row_attends_as_sdpa_does(dtype, tolerance, key_heads, boolean_mask):
+@pytest.mark.parametrize("unseen_tail", [0, 15])
+def test_one_query_per_row_attends_as_sdpa_does(dtype, tolerance, key_heads, boolean_mask, unseen_tail):
+    """``unseen_tail``: the cache's last positions seen by no row (a static cache is longer than its rows: they must
+    add nothing); the rows end at different positions before them."""
     torch.manual_seed(0)
     rows, heads, positions, size = 3, 8, 40, 16
     query = torch.randn(rows, heads, 1, size, dtype=dtype)
     key, value = (torch.randn(rows, key_heads, positions, size, dtype=dtype) for _ in range(2))
     seen = torch.rand(rows, 1, 1, positions) < 0.6
-    seen[..., -1] = True  # each row sees its own token
+    for row in range(rows):  # each row sees its own token, the last it sees
+        own = positions - 1 - unseen_tail - 4 * row
+        seen[row, ..., own], seen[row, ..., own + 1:] = True, False
     mask = seen if boolean_mask else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
     groups = heads // key_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
