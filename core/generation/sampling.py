@@ -71,11 +71,17 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, row_indices:
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
     ``do_sample``."""
     if not (sampling.do_sample or per_row):
-        return logits.argmax(-1)
+        return most_likely(logits)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
     probs = logits_to_probs(logits, sampling, rows, per_row)
     drawn = draw(probs, uniform_draws(rows.seed_keys, row_indices, step))
-    return torch.where(rows.temperatures > 0, drawn, logits.argmax(-1)) if per_row else drawn
+    return torch.where(rows.temperatures > 0, drawn, most_likely(logits)) if per_row else drawn
+
+
+def most_likely(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax [B] of logits [B, V], taken in float32: the same token (the conversion is exact), and torch's CPU
+    argmax over bfloat16 is 4x slower than a conversion and an argmax over float32."""
+    return logits.float().argmax(-1)
 
 
 def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from typing import Any, Callable
 
 import torch
@@ -76,10 +77,17 @@ class CpuAccelerator(Accelerator):
         from accelgen.quantization.model_layers import quantize_linear_layers
 
         model = quantize_linear_layers(model, int8_product_on_cpu, head=self.int8_quantizes_head)
-        if run.batch_size > 1:  # decode steps of several rows: torch's int8 product is faster over an input-major weight
+        if run.batch_size > 1:  # decode steps of several rows: the layout their products run faster over, by shape
+            input_major: dict[tuple[int, ...], bool] = {}
             for layer in model.modules():
-                if isinstance(layer, Int8Linear):
-                    layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t(), requires_grad=False)
+                if isinstance(layer, Int8Linear) and layer.in_features % 16 == 0:
+                    other = layer.weight.detach().t().contiguous().t()
+                    shape = tuple(other.shape)
+                    if shape not in input_major:
+                        input_major[shape] = _seconds_of_product(other, run.batch_size) < _seconds_of_product(
+                            layer.weight.detach(), run.batch_size)
+                    if input_major[shape]:
+                        layer.weight = torch.nn.Parameter(other, requires_grad=False)
         return model
 
     def capture(
@@ -124,6 +132,19 @@ def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
         return int8_product(x, weight, scales)
     values, row_scales = quantize_rows(x.float())
     return (torch._int_mm(values, weight.t()).float() * (row_scales[:, None] * scales.float())).to(x.dtype)
+
+
+def _seconds_of_product(weight: torch.Tensor, rows: int) -> float:
+    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` (as laid out). Which layout
+    is faster depends on the shape and the CPU (for a 2048 x 5632 layer at 16 rows here, input-major 1.4 against
+    3.0 ms; for 5632 x 2048, output-major 1.3 against 1.7); both give the same integers."""
+    values = torch.ones(rows, weight.shape[1], dtype=torch.int8)
+    timings = []
+    for _ in range(3):
+        started = time.perf_counter()
+        torch._int_mm(values, weight.t())
+        timings.append(time.perf_counter() - started)
+    return min(timings)
 
 
 def _cpu_model_name() -> str:
