@@ -55,7 +55,8 @@ def complete(*arguments):
 
 
 def rows_of(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # lines end at \n only: str.splitlines() also splits at characters a completion may hold (U+0085, U+2028)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def test_every_local_source_completes_in_order_like_one_prompt_at_a_time(

@@ -24,7 +24,8 @@ def run(capsys, *arguments):
 
 
 def rows_of(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # lines end at \n only: str.splitlines() also splits at characters a completion may hold (U+0085, U+2028)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def test_bad_text_rows_become_error_rows_and_the_others_complete_as_alone(tiny_model_folder, tmp_path, capsys):

@@ -53,7 +53,8 @@ def run_job(environment, *arguments, timeout=240):
 
 
 def rows_of(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    # lines end at \n only: str.splitlines() also splits at characters a completion may hold (U+0085, U+2028)
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line]
 
 
 @pytest.mark.parametrize(
