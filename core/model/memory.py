@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import DTYPE_BYTES
-from accelgen.model.shape import attention_head_counts, larger_world_sizes
+from accelgen.model.shape import attention_head_counts, larger_world_sizes, own_head_name
 
 GIB = 1024**3
 USABLE_SHARE = 0.9
@@ -128,19 +128,18 @@ def format_size(size: int, whole=None) -> str:
 def parameter_bytes_of_config(config: transformers.PretrainedConfig, dtype: str, quantize: str | None = None,
                               head: bool = False) -> int:
     """Bytes of the weights ``config`` describes in ``dtype``, counted on the meta device (no memory used). With
-    ``quantize`` (an 8-bit scheme), the linear layers but the output head (with ``head``, that too unless tied to the
-    input embedding) hold one byte per weight and one ``dtype`` scale per output channel, as
-    ``accelgen.quantization.model_layers`` leaves them."""
+    ``quantize`` (an 8-bit scheme), the linear layers but the output head (with ``head``, that too where it is the
+    model's own: :func:`accelgen.model.shape.own_head_name`) hold one byte per weight and one ``dtype`` scale per
+    output channel, as ``accelgen.quantization.model_layers`` leaves them."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(parameter.numel() for parameter in model.parameters()) * DTYPE_BYTES[dtype]
     if quantize is None:
         return total
-    kept = model.get_output_embeddings()
-    if head and kept is not None and kept.weight is not getattr(model.get_input_embeddings(), "weight", None):
-        kept = None
+    output_head = model.get_output_embeddings()
+    quantized_head = model.get_submodule(name) if head and (name := own_head_name(model)) else None
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not kept:
+        if isinstance(module, torch.nn.Linear) and (module is not output_head or module is quantized_head):
             total -= module.weight.numel() * DTYPE_BYTES[dtype] - module.weight.numel() - module.out_features * DTYPE_BYTES[dtype]
     return total
 

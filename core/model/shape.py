@@ -57,3 +57,13 @@ def context_limit(config: transformers.PretrainedConfig) -> int | None:
 def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
     """Whether the model's forward takes ``argument`` by name (BLOOM refuses ``position_ids``)."""
     return argument in inspect.signature(model.forward).parameters
+
+
+def own_head_name(model: torch.nn.Module) -> str | None:
+    """The name of the output head when it is a plain linear layer with a weight of its own: not the input
+    embedding's (a tied head is the embedding's matrix, which the embedding lookup needs whole), not split over ranks
+    (vocabulary-parallel heads are modules of their own); None otherwise."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight is getattr(model.get_input_embeddings(), "weight", None):
+        return None
+    return next(name for name, module in model.named_modules() if module is head)

@@ -7,8 +7,8 @@ values and scales are the ones a single process gives that slice, and the output
 the single process's up to the order of the all-reduce's additions (as unquantized tensor parallelism does).
 The output head and the embeddings keep the run's dtype by default, as bitsandbytes' and DeepSpeed's int8 do: they
 are a small share of a large model and the logits are the most sensitive to rounding. A device may ask for the head
-in int8 too where it holds a weight of its own (:func:`own_head_name`), as CTranslate2 and OpenVINO quantize it: in a
-small model decoding one row it is a large share of the bytes read per token (a fifth of a 0.5B Llama's step).
+in int8 too where it holds a weight of its own (:func:`accelgen.model.shape.own_head_name`), as CTranslate2 and
+OpenVINO quantize it: in a small model decoding one row it is a large share of the bytes read per token.
 
 A pre-quantized checkpoint (``accelgen shard --quantize int8``) is loaded into :func:`empty_int8_layers`, whose
 int8 weights and scales are then filled from its files: the full-precision weights are never read.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.common.errors import UsageError
+from accelgen.model.shape import own_head_name
 from accelgen.parallel.deepspeed_adapter import row_parallel_largest, row_parallel_sum, split_linear_kind
 from accelgen.quantization.int8_layer import Int8Linear, Int8Product, int8_product, quantize_rows
 from accelgen.quantization.while_loading import SCALE_SUFFIX
@@ -26,7 +27,7 @@ from accelgen.quantization.while_loading import SCALE_SUFFIX
 
 def int8_layers(model: torch.nn.Module, head: bool = False) -> dict[str, str]:
     """The layers int8 applies to, by name: their kind ("whole", "column" or "row"), in the model's order; with
-    ``head``, the output head too where it holds a weight of its own (:func:`own_head_name`)."""
+    ``head``, the output head too where it holds a weight of its own (:func:`accelgen.model.shape.own_head_name`)."""
     output_embeddings = model.get_output_embeddings()
     layers = {name: kind for name, module in model.named_modules()
               if module is not output_embeddings and (kind := _kind(module))}
@@ -49,16 +50,6 @@ def quantize_linear_layers(model: torch.nn.Module, product: Int8Product, head: b
     for name, kind in layers.items():
         quantize_layer(model, name, kind, product)
     return model
-
-
-def own_head_name(model: torch.nn.Module) -> str | None:
-    """The name of the output head when it is a plain linear layer with a weight of its own: not the input
-    embedding's (a tied head stays as it is: an int8 copy would add memory, and the embedding lookup needs the
-    full-precision rows), not split over ranks (vocabulary-parallel heads are modules of their own)."""
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.weight is getattr(model.get_input_embeddings(), "weight", None):
-        return None
-    return next(name for name, module in model.named_modules() if module is head)
 
 
 def holds_int8_head(model: torch.nn.Module, weights) -> bool:

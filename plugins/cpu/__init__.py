@@ -80,14 +80,13 @@ class CpuAccelerator(Accelerator):
         if run.batch_size > 1:  # decode steps of several rows: the layout their products run faster over, by shape
             input_major: dict[tuple[int, ...], bool] = {}
             for layer in model.modules():
-                if isinstance(layer, Int8Linear) and layer.in_features % 16 == 0:
-                    other = layer.weight.detach().t().contiguous().t()
-                    shape = tuple(other.shape)
-                    if shape not in input_major:
-                        input_major[shape] = _seconds_of_product(other, run.batch_size) < _seconds_of_product(
-                            layer.weight.detach(), run.batch_size)
-                    if input_major[shape]:
-                        layer.weight = torch.nn.Parameter(other, requires_grad=False)
+                if isinstance(layer, Int8Linear) and layer.in_features % 16 == 0:  # the others take the plain product
+                    weight = layer.weight.detach()
+                    if tuple(weight.shape) not in input_major:
+                        input_major[tuple(weight.shape)] = _seconds_of_product(
+                            weight.t().contiguous().t(), run.batch_size) < _seconds_of_product(weight, run.batch_size)
+                    if input_major[tuple(weight.shape)]:
+                        layer.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
         return model
 
     def capture(
