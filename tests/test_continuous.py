@@ -108,7 +108,7 @@ def test_continuous_batching_fills_the_slots_that_fixed_batches_leave_idle(endin
 
 @pytest.mark.parametrize("architecture", ["bloom", "llama"])
 def test_a_sampled_run_writes_the_same_rows_in_both_modes(ending_model, architecture, tmp_path, capsys):
-    # the end-of-sequence token one that these sampled rows (whose draws the ending does not change) choose
+    # the end-of-sequence token is one that these sampled rows choose (their draws do not depend on the ending)
     folder, _ = ending_model(architecture, do_sample=True, temperature=0.9, top_k=50, seed=7)
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text("".join(json.dumps({"text": prompt}) + "\n" for prompt in PROMPTS))
