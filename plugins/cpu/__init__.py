@@ -15,6 +15,7 @@ from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen.quantization.int8_layer import int8_product, quantize_rows
 from accelgen_cpu.extension_lock import check_extension_build_lock
+from accelgen_cpu.packed_linear import pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
@@ -54,6 +55,8 @@ class CpuAccelerator(Accelerator):
 
         self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
         use_decode_attention(model)
+        if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
+            pack_linear_layers(model, run.batch_size)
         return model
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:

@@ -1,0 +1,87 @@
+"""Linear layers whose weights are laid out once, at load, in oneDNN's blocked format for the run's number of rows.
+
+torch's plain product (``F.linear``) takes the weight as stored, row-major [out, in], and the matrix library re-reads
+it in that layout at every call; oneDNN's own blocked layout, made once, feeds its kernels directly. On a CPU with
+AVX-512 that is the larger part of a decode step's products (RESULTS.md, "Packed weights on the CPU"): the layout
+costs nothing per call and the packed weight takes the place of the plain one (same bytes).
+
+Only plain ``nn.Linear`` layers in float32 or bfloat16 with a weight of their own are packed: a head tied to the
+input embedding keeps the embedding's matrix (the lookup needs it whole), layers that tensor parallelism or int8
+replaced are other modules, and offloaded weights arrive at each forward pass. The packed weight is an opaque
+oneDNN tensor: inductor cannot take it as an input, so a compiled step calls the product as a custom operator that
+finds the weight by a number (:func:`packed_product`); an eager step calls oneDNN directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+#: packed weights by handle, for the compiled step's operator; the layers hold them (weakly held here)
+_PACKED_WEIGHTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear``'s product over a weight packed for ``rows`` rows (any number of rows still works)."""
+
+    def __init__(self, linear: torch.nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)  # a parameter: counted with the model's
+        self.bias = linear.bias
+        self.handle = next(_handles)
+        _PACKED_WEIGHTS[self.handle] = self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_product(x, self.handle, self.out_features, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("accelgen_cpu::packed_product", mutates_args=())
+def packed_product(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times the packed weight ``handle`` [out, in], plus ``bias``: [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[handle], bias, "none", [], "")
+
+
+@packed_product.register_fake
+def _(x, handle, out_features, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
+    """Replace the model's packable linear layers (module docstring) by :class:`PackedLinear` ones laid out for
+    ``rows`` rows, one at a time (the plain weight is freed as its packed copy is made); returns how many."""
+    if not _packing_works():
+        return 0
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (type(child) is torch.nn.Linear and uses.get(id(child.weight)) == 1 and not child.weight.is_meta
+                    and child.weight.dtype in (torch.float32, torch.bfloat16)):
+                setattr(parent, name, PackedLinear(child, rows))
+                packed += 1
+    return packed
+
+
+def _packing_works() -> bool:
+    """Whether this torch build has oneDNN's packed product and it gives the plain product's values."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, rows = torch.linspace(-1, 1, 32 * 16).reshape(32, 16), torch.linspace(1, -1, 3 * 16).reshape(3, 16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
+        product = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return torch.allclose(product, torch.nn.functional.linear(rows, weight), atol=1e-5)

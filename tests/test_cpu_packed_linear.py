@@ -1,0 +1,80 @@
+"""The CPU's linear layers over packed weights (plugins/cpu/packed_linear.py): the same values as ``nn.Linear``, used
+where they can be (untied layers of a run in float32 or bfloat16), never where they cannot (a head tied to the
+embedding, int8 layers, offloaded weights), counted in the parameters' bytes, and compiled. Whole runs' token-for-token
+parity with Hugging Face ``generate`` over packed layers is in test_parity.py; compiled = eager in test_capture.py."""
+
+import pytest
+import torch
+from conftest import PROMPTS
+from safetensors import safe_open
+
+import accelgen
+from accelgen.model.memory import parameter_bytes
+from accelgen_cpu.packed_linear import PackedLinear
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_layer_gives_the_plain_layers_values(dtype, tolerance, rows, bias):
+    """Laid out for 16 rows, the product of 1, 3 or 16 rows, as a matrix and as [batch, positions, features]."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=bias).to(dtype)
+    packed = PackedLinear(linear, 16)
+    for x in (torch.randn(rows, 96, dtype=dtype), torch.randn(2, rows, 96, dtype=dtype)):
+        expected, ours = linear(x), packed(x)
+        assert ours.shape == expected.shape and ours.dtype == dtype
+        assert torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_compiled_packed_layer_gives_the_eager_values():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 32))
+    packed = torch.nn.Sequential(PackedLinear(layers[0], 4), torch.nn.SiLU(), PackedLinear(layers[2], 4))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(packed, dynamic=False)(x), packed(x))
+
+
+def _packed_and_plain(model):
+    layers = [module for module in model.modules() if isinstance(module, (PackedLinear, torch.nn.Linear))]
+    return sum(isinstance(layer, PackedLinear) for layer in layers), sum(type(layer) is torch.nn.Linear for layer in layers)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_packs_every_linear_layer_with_a_weight_of_its_own(tiny_model_folder, dtype):
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", dtype=dtype, batch_size=2, max_new_tokens=4)
+    packed, plain = _packed_and_plain(generator.model)
+    assert (packed, plain) == (2 * 7 + 1, 0)  # 2 layers of q, k, v, o, gate, up, down; the head (untied)
+    assert generator.model.get_output_embeddings().weight.dtype == getattr(torch, dtype)
+    assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
+
+
+def test_a_head_tied_to_the_embedding_stays_plain(tiny_model_folder):
+    generator = accelgen.load(tiny_model_folder("opt"), device="cpu", max_new_tokens=4)
+    head = generator.model.get_output_embeddings()
+    assert type(head) is torch.nn.Linear and head.weight is generator.model.get_input_embeddings().weight
+    assert _packed_and_plain(generator.model)[0] > 0
+
+
+def test_packed_weights_count_as_the_models_parameters(tiny_model_folder):
+    """The parameters' bytes a run reports (per rank, in its summary) are the checkpoint's, packed or not."""
+    folder = tiny_model_folder("llama")
+    with safe_open(folder / "model.safetensors", "pt") as checkpoint:
+        stored = sum(checkpoint.get_tensor(name).nbytes for name in checkpoint.keys())
+    generator = accelgen.load(folder, device="cpu", dtype="float32", max_new_tokens=4)
+    assert _packed_and_plain(generator.model)[0] > 0
+    assert parameter_bytes(generator.model) == stored
+
+
+def test_int8_runs_pack_nothing(tiny_model_folder):
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", dtype="bfloat16", quantize="int8",
+                              max_new_tokens=4)
+    assert _packed_and_plain(generator.model)[0] == 0
+
+
+def test_offloaded_runs_pack_nothing(tiny_model_folder, tmp_path):
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=4, offload="disk",
+                              max_device_memory=400_000, offload_folder=str(tmp_path))
+    assert _packed_and_plain(generator.model)[0] == 0
+    assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
