@@ -54,6 +54,17 @@ def test_greedy_matches_hugging_face(tiny_model_folder, architecture, batch_size
     assert generator.stats.batches == -(-len(PROMPTS) // batch_size)
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_an_eager_prefill_runs_the_prompts_not_their_buckets_padding(tiny_model_folder, architecture):
+    """On the CPU (prefills never captured) a prefill computes the last positions of its bucket that its longest
+    prompt needs, rounded up to 8, not the whole bucket: the same tokens, with a bucket far longer than the prompts."""
+    folder = tiny_model_folder(architecture)
+    completions, generator = ours(folder, PROMPTS, batch_size=len(PROMPTS), buckets=(256,), graphs=False)
+    assert completions == reference_completions(folder, PROMPTS)
+    longest = max(len(ids) for ids in AutoTokenizer.from_pretrained(folder)(PROMPTS).input_ids)
+    assert generator.stats.prefill_positions == len(PROMPTS) * -(-longest // 8) * 8
+
+
 @pytest.mark.parametrize("architecture", ["llama", "bloom"])
 def test_bfloat16_matches_hugging_face_in_bfloat16(tiny_model_folder, architecture):
     # In bfloat16, SDPA over a different number of (masked) keys rounds differently: Hugging Face's own

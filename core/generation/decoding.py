@@ -31,6 +31,8 @@ from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logp
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+PREFILL_POSITION_STEP = 8  # an eager prefill's positions are a multiple of this (see ``padded_length``)
+
 
 class DecodeState(NamedTuple):
     """The fixed-address buffers of the decode step. It reads and writes nothing else (besides the KV cache,
@@ -140,6 +142,13 @@ def positions_from_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     """Position ids [k, P] counting real tokens only, as Hugging Face ``generate`` does for left padding."""
     positions = prompt_mask.cumsum(-1) - 1
     return positions.masked_fill(prompt_mask == 0, 1)
+
+
+def padded_length(longest_prompt: int) -> int:
+    """The positions an eagerly run prefill computes for prompts of up to ``longest_prompt`` tokens: that many,
+    rounded up to a multiple of 8 (fewer shapes), of the bucket's last positions; the padding before them is
+    masked out as it would have been in the bucket."""
+    return -(-longest_prompt // PREFILL_POSITION_STEP) * PREFILL_POSITION_STEP
 
 
 def prefill_spans(bucket_length: int, window: int, longest_prompt: int, chunk: int) -> list[tuple[int, int]]:

@@ -178,10 +178,13 @@ class SlotRunner:
         prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
         window = insertion.bucket_length if self.prefixes is None else self.prefixes.reuse(
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
+        if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
+            window = min(window, decoding.padded_length(max(len(row.prompt_ids) for row in prompts)))
         spans = decoding.prefill_spans(insertion.bucket_length, window, max(len(row.prompt_ids) for row in prompts),
                                        self.run.prefill_chunk)
         self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
+        self.stats.prefill_positions += insertion.shape_rows * (spans[-1][1] - spans[0][0])
         key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows, spans[-1][0])
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None

@@ -35,6 +35,7 @@ class GenerationStats:
     prompt_tokens: int = 0  # tokens of the prompts prefilled (a prompt's samples share its prefill)
     prefilled_tokens: int = 0  # of those, run through the model (a prefill window may run some reused ones again)
     reused_tokens: int = 0  # of those, copied from the prefix store instead of being computed
+    prefill_positions: int = 0  # token places prefill passes computed: rows x positions, padding included
     prefix_hits: int = 0  # prompts that found their beginning in the prefix store
     prefix_store_bytes: int | None = None  # the size of that store (--prefix-cache); None when prefixes are not reused
     #: the longest wait of running rows between two decode steps, and the longest prefill forward pass: host clock
