@@ -12,7 +12,7 @@ Two jobs:
 
 Contenders (each measurement a process of its own; contenders interleaved round by round; medians):
 
-    accelgen_float32, accelgen_int8   accelgen (continuous batching); int8: weight-only, bfloat16 activations
+    accelgen_float32, accelgen_int8   accelgen (continuous batching); int8: int8 weights, rows quantized as they come
     hf_float32                        Hugging Face: generate_batch() for the dataset, generate() at batch 1
     ct2_float32, ct2_int8             CTranslate2 Generator (converted with ct2-transformers-converter)
     ov_float32, ov_int8               OpenVINO through optimum-intel (exported with optimum-cli; int8: weight-only)
@@ -218,10 +218,22 @@ def measure(name: str, folder: Path, arguments, new_tokens: int | None = None) -
     command = [python, str(Path(__file__).resolve()), "--worker", name, "--folder", str(folder)]
     if new_tokens is not None:
         command += ["--new-tokens", str(new_tokens)]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True)
+    result = _run_worker_process(command, environment, arguments.worker_timeout)
+    if result.returncode:  # Hugging Face's generate_batch has failed, and hung, once in a while: once more
+        print(f"{name} failed (exit {result.returncode}); measuring it again", file=sys.stderr)
+        result = _run_worker_process(command, environment, arguments.worker_timeout)
     if result.returncode:
-        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _run_worker_process(command: list[str], environment: dict, timeout: float) -> subprocess.CompletedProcess:
+    """The worker's run; one that runs past ``timeout`` seconds is killed and counts as failed (exit -9)."""
+    try:
+        return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
+        return subprocess.CompletedProcess(command, -9, "", f"{stderr}\nkilled after {timeout:.0f} s")
 
 
 def main() -> None:
@@ -236,6 +248,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--mean-length", type=int, default=40)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--worker-timeout", type=float, default=600, help="seconds one measurement may take")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
