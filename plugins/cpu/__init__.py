@@ -1,5 +1,6 @@
-"""The built-in CPU accelerator: runs everywhere, chooses its threads from the machine as it finds it, captures the
-decode step with ``torch.compile``, runs int8 weights as int8 products of rows quantized as they come."""
+"""The built-in CPU accelerator: runs everywhere, chooses its threads from the machine as it finds it, packs float
+weights once in oneDNN's layout, captures the decode step with ``torch.compile``, runs int8 weights as int8 products
+of rows quantized as they come."""
 
 from __future__ import annotations
 
