@@ -178,10 +178,10 @@ class SlotRunner:
         prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
         window = insertion.bucket_length if self.prefixes is None else self.prefixes.reuse(
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
+        longest = max(len(row.prompt_ids) for row in prompts)
         if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
-            window = min(window, decoding.padded_length(max(len(row.prompt_ids) for row in prompts)))
-        spans = decoding.prefill_spans(insertion.bucket_length, window, max(len(row.prompt_ids) for row in prompts),
-                                       self.run.prefill_chunk)
+            window = min(window, decoding.padded_length(longest))
+        spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
         self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
         self.stats.prefill_positions += insertion.shape_rows * (spans[-1][1] - spans[0][0])

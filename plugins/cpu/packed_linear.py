@@ -14,6 +14,7 @@ finds the weight by a number (:func:`packed_product`); an eager step calls oneDN
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
@@ -74,6 +75,7 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
     return packed
 
 
+@functools.cache
 def _packing_works() -> bool:
     """Whether this torch build has oneDNN's packed product and it gives the plain product's values."""
     if not torch.backends.mkldnn.is_available():
