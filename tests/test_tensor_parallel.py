@@ -154,11 +154,14 @@ def test_ctrl_c_stops_every_worker(tiny_model_folder, job_environment):
 
 
 def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environment):
-    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model",
+    port = free_port()
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--master-port", str(port), "--model",
                      str(tiny_model_folder("gpt2")), "--prompt", "Hello", "--max-new-tokens", "4")
     assert result.returncode == 2
     [line] = [line for line in result.stderr.splitlines() if line.startswith("accelgen: error:")]
     assert "DeepSpeed cannot shard GPT2LMHeadModel with AutoTP" in line and "--world-size 1" in line
+    # DeepSpeed made its shared-memory all-reduce buffers before it refused the model: the failed job removed them
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 class OneGpuAccelerator(accelgen.Accelerator):

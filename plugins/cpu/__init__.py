@@ -72,7 +72,11 @@ class CpuAccelerator(Accelerator):
         shared_memory = prepare_shared_memory_all_reduce(world)
         if shared_memory:
             check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use
-        model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
+        try:
+            model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
+        except BaseException:  # a model AutoTP cannot split, say: the job ends, its buffers must not stay behind
+            unlink_shared_memory_buffer(world, wait=False)
+            raise
         unlink_shared_memory_buffer(world)
         return model
 

@@ -27,15 +27,17 @@ def prepare_shared_memory_all_reduce(world: World) -> bool:
     return False
 
 
-def unlink_shared_memory_buffer(world: World) -> None:
-    """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
+def unlink_shared_memory_buffer(world: World, wait: bool = True) -> None:
+    """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it
+    (without ``wait``, at once: when the sharding failed and the job ends).
 
     When its ranks share a host, DeepSpeed creates one POSIX shared-memory segment per rank while it joins
     (inside ``init_inference``) and never unlinks it, so every job would leave its buffers in /dev/shm.
     After a barrier every rank has opened every other's segment, so the names can go: the mappings stay
     valid and the memory is freed when the last rank exits. Where DeepSpeed made no such buffer (several
     hosts) there is nothing to remove."""
-    wait_for_every_rank()
+    if wait:
+        wait_for_every_rank()
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{world.master_addr}_{world.master_port}_{world.rank}"
     try:
         os.unlink(os.path.join("/dev/shm", name))
