@@ -1,5 +1,5 @@
 """Weight-only int8 (`--quantize int8`): the linear layers' weights as int8 with one scale per output channel,
-on the CPU multiplied in int8 through torch's `_int_mm`, each input row quantized too."""
+on the CPU multiplied in int8 (each input row quantized too) by the kernel measured fastest for each weight shape."""
 
 import json
 import subprocess
@@ -20,7 +20,8 @@ from accelgen.model.memory import parameter_bytes, parameter_bytes_of_config
 from accelgen.parallel.launcher import free_port
 from accelgen.quantization.int8_layer import Int8Linear, int8_product, quantize_rows
 from accelgen.quantization.while_loading import QuantizingWeights
-from accelgen_cpu import int8_product_on_cpu
+from accelgen_cpu import int8_kernels
+from accelgen_cpu.int8_kernels import KERNELS, PackedInt8Product, int8_product_on_cpu, use_int8_kernel
 
 MAX_NEW_TOKENS = 8
 
@@ -128,21 +129,44 @@ def test_a_layer_of_rows_that_do_not_fit_the_int8_kernel_gives_the_plain_product
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("input_major", [False, True])
-def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, input_major):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
     """Input rows (one when decoding batch 1, several for prompts and slots) are quantized to int8 too, each with its
     own scale: each product moves by at most its row's rounding, half a step (the row's absmax / 254) per value,
-    whatever the weight's layout (a run of several slots stores it input-major); a wrong scale, a transposed weight
-    or a scale shared by the rows moves it far more."""
+    whichever kernel the layer's weight shape takes; a wrong scale, a transposed weight or a scale shared by the rows
+    moves it far more. Every kernel gives the same values, so that the one measured fastest never changes a token."""
     torch.manual_seed(0)
     values, scales = quantize_rows(torch.randn(64, 256))
-    if input_major:
-        values = values.t().contiguous().t()
     x = torch.randn(rows, 256) * torch.logspace(0, 3, rows)[:, None]  # rows of very different sizes
     exact = int8_product(x, values, scales)
     bound = (x.abs().amax(1, keepdim=True) / 254) * (values.float().abs() * scales[:, None]).sum(1)  # [rows, 64]
-    difference = (int8_product_on_cpu(x, values, scales) - exact).abs()
+    layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
+    use_int8_kernel(layer, kernel)
+    product = layer(x)
+    difference = (product - exact).abs()
     assert bool((difference <= bound * 1.001 + 1e-4).all()) and difference.max() > 0
+    assert torch.equal(product, int8_product_on_cpu(x, values, scales))
+    torch._dynamo.reset()  # each case compiles a layer of its own: not a recompilation of the last case's
+    compiled = torch.compile(layer, dynamic=False, fullgraph=True)  # oneDNN's through an operator of ours
+    assert torch.equal(compiled(x), product)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
+def test_whichever_kernel_a_shape_is_measured_fastest_with_the_completions_are_the_same(tiny_model_folder, monkeypatch,
+                                                                                     graphs):
+    """Which int8 kernel each weight shape takes is measured at load (so it may differ from run to run and from
+    machine to machine); the completions must not depend on it, eager or captured."""
+    folder = str(tiny_model_folder("llama"))
+    completions_by_kernel = {}
+    for kernel in KERNELS:
+        monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, candidate, kernel=kernel:
+                            0.0 if candidate == kernel else 1.0)
+        completions_by_kernel[kernel], generator = completions(
+            folder, dtype="float32", quantize="int8", batch_size=4, graphs=graphs,
+            plugin_manager=plugin_manager_with(CapturingCpu()) if graphs else None)
+        products = {type(layer.product) for layer in generator.model.modules() if isinstance(layer, Int8Linear)}
+        assert (PackedInt8Product in products) == (kernel == "packed")
+    assert completions_by_kernel["rows"] == completions_by_kernel["columns"] == completions_by_kernel["packed"]
 
 
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):

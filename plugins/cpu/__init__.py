@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 from typing import Any, Callable
 
 import torch
@@ -14,8 +13,8 @@ import torch
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
-from accelgen.quantization.int8_layer import int8_product, quantize_rows
 from accelgen_cpu.extension_lock import check_extension_build_lock
+from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
 from accelgen_cpu.packed_linear import pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
@@ -81,20 +80,10 @@ class CpuAccelerator(Accelerator):
         return model
 
     def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate) -> torch.nn.Module:
-        from accelgen.quantization.int8_layer import Int8Linear
         from accelgen.quantization.model_layers import quantize_linear_layers
 
         model = quantize_linear_layers(model, int8_product_on_cpu, head=self.int8_quantizes_head)
-        if run.batch_size > 1:  # decode steps of several rows: the layout their products run faster over, by shape
-            input_major: dict[tuple[int, ...], bool] = {}
-            for layer in model.modules():
-                if isinstance(layer, Int8Linear) and layer.in_features % 16 == 0:  # the others take the plain product
-                    weight = layer.weight.detach()
-                    if tuple(weight.shape) not in input_major:
-                        input_major[tuple(weight.shape)] = _seconds_of_product(
-                            weight.t().contiguous().t(), run.batch_size) < _seconds_of_product(weight, run.batch_size)
-                    if input_major[tuple(weight.shape)]:
-                        layer.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        choose_int8_kernels(model, run.batch_size)  # each weight shape's fastest kernel for the decode step's rows
         return model
 
     def capture(
@@ -126,32 +115,6 @@ class CpuAccelerator(Accelerator):
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
         }
-
-
-def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The product with int8 weights [out, in]: each input row quantized to int8 too (a scale of its own, as
-    CTranslate2 and OpenVINO do) and multiplied in int8 through torch's ``_int_mm`` (VNNI instructions), the int32
-    result scaled back by both scales. Faster than torch's weight-only kernel (``_weight_int8pack_mm``, rows kept
-    in bfloat16) at every number of rows: about 3x for one row, 2 to 5x for prompts. The kernel needs rows of a
-    multiple of 16 values (others give wrong values or crash); other layers take the plain product. Each row's
-    result depends on that row alone, whatever rows share the product."""
-    if x.shape[-1] % 16:
-        return int8_product(x, weight, scales)
-    values, row_scales = quantize_rows(x.float())
-    return (torch._int_mm(values, weight.t()).float() * (row_scales[:, None] * scales.float())).to(x.dtype)
-
-
-def _seconds_of_product(weight: torch.Tensor, rows: int) -> float:
-    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` (as laid out). Which layout
-    is faster depends on the shape and the CPU (for a 2048 x 5632 layer at 16 rows here, input-major 1.4 against
-    3.0 ms; for 5632 x 2048, output-major 1.3 against 1.7); both give the same integers."""
-    values = torch.ones(rows, weight.shape[1], dtype=torch.int8)
-    timings = []
-    for _ in range(3):
-        started = time.perf_counter()
-        torch._int_mm(values, weight.t())
-        timings.append(time.perf_counter() - started)
-    return min(timings)
 
 
 def _cpu_model_name() -> str:

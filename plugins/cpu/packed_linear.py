@@ -17,12 +17,25 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from typing import Any
 
 import torch
 
-#: packed weights by handle, for the compiled step's operator; the layers hold them (weakly held here)
-_PACKED_WEIGHTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+#: packed weights (or what holds them) by handle, for compiled steps' operators; the layers hold them (weakly
+#: held here)
+_PACKED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _handles = itertools.count()
+
+
+def register_packed(packed: Any) -> int:
+    """A handle by which a compiled step's operator finds ``packed`` (:func:`find_packed`), as long as it lives."""
+    handle = next(_handles)
+    _PACKED[handle] = packed
+    return handle
+
+
+def find_packed(handle: int) -> Any:
+    return _PACKED[handle]
 
 
 class PackedLinear(torch.nn.Module):
@@ -34,8 +47,7 @@ class PackedLinear(torch.nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)  # a parameter: counted with the model's
         self.bias = linear.bias
-        self.handle = next(_handles)
-        _PACKED_WEIGHTS[self.handle] = self.weight
+        self.handle = register_packed(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -49,7 +61,7 @@ class PackedLinear(torch.nn.Module):
 @torch.library.custom_op("accelgen_cpu::packed_product", mutates_args=())
 def packed_product(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times the packed weight ``handle`` [out, in], plus ``bias``: [..., out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[handle], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, find_packed(handle), bias, "none", [], "")
 
 
 @packed_product.register_fake

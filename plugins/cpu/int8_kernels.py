@@ -1,0 +1,152 @@
+"""The CPU's int8 products: each input row quantized to int8 as it comes (a scale of its own, as CTranslate2 and
+OpenVINO do), multiplied in int8 with the layer's int8 weights (VNNI instructions), the int32 sums scaled back by
+both scales. Each row's result depends on that row alone, whatever rows share the product.
+
+Three kernels give the same integers; which is fastest depends on the weight's shape, the number of rows and the
+CPU, so each weight shape takes the one measured fastest at the run's decode rows (:func:`choose_int8_kernels`):
+
+- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major: the fastest for one row;
+- ``"columns"``: ``_int_mm`` over the weight copied input-major;
+- ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
+  for several rows the fastest by far (RESULTS.md, "int8 products on the CPU").
+
+oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
+scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8
+rows with their sign bit flipped. Every kernel scales the int32 sums as ``(sums * weight scale) * row scale`` in
+float32, so that the kernels give the same values and the choice never changes a token.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
+from accelgen_cpu.packed_linear import find_packed, register_packed
+
+#: the kernels a weight shape may take, in the order they are tried
+KERNELS = ("rows", "columns", "packed")
+#: oneDNN's unsigned rows: the int8 values plus this (the sign bit flipped)
+_ZERO_POINT = 128
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The product of ``x`` [rows, in] and the int8 ``weight`` [out, in] (either layout) through ``_int_mm``. The kernel
+    needs rows of a multiple of 16 values (others give wrong values or crash): other layers take the plain product."""
+    if x.shape[-1] % 16:
+        return int8_product(x, weight, scales)
+    values, row_scales = quantized_rows(x)
+    sums = torch._int_mm(values, weight.t()).float().mul_(scales.float())  # as oneDNN's, to the last bit
+    return sums.mul_(row_scales).to(x.dtype)
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, in] as int8 values and each row's scale [rows, 1] (its largest magnitude / 127, float32). Each
+    operation here runs at every product, so there are few: float to int8 (unlike float to uint8) is vectorized."""
+    largest = x.abs().amax(-1, keepdim=True).float().clamp_(min=_TINY)
+    values = torch.mul(x, torch.div(INT8_LIMIT, largest)).round_().to(torch.int8)
+    return values, largest.div_(INT8_LIMIT)  # now each row's scale
+
+
+class PackedInt8Product:
+    """The int8 product over one layer's weight packed by oneDNN (the layer's weight is then :attr:`weight`); an
+    :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``. A compiled step calls oneDNN through the
+    custom operator :func:`packed_int8_product`, which finds this object by :attr:`handle` (inductor takes no oneDNN
+    tensor as input)."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.weight = torch.nn.Parameter(torch.ops.onednn.qlinear_prepack(weight, None), requires_grad=False)
+        self.out_features = weight.shape[0]
+        self.scales = scales.float()
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)  # the weights': symmetric
+        self.handle = register_packed(self)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        values, row_scales = quantized_rows(x)
+        unsigned = torch.bitwise_xor(values, -_ZERO_POINT).view(torch.uint8)  # v + 128, as oneDNN takes rows
+        if torch.compiler.is_compiling():
+            scaled_sums = packed_int8_product(unsigned, self.handle, self.out_features)
+        else:
+            scaled_sums = self.scaled_sums(unsigned)
+        return scaled_sums.mul_(row_scales).to(x.dtype)
+
+    def scaled_sums(self, unsigned: torch.Tensor) -> torch.Tensor:
+        """oneDNN's int32 sums of the unsigned rows' products, times the weights' scales, in float32."""
+        return torch.ops.onednn.qlinear_pointwise(unsigned, 1.0, _ZERO_POINT, self.weight, self.scales,
+                                                  self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+@torch.library.custom_op("accelgen_cpu::packed_int8_product", mutates_args=())
+def packed_int8_product(unsigned: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """:meth:`PackedInt8Product.scaled_sums` of the product registered as ``handle``: [rows, out] float32."""
+    return find_packed(handle).scaled_sums(unsigned)
+
+
+@packed_int8_product.register_fake
+def _(unsigned, handle, out_features):
+    return unsigned.new_empty(unsigned.shape[0], out_features, dtype=torch.float32)
+
+
+def choose_int8_kernels(model: torch.nn.Module, rows: int) -> dict[str, int]:
+    """Give each int8 layer of ``model`` the kernel (module docstring) measured fastest for its weight's shape at
+    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product. Returns how
+    many layers took each kernel."""
+    fastest: dict[tuple[int, ...], str] = {}
+    counts = dict.fromkeys(KERNELS, 0)
+    for layer in model.modules():
+        if not isinstance(layer, Int8Linear) or layer.in_features % 16:
+            continue
+        weight, scales = layer.weight.detach(), layer.weight_scale.detach()
+        shape = tuple(weight.shape)
+        if shape not in fastest:
+            fastest[shape] = min(_kernels(), key=lambda kernel: _seconds_of_product(weight, scales, rows, kernel))
+        use_int8_kernel(layer, fastest[shape])
+        counts[fastest[shape]] += 1
+    return counts
+
+
+def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
+    """Make ``layer`` (int8 weights as stored, [out, in] row-major) compute with ``kernel``; its weight is replaced
+    by the kernel's layout (the stored one let go)."""
+    weight = layer.weight.detach()
+    if kernel == "packed":
+        product = PackedInt8Product(weight, layer.weight_scale.detach())
+        layer.weight, layer.product = product.weight, product
+    else:
+        if kernel == "columns":
+            layer.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        layer.product = int8_product_on_cpu
+
+
+def _kernels() -> tuple[str, ...]:
+    return KERNELS if _packing_works() else KERNELS[:2]
+
+
+def _seconds_of_product(weight: torch.Tensor, scales: torch.Tensor, rows: int, kernel: str) -> float:
+    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``."""
+    layer = Int8Linear(weight, scales, None, int8_product_on_cpu)
+    use_int8_kernel(layer, kernel)
+    x = torch.ones(rows, weight.shape[1], dtype=scales.dtype)  # the run's dtype
+    timings = []
+    for _ in range(3):
+        started = time.perf_counter()
+        layer(x)
+        timings.append(time.perf_counter() - started)
+    return min(timings)
+
+
+@functools.cache
+def _packing_works() -> bool:
+    """Whether this torch build has oneDNN's int8 product and it gives ``_int_mm``'s values."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    weight, scales = quantize_rows(torch.linspace(-1, 1, 32 * 16).reshape(32, 16))
+    x = torch.linspace(1, -3, 3 * 16).reshape(3, 16)
+    try:
+        packed = PackedInt8Product(weight, scales)(x, weight, scales)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return torch.equal(packed, int8_product_on_cpu(x, weight, scales))
