@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 import accelgen
 from accelgen.cli import main
+from accelgen.quantization.int8_layer import Int8Linear
 
 pytest.importorskip("accelerate")
 
@@ -291,6 +292,27 @@ def test_int8_layers_offloaded_through_a_folder_generate_what_int8_without_offlo
     assert token_ids(generator.generate(PROMPTS)) == expected
     # every pass brought the offloaded int8 bytes in, not float32's
     assert placement.moved_bytes_per_pass <= placement.disk_bytes
+
+
+def test_offloaded_int8_layers_keep_their_stored_layout_whichever_kernel_would_be_fastest(
+        four_layer_model, tmp_path, monkeypatch):
+    """The CPU gives each int8 weight shape the kernel timed fastest for the run's rows, some over a copy of the weight
+    in another layout; an offloaded layer's weight arrives at each pass as stored, so offloaded runs keep that layout
+    (here oneDNN's over a packed copy is made to time fastest)."""
+    from accelgen_cpu import int8_kernels
+
+    monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, kernel:
+                        0.0 if kernel == "packed" else 1.0)
+    model = four_layer_model("llama")
+    expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
+                                           quantize="int8", max_new_tokens=NEW_TOKENS, batch_size=2))
+    generator = offloaded(model, cap=INT8_CAP + 200 * KIB, dtype="float32", quantize="int8",  # two rows of cache
+                          offload_folder=str(tmp_path / "off"),
+                          batch_size=2)
+    assert generator.loaded.placement.disk_bytes > 0
+    assert token_ids(generator.generate(PROMPTS)) == expected
+    assert all(layer.weight.layout == torch.strided and layer.weight.stride()[-1] == 1
+               for layer in generator.model.modules() if isinstance(layer, Int8Linear))
 
 
 def test_a_pre_quantized_folder_is_offloaded_in_place(four_layer_model, tmp_path, cli_environment):

@@ -83,7 +83,8 @@ class CpuAccelerator(Accelerator):
         from accelgen.quantization.model_layers import quantize_linear_layers
 
         model = quantize_linear_layers(model, int8_product_on_cpu, head=self.int8_quantizes_head)
-        choose_int8_kernels(model, run.batch_size)  # each weight shape's fastest kernel for the decode step's rows
+        if run.offload is None:  # offloaded weights arrive at each pass as stored: they keep that layout's kernel
+            choose_int8_kernels(model, run.batch_size)  # each weight shape's fastest kernel for the decode step's rows
         return model
 
     def capture(

@@ -55,7 +55,7 @@ class PackedInt8Product:
     """The int8 product over one layer's weight packed by oneDNN (the layer's weight is then :attr:`weight`); an
     :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``. A compiled step calls oneDNN through the
     custom operator :func:`packed_int8_product`, which finds this object by :attr:`handle` (inductor takes no oneDNN
-    tensor as input)."""
+    tensor as input). The weight and scales it is called with are the layer's, which are its own."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = torch.nn.Parameter(torch.ops.onednn.qlinear_prepack(weight, None), requires_grad=False)
@@ -90,12 +90,10 @@ def _(unsigned, handle, out_features):
     return unsigned.new_empty(unsigned.shape[0], out_features, dtype=torch.float32)
 
 
-def choose_int8_kernels(model: torch.nn.Module, rows: int) -> dict[str, int]:
+def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
     """Give each int8 layer of ``model`` the kernel (module docstring) measured fastest for its weight's shape at
-    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product. Returns how
-    many layers took each kernel."""
+    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product."""
     fastest: dict[tuple[int, ...], str] = {}
-    counts = dict.fromkeys(KERNELS, 0)
     for layer in model.modules():
         if not isinstance(layer, Int8Linear) or layer.in_features % 16:
             continue
@@ -104,8 +102,6 @@ def choose_int8_kernels(model: torch.nn.Module, rows: int) -> dict[str, int]:
         if shape not in fastest:
             fastest[shape] = min(_kernels(), key=lambda kernel: _seconds_of_product(weight, scales, rows, kernel))
         use_int8_kernel(layer, fastest[shape])
-        counts[fastest[shape]] += 1
-    return counts
 
 
 def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
