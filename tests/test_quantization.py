@@ -151,6 +151,28 @@ def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
     assert torch.equal(compiled(x), product)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
+    """Layers that take the same input in turn (query, key and value projections) quantize its rows once; an input
+    changed in place between them, or another input in the same memory, is quantized anew."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(2):
+        values, scales = quantize_rows(torch.randn(64, 256))
+        layer = Int8Linear(values, scales, None, int8_product_on_cpu)
+        use_int8_kernel(layer, kernel)
+        layers.append(layer)
+    fresh = [torch.randn(4, 256) for _ in range(3)]
+    x = fresh[0].clone()
+    for layer in layers:
+        assert torch.equal(layer(x), layer(fresh[0]))
+    x.mul_(3)  # in place: the same memory, shape and strides
+    assert torch.equal(layers[1](x), layers[1](fresh[0] * 3))
+    x.copy_(fresh[1])
+    assert torch.equal(layers[0](x[:2]), layers[0](fresh[1][:2]))  # a view of fewer rows at the same address
+    assert torch.equal(layers[0](x), layers[0](fresh[1]))
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
 def test_whichever_kernel_a_shape_is_measured_fastest_with_the_completions_are_the_same(tiny_model_folder, monkeypatch,
                                                                                      graphs):

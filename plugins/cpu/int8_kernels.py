@@ -38,9 +38,33 @@ def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
     needs rows of a multiple of 16 values (others give wrong values or crash): other layers take the plain product."""
     if x.shape[-1] % 16:
         return int8_product(x, weight, scales)
-    values, row_scales = quantized_rows(x)
+    values, row_scales = _last_input.quantized_rows(x)
     sums = torch._int_mm(values, weight.t()).float().mul_(scales.float())  # as oneDNN's, to the last bit
     return sums.mul_(row_scales).to(x.dtype)
+
+
+class _LastInput:
+    """The last input's quantized rows, for the layers that take the same input in turn (an attention's query, key and
+    value projections; an MLP's gate and up projections): its rows are quantized once. The input is recognised by its
+    memory, shape, strides and version (an in-place change bumps it), and held, so that its memory cannot be reused
+    while it is remembered. Eager steps only: a compiled step's compiler merges the repeated quantization itself, and
+    inference-mode tensors keep no version."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._held: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantized_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling() or x.is_inference():
+            return quantized_rows(x)
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
+        if key != self._key or self._rows is None:
+            self._key, self._held, self._rows = key, x, quantized_rows(x)
+        return self._rows
+
+
+_last_input = _LastInput()
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +89,7 @@ class PackedInt8Product:
         self.handle = register_packed(self)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        values, row_scales = quantized_rows(x)
+        values, row_scales = _last_input.quantized_rows(x)
         unsigned = torch.bitwise_xor(values, -_ZERO_POINT).view(torch.uint8)  # v + 128, as oneDNN takes rows
         if torch.compiler.is_compiling():
             scaled_sums = packed_int8_product(unsigned, self.handle, self.out_features)
