@@ -19,7 +19,7 @@ import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan
-from accelgen.parallel.launcher import JobEnd, free_port, launch_with_torchrun
+from accelgen.parallel.launcher import JobEnd, free_port, launch_job, launch_with_torchrun
 
 pytest.importorskip("deepspeed")
 
@@ -162,6 +162,52 @@ def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environm
     assert "DeepSpeed cannot shard GPT2LMHeadModel with AutoTP" in line and "--world-size 1" in line
     # DeepSpeed made its shared-memory all-reduce buffers before it refused the model: the failed job removed them
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def test_the_cpu_removes_the_buffers_its_ranks_on_this_node_left_once_they_have_ended():
+    """A rank killed while DeepSpeed joined (after it made its shared-memory all-reduce buffer, before it could remove
+    the name) leaves the buffer in /dev/shm: the launcher has the CPU plugin remove this node's ranks' names of the
+    job's address and port once its ranks have ended; other nodes' ranks and other jobs keep theirs."""
+    from accelgen_cpu import CpuAccelerator
+
+    port, other_port = free_port(), free_port()
+    plan = LaunchPlan(world_size=4, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port)
+    buffers = {(job_port, rank): Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{job_port}_{rank}")
+               for job_port in (port, other_port) for rank in range(4)}
+    try:
+        for path in buffers.values():
+            path.write_bytes(b"left")
+        CpuAccelerator().clean_up_after_workers(plan)
+        assert {key for key, path in buffers.items() if not path.exists()} == {(port, 2), (port, 3)}
+    finally:
+        for path in buffers.values():
+            path.unlink(missing_ok=True)
+
+
+class CleaningAccelerator(accelgen.Accelerator):
+    """A device whose launcher command fails at once, and which records that it was asked to clean up."""
+
+    name = "cleaning"
+    cleaned: list = []
+
+    def is_available(self):
+        return True
+
+    def setup(self, world):
+        raise AssertionError("no rank starts")
+
+    def launch_command(self, worker_argv, plan):
+        return [sys.executable, "-c", "raise SystemExit(3)"]
+
+    def clean_up_after_workers(self, plan):
+        self.cleaned.append(plan)
+
+
+def test_the_launcher_has_the_device_clean_up_after_its_workers_however_they_ended():
+    accelerator = CleaningAccelerator()
+    plan = LaunchPlan(world_size=2, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port())
+    assert launch_job(accelerator, plan, ["run"]).status != 0
+    assert accelerator.cleaned == [plan]
 
 
 class OneGpuAccelerator(accelgen.Accelerator):

@@ -118,7 +118,10 @@ def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence
         )
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
-    return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))
+    try:
+        return launch_workers(worker_argv, plan, accelerator.launch_command(list(worker_argv), plan))
+    finally:
+        accelerator.clean_up_after_workers(plan)
 
 
 def launch_workers(worker_argv: Sequence[str], plan: LaunchPlan, launch_command: list[str] | None) -> JobEnd:

@@ -201,6 +201,10 @@ class Accelerator(abc.ABC):
         (a vendor runtime that reads them when it loads); a value the user set wins. Default: none."""
         return {}
 
+    def clean_up_after_workers(self, plan: "LaunchPlan") -> None:
+        """Called on each node once all its ranks of the job ``plan`` have ended, however they ended: release what
+        ranks may have left on the node (a rank killed outright runs no clean-up of its own). Default: nothing."""
+
     def launch_command(self, worker_argv: list[str], plan: "LaunchPlan") -> list[str] | None:
         """The command that starts this node's ranks of a job of ``plan.world_size`` ranks, or None to
         use torch's elastic launcher (torchrun), which suits most devices.

@@ -16,7 +16,7 @@ from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
 from accelgen_cpu.packed_linear import pack_linear_layers
-from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, unlink_shared_memory_buffer
+from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
 
@@ -61,6 +61,9 @@ class CpuAccelerator(Accelerator):
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
         return launch_environment(plan.processes_per_node)
+
+    def clean_up_after_workers(self, plan: LaunchPlan) -> None:
+        remove_buffers_left(plan)
 
     def summary_phrase(self) -> str | None:
         return None if self.thread_choice is None else self.thread_choice.describe()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from accelgen.common.settings import World
+from accelgen.common.settings import LaunchPlan, World
 from accelgen.parallel.deepspeed_adapter import deepspeed_prints_to_stderr
 from accelgen.parallel.process_groups import wait_for_every_rank
 
@@ -38,8 +38,24 @@ def unlink_shared_memory_buffer(world: World, wait: bool = True) -> None:
     hosts) there is nothing to remove."""
     if wait:
         wait_for_every_rank()
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{world.master_addr}_{world.master_port}_{world.rank}"
+    _unlink(_buffer_path(world.master_addr, world.master_port, world.rank))
+
+
+def remove_buffers_left(plan: LaunchPlan) -> None:
+    """Remove the buffers of this node's ranks of the job ``plan`` that are still named once its ranks have ended: a
+    rank killed while DeepSpeed joined (after it made its buffer, before it could remove its name) leaves one."""
+    first = plan.node_rank * plan.processes_per_node
+    for rank in range(first, first + plan.processes_per_node):
+        _unlink(_buffer_path(plan.master_addr, plan.master_port, rank))
+
+
+def _buffer_path(master_addr: str, master_port: int, rank: int) -> str:
+    """Where DeepSpeed's CPU accelerator names rank ``rank``'s buffer (by the job's address and port)."""
+    return os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{master_addr}_{master_port}_{rank}")
+
+
+def _unlink(path: str) -> None:
     try:
-        os.unlink(os.path.join("/dev/shm", name))
+        os.unlink(path)
     except FileNotFoundError:
         pass
