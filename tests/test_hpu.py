@@ -26,6 +26,18 @@ from accelgen_hpu import HpuAccelerator, bridge
 HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_memory_buffers_left():
+    """Under the test double the ranks' DeepSpeed runs its CPU accelerator, whose all-reduce makes shared-memory
+    buffers in /dev/shm that only the CPU plugin removes (on a Gaudi, DeepSpeed's HPU accelerator reduces over HCCL
+    and makes none): the ones a test's job made go with it."""
+    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
+    before = set(Path("/dev/shm").glob(pattern))
+    yield
+    for path in set(Path("/dev/shm").glob(pattern)) - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture
 def habana_double(monkeypatch):
     """The double on sys.path (this process) and PYTHONPATH (processes it starts); returns its call counts.
