@@ -57,19 +57,21 @@ class _LastInput:
 
     def quantized_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling() or x.is_inference():
-            return quantized_rows(x)
+            return quantize_input_rows(x)
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
         if key != self._key or self._rows is None:
-            self._key, self._held, self._rows = key, x, quantized_rows(x)
+            self._key, self._held, self._rows = key, x, quantize_input_rows(x)
         return self._rows
 
 
 _last_input = _LastInput()
 
 
-def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, in] as int8 values and each row's scale [rows, 1] (its largest magnitude / 127, float32). Each
-    operation here runs at every product, so there are few: float to int8 (unlike float to uint8) is vectorized."""
+def quantize_input_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, in] as int8 values and each row's scale [rows, 1] (its largest magnitude / 127, float32). Not
+    :func:`~accelgen.quantization.int8_layer.quantize_rows`, which quantizes weights once at load: this runs at every
+    product, so its operations are few (a multiplication instead of a division and a clamp; float to int8, unlike
+    float to uint8, is vectorized)."""
     largest = x.abs().amax(-1, keepdim=True).float().clamp_(min=_TINY)
     values = torch.mul(x, torch.div(INT8_LIMIT, largest)).round_().to(torch.int8)
     return values, largest.div_(INT8_LIMIT)  # now each row's scale
