@@ -51,14 +51,18 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     """This session's own TORCH_EXTENSIONS_DIR, so that a compile of DeepSpeed's CPU all-reduce extension by another
     job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
     from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
-    of the session compiles it here."""
+    of the session compiles it here. The CPU plugin's C++ kernels likewise (copied, or built before any test)."""
     from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
+    from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
 
     usual = Path(extension_build_folder(EXTENSION))
     folder = tmp_path_factory.mktemp("torch_extensions")
     if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
         shutil.copytree(usual, folder / EXTENSION, ignore=shutil.ignore_patterns("lock"))
+    if (usual.parent / KERNELS_FOLDER).is_dir():
+        shutil.copytree(usual.parent / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
     return folder
 
 

@@ -2,39 +2,99 @@
 query heads, additive and boolean masks, float32 and bfloat16. Token-for-token parity of whole runs with Hugging
 Face ``generate`` (which uses SDPA) is in test_parity.py, on the families that take this attention."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import PROMPTS
 
 import accelgen
 from accelgen_cpu.decode_attention import NAME, decode_attention
+from accelgen_cpu.native_kernels import native_kernels
+
+KERNELS = {"products": decode_attention,
+           "native": lambda *arguments: torch.ops.accelgen_cpu_kernels.decode_attention(*arguments)}
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Each decode attention: batched products over whole cache rows, and the C++ kernel over the positions seen
+    (built by the test; this machine has a compiler, as inductor's CPU backend needs)."""
+    if request.param == "native":
+        assert native_kernels()
+    return KERNELS[request.param]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("key_heads", [8, 2])
 @pytest.mark.parametrize("boolean_mask", [False, True])
 @pytest.mark.parametrize("unseen_tail", [0, 15])
-def test_one_query_per_row_attends_as_sdpa_does(dtype, tolerance, key_heads, boolean_mask, unseen_tail):
+def test_one_query_per_row_attends_as_sdpa_does(kernel, dtype, tolerance, key_heads, boolean_mask, unseen_tail):
     """``unseen_tail``: the cache's last positions seen by no row (a static cache is longer than its rows: they must
-    add nothing); the rows end at different positions before them."""
+    add nothing); the rows end at different positions before them, start at different ones (the left padding of
+    their prompts' buckets) and skip some between (a head size with a remainder past the kernel's lanes, too)."""
     torch.manual_seed(0)
-    rows, heads, positions, size = 3, 8, 40, 16
+    rows, heads, positions, size = 3, 8, 40, 20
     query = torch.randn(rows, heads, 1, size, dtype=dtype)
     key, value = (torch.randn(rows, key_heads, positions, size, dtype=dtype) for _ in range(2))
     seen = torch.rand(rows, 1, 1, positions) < 0.6
     for row in range(rows):  # each row sees its own token, the last it sees
         own = positions - 1 - unseen_tail - 4 * row
-        seen[row, ..., own], seen[row, ..., own + 1:] = True, False
+        seen[row, ..., own], seen[row, ..., own + 1:], seen[row, ..., : 5 * row] = True, False, False
     mask = seen if boolean_mask else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
     groups = heads // key_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
-    ours = decode_attention(query, key, value, mask, 0.3)
+    ours = kernel(query, key, value, mask, 0.3)
     assert ours.shape == expected.shape and ours.dtype == dtype
     assert torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("boolean_mask", [False, True])
+def test_a_row_that_sees_nothing_attends_to_every_position_evenly(kernel, boolean_mask):
+    """As softmax over a row of equal minima does (SDPA gives NaN there): the kernels agree, whatever they skip."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 12, 8), torch.randn(2, 4, 12, 8)
+    seen = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
+    seen[1, ..., 3:7] = True
+    mask = seen if boolean_mask else torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
+    ours = kernel(query, key, value, mask, 0.5)
+    assert torch.allclose(ours[0], value[0].mean(1, keepdim=True), atol=1e-6)
+    expected = torch.nn.functional.scaled_dot_product_attention(query[1:], key[1:, :, 3:7], value[1:, :, 3:7], scale=0.5)
+    assert torch.allclose(ours[1:], expected, atol=1e-6)
 
 
 def test_models_whose_attention_goes_through_transformers_interface_decode_with_it(tiny_model_folder):
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=4)
     assert generator.model.config._attn_implementation == NAME
     assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
+
+
+def run_tiny_llama(folder, environment) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(folder),
+                           "--prompt", "Hello", "--max-new-tokens", "3"], env=environment, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_kernels_are_built_once_per_machine(tiny_model_folder, cli_environment):
+    """The session built them (conftest): a run loads them, says nothing of a build, and writes nothing new."""
+    folder = tiny_model_folder("llama")
+    builds = sorted(os.listdir(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "accelgen_cpu_kernels")))
+    result = run_tiny_llama(folder, cli_environment)
+    assert result.returncode == 0, result.stderr
+    assert "C++ kernels" not in result.stderr
+    assert sorted(os.listdir(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "accelgen_cpu_kernels"))) == builds
+
+
+def test_without_a_compiler_a_run_attends_with_products_after_one_warning(tiny_model_folder, cli_environment, tmp_path):
+    folder = tiny_model_folder("llama")
+    environment = dict(cli_environment, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "x"))
+    result = run_tiny_llama(folder, environment)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "C++ kernels" in line]
+    assert len(warnings) == 1 and "could not be built" in warnings[0] and "install a C++ compiler" in warnings[0]
+    assert "Traceback" not in result.stderr
+    with_kernels = run_tiny_llama(folder, cli_environment)
+    assert result.stdout == with_kernels.stdout  # the same completion, whichever kernel attended

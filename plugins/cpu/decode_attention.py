@@ -1,12 +1,18 @@
-"""Attention of one query per row (a decode step) on the CPU: two batched matrix products and a softmax.
+"""Attention of one query per row (a decode step) on the CPU: the plugin's C++ kernel, which reads only the cache
+positions each row sees (``kernels/decode_attention.cpp``), or where it could not be built, two batched matrix
+products and a softmax over whole cache rows.
 
 SDPA's flash kernel for the CPU works in blocks per (row, head), which at one query are tiny products that cost
 more to set up than to run: 670 us per layer for 16 rows x 8 heads over 256 cached positions, against about 450 us
 here (the step of benchmarks/cpu_compile.py's model: 7.6 -> 6.5 ms compiled, 10.7 -> 9.6 eager). The function is
 registered with transformers' ``AttentionInterface`` as :data:`NAME` and given to models whose attention goes through
 that interface and runs SDPA; prompts (several queries) and what it does not handle (soft-capping, attention sinks,
-no mask) go to transformers' own SDPA function. The products run as one custom operator, so that a compiled step
-calls it whole: inductor otherwise rewrites them as loops of its own, slower here.
+no mask) go to transformers' own SDPA function. Either kernel is one operator, so that a compiled step calls it whole:
+inductor otherwise rewrites the products as loops of its own, slower here.
+
+In a continuous-batching job a row sees from its prompt's first token to its newest one, a fraction of the static
+cache's length: the C++ kernel's attention over 4 layers of 16 rows seeing 72 of 192 positions took 189 us a
+layer against the products' 368 (RESULTS.md, "Decode attention over the positions rows see").
 
 Shapes: B rows, H query heads, K key/value heads (H = K x G), L cached positions, D head size.
 """
@@ -16,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from accelgen_cpu.native_kernels import native_kernels
 
 NAME = "accelgen_cpu_decode"
 
@@ -42,6 +50,10 @@ def _(query, key, value, mask, scale):
     return torch.empty_like(query)
 
 
+#: the kernel decode steps attend with: the C++ one once built (:func:`use_decode_attention`)
+_kernel = decode_attention
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention-function signature: the output [B, 1, H, D] and no weights."""
     own = (query.shape[2] == 1 and attention_mask is not None and attention_mask.shape[1] == attention_mask.shape[2] == 1
@@ -50,15 +62,17 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = decode_attention(query, key, value, attention_mask[..., : key.shape[2]], scale)
+    output = _kernel(query, key, value, attention_mask[..., : key.shape[2]], scale)
     return output.transpose(1, 2).contiguous(), None
 
 
 def use_decode_attention(model: torch.nn.Module) -> bool:
     """Give ``model`` this attention for its decode steps when its attention goes through transformers'
     ``AttentionInterface`` and runs SDPA; True when it was given."""
+    global _kernel
     if not getattr(model, "_supports_attention_backend", False) or model.config._attn_implementation != "sdpa":
         return False
+    _kernel = torch.ops.accelgen_cpu_kernels.decode_attention if native_kernels() else decode_attention
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
     return True

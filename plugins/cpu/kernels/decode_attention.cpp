@@ -1,0 +1,201 @@
+// Attention of one query per row (a decode step) over a static cache, reading only the positions a row can see.
+//
+// A static cache holds every row at the same length L, but a row sees only the span from its first visible
+// position (its prompt's first token, after the bucket's left padding) to its last (its own new token): in a
+// continuous-batching job, a fraction of L. Batched matrix products read all L positions of every row, and at a
+// decode step the cache is most of the memory read. Here each (row, key/value head) reads the keys and values of
+// its row's span once, for all the query heads that share them.
+//
+// Values: what softmax(q k^T * scale + mask) v gives, in float32 arithmetic whatever the tensors' dtype. Positions
+// outside the span carry the mask's "unseen" value (at most half float32's lowest), whose softmax weight is exactly
+// zero in float32: skipping them changes nothing but the order of additions. A row that sees nothing attends to
+// all L positions evenly, as softmax over a row of equal minima does.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void to_float(const T* in, float* out, int64_t size) {
+  for (int64_t i = 0; i < size; ++i) out[i] = static_cast<float>(in[i]);
+}
+
+// The dot products of ``query`` [D] with four consecutive key positions (``step`` apart), into ``scores``.
+inline void four_dots(const float* query, const float* keys, int64_t step, int64_t size, float* scores) {
+  const float *k0 = keys, *k1 = keys + step, *k2 = keys + 2 * step, *k3 = keys + 3 * step;
+  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < size; ++d) {
+    s0 += query[d] * k0[d];
+    s1 += query[d] * k1[d];
+    s2 += query[d] * k2[d];
+    s3 += query[d] * k3[d];
+  }
+  scores[0] = s0, scores[1] = s1, scores[2] = s2, scores[3] = s3;
+}
+
+inline float dot(const float* a, const float* b, int64_t size) {
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < size; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// e^x for x <= 0 (softmax's shifted scores) within 2 units in the last place of std::exp, in operations a loop
+// vectorizes (std::exp is a call per value): x = n ln 2 + r, e^r by its Taylor polynomial, 2^n by the exponent bits.
+inline float exp_of_nonpositive(float value) {
+  const float x = value < -87.0f ? -87.0f : value;  // e^-87: about float32's smallest normal number
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts: r exact to float32
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  return value < -87.0f ? 0.0f : p * power;  // below it 0, as std::exp rounds masked positions' weights
+}
+
+// The first and one past the last position of ``mask`` [L] that a query sees; [0, L) when it sees none.
+inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) {
+  const float unseen = std::numeric_limits<float>::lowest() / 2;
+  int64_t first = 0, end = length;
+  while (first < length && mask[first] <= unseen) ++first;
+  if (first == length) return {0, length};
+  while (mask[end - 1] <= unseen) --end;
+  return {first, end};
+}
+
+template <typename T>
+void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
+            double scale, at::Tensor& output) {
+  const int64_t rows = query.size(0), heads = query.size(1), size = query.size(3);
+  const int64_t key_heads = key.size(1), length = key.size(2), groups = heads / key_heads;
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const float* m = mask.data_ptr<float>();
+  T* out = output.data_ptr<T>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t k_row = key.stride(0), k_head = key.stride(1), k_pos = key.stride(2);
+  const int64_t v_row = value.stride(0), v_head = value.stride(1), v_pos = value.stride(2);
+  const int64_t o_row = output.stride(0), o_head = output.stride(1);
+
+  at::parallel_for(0, rows * key_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(groups * size), row(size), sums(groups * size), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / key_heads, kh = item % key_heads;
+      const float* row_mask = m + b * length;
+      const auto [first, last] = seen_span(row_mask, length);
+      const int64_t span = last - first;
+      scores.resize(groups * span);
+      for (int64_t g = 0; g < groups; ++g) to_float(q + b * q_row + (kh * groups + g) * q_head, &queries[g * size], size);
+      const T* keys = k + b * k_row + kh * k_head + first * k_pos;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* query_g = &queries[g * size];
+        float* s = &scores[g * span];
+        int64_t j = 0;
+        if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
+          for (; j + 4 <= span; j += 4) four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
+        }
+        for (; j < span; ++j) {
+          const float* key_j;
+          if constexpr (std::is_same_v<T, float>) {
+            key_j = keys + j * k_pos;
+          } else {
+            to_float(keys + j * k_pos, row.data(), size);
+            key_j = row.data();
+          }
+          s[j] = dot(query_g, key_j, size);
+        }
+        const float* row_mask_span = row_mask + first;
+        const float factor = static_cast<float>(scale);
+        for (int64_t i = 0; i < span; ++i) s[i] = s[i] * factor + row_mask_span[i];
+      }
+      for (int64_t g = 0; g < groups; ++g) {  // softmax of each query's scores
+        float* s = &scores[g * span];
+        const float top = *std::max_element(s, s + span);
+        float total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < span; ++j) {
+          s[j] = exp_of_nonpositive(s[j] - top);
+          total += s[j];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t j = 0; j < span; ++j) s[j] *= inverse;
+      }
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      const T* values = v + b * v_row + kh * v_head;
+      for (int64_t j = 0; j < span; ++j) {
+        const T* value_j = values + (first + j) * v_pos;
+        const float* vf;
+        if constexpr (std::is_same_v<T, float>) {
+          vf = value_j;
+        } else {
+          to_float(value_j, row.data(), size);
+          vf = row.data();
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const float weight = scores[g * span + j];
+          float* sum = &sums[g * size];
+          for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        T* o = out + b * o_row + (kh * groups + g) * o_head;
+        for (int64_t d = 0; d < size; ++d) o[d] = static_cast<T>(sums[g * size + d]);
+      }
+    }
+  });
+}
+
+// query [B, H, 1, D]; key, value [B, K, L, D] (H a multiple of K); mask [B, 1, 1, L] or [B, L]: additive, or
+// true where a key is seen. -> [B, H, 1, D], query's dtype.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && key.dim() == 4 && value.sizes() == key.sizes(),
+              "decode_attention: query [B, H, 1, D], key and value [B, K, L, D]");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "decode_attention: query heads a multiple of key heads");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "decode_attention: query, key and value of one dtype");
+  const int64_t rows = query.size(0), length = key.size(2);
+  at::Tensor flat = mask.reshape({rows, length});
+  at::Tensor additive = flat.scalar_type() == at::kBool
+      ? at::zeros({rows, length}, flat.options().dtype(at::kFloat))
+            .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
+      : flat.to(at::kFloat).contiguous();
+  auto last_contiguous = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
+  at::Tensor output = at::empty(query.sizes(), query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention",
+                                  [&] { attend<scalar_t>(q, k, v, additive, scale, output); });
+  return output;
+}
+
+at::Tensor decode_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 double) {
+  return at::empty_like(query);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(accelgen_cpu_kernels, library) {
+  library.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("decode_attention", &decode_attention); }
+
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) { library.impl("decode_attention", &decode_attention_meta); }
