@@ -66,10 +66,54 @@ def test_a_row_that_sees_nothing_attends_to_every_position_evenly(kernel, boolea
     assert torch.allclose(ours[1:], expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_heads", [4, 2])
+def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key_heads):
+    """decode_self_attention: the new token's keys rotated as transformers' apply_rotary_pos_emb rotates them, written
+    with its values at each row's own position (the cache left exactly as transformers' path leaves it, in bfloat16
+    too), and the rows' queries, rotated, attending as SDPA does."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    assert native_kernels()
+    torch.manual_seed(0)
+    rows, heads, positions, size = 3, 4, 24, 16
+    query, key, value = (torch.randn(rows, 1, count * size, dtype=dtype) for count in (heads, key_heads, key_heads))
+    angles = torch.rand(rows, 1, size // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    keys, values = (torch.randn(rows, key_heads, positions, size, dtype=dtype) for _ in range(2))
+    write_positions = torch.tensor([20, 9, 23])
+    seen = torch.zeros(rows, 1, 1, positions, dtype=torch.bool)
+    for row, (start, end) in enumerate([(4, 21), (0, 10), (6, 24)]):
+        seen[row, ..., start:end] = True
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+
+    heads_of = lambda states: states.view(rows, 1, -1, size).transpose(1, 2)  # noqa: E731  [B, heads, 1, D]
+    rotated_query, rotated_key = apply_rotary_pos_emb(heads_of(query), heads_of(key), cos, sin)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[torch.arange(rows), :, write_positions] = rotated_key[:, :, 0]
+    expected_values[torch.arange(rows), :, write_positions] = heads_of(value)[:, :, 0]
+    groups = heads // key_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        rotated_query, expected_keys.repeat_interleave(groups, 1), expected_values.repeat_interleave(groups, 1),
+        attn_mask=mask, scale=0.25).transpose(1, 2).reshape(rows, 1, heads * size)
+
+    ours = torch.ops.accelgen_cpu_kernels.decode_self_attention(query, key, value, cos, sin, keys, values,
+                                                                write_positions, mask, 0.25)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ours.shape == expected.shape and torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 def test_models_whose_attention_goes_through_transformers_interface_decode_with_it(tiny_model_folder):
+    """Llama's attention modules do a decode step's attention in one operator (test_parity.py: the tokens are
+    Hugging Face's); a prefill runs theirs."""
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=4)
     assert generator.model.config._attn_implementation == NAME
-    assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
+    calls = {event.key: event.count for event in profile.key_averages()}
+    layers = generator.model.config.num_hidden_layers
+    assert calls.get("accelgen_cpu_kernels::decode_self_attention") == generator.stats.decode_steps * layers > 0
 
 
 def run_tiny_llama(folder, environment) -> subprocess.CompletedProcess:

@@ -51,10 +51,14 @@ class CpuAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
                       world: World) -> torch.nn.Module:
-        from accelgen_cpu.decode_attention import use_decode_attention  # transformers' attention registry
+        from accelgen_cpu.decode_attention import (  # transformers' attention registry
+            use_decode_attention,
+            use_decode_self_attention,
+        )
 
         self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
-        use_decode_attention(model)
+        if use_decode_attention(model) and run.offload is None:  # offloaded modules run under Accelerate's hooks
+            use_decode_self_attention(model)
         if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
             pack_linear_layers(model, run.batch_size)
         return model

@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from accelgen.model.transformers_adapter.static_cache import each_row_write
 from accelgen_cpu.native_kernels import native_kernels
 
 NAME = "accelgen_cpu_decode"
@@ -76,3 +77,44 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
     return True
+
+
+#: Attention modules whose forward computes exactly what the C++ decode_self_attention does between its products
+#: (rotary embedding as transformers' apply_rotary_pos_emb, no norm or window on queries and keys); a table of names,
+#: not a guess from attributes, since families that share the attributes differ in what they compute.
+SELF_ATTENTION_CLASSES = frozenset({"LlamaAttention"})
+_CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # transformers 5.x, 4.56+, 4.55
+
+
+def use_decode_self_attention(model: torch.nn.Module) -> int:
+    """Give the model's attention modules of :data:`SELF_ATTENTION_CLASSES` one C++ operator for a decode step's
+    attention between its products (where the C++ kernels are built): rotary embedding, cache writes and the
+    attention, instead of some forty small operations; any other call (a prefill, a compiled step, another cache)
+    runs their own forward. Returns how many modules took it."""
+    if _kernel is decode_attention:
+        return 0
+    given = 0
+    for module in model.modules():
+        if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):
+            module.forward = _decode_self_attention_forward(module, module.forward)
+            given += 1
+    return given
+
+
+def _decode_self_attention_forward(module: torch.nn.Module, own_forward):
+    def forward(*args, **kwargs):
+        hidden_states, mask = kwargs.get("hidden_states"), kwargs.get("attention_mask")
+        cache = next((kwargs[name] for name in _CACHE_KEYWORDS if kwargs.get(name) is not None), None)
+        rows = (each_row_write(cache, module.layer_idx)
+                if not args and hidden_states is not None and hidden_states.shape[1] == 1 else None)
+        if (rows is None or torch.compiler.is_compiling() or mask is None or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
+                or kwargs.get("position_embeddings") is None or rows[0].dtype != hidden_states.dtype):
+            return own_forward(*args, **kwargs)
+        keys, values, write_positions = rows
+        cos, sin = kwargs["position_embeddings"]
+        output = torch.ops.accelgen_cpu_kernels.decode_self_attention(
+            module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states), cos, sin, keys,
+            values, write_positions, mask[..., : keys.shape[2]], module.scaling)
+        return module.o_proj(output), None
+
+    return forward

@@ -79,7 +79,7 @@ def _compile_command(sources: list[Path]) -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [os.environ.get("CXX", "c++"), *map(str, sources), "-shared", "-fPIC", "-std=c++17", "-O3", "-march=native",
-            "-fopenmp", "-fno-math-errno", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths()),
+            "-fopenmp", "-fno-math-errno", "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths()),
             *(f"-L{path}" for path in library_paths()), *(f"-Wl,-rpath,{path}" for path in library_paths()),
             "-lc10", "-ltorch_cpu"]
 

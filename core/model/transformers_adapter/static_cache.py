@@ -120,7 +120,23 @@ def _each_row_update(layer, write_positions: torch.Tensor, batch_size: int):
         layer.values[rows, :, write_positions] = value_states[:, :, 0]
         return layer.keys, layer.values
 
+    update.accelgen_write_positions = write_positions  # what each_row_write finds
     return update
+
+
+def each_row_write(cache: object, layer_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Layer ``layer_index`` of ``cache`` as a decode step writes it (:func:`write_each_row_at`): its keys and values
+    [B, heads, L, dim] and the positions [B] where the step writes each row's new ones; None for any other cache or
+    view (a prefill's), or a layer that has not taken its memory yet. For a device whose own attention writes the
+    cache itself."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not 0 <= layer_index < len(layers):
+        return None
+    layer = layers[layer_index]
+    write_positions = getattr(layer.update, "accelgen_write_positions", None)
+    if write_positions is None or getattr(layer, "keys", None) is None or getattr(layer, "values", None) is None:
+        return None
+    return layer.keys, layer.values, write_positions
 
 
 def prompt_rows(cache: StaticCache, slots: torch.Tensor, whole_rows: bool, start: int = 0) -> StaticCache:

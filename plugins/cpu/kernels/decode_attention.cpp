@@ -10,6 +10,11 @@
 // outside the span carry the mask's "unseen" value (at most half float32's lowest), whose softmax weight is exactly
 // zero in float32: skipping them changes nothing but the order of additions. A row that sees nothing attends to
 // all L positions evenly, as softmax over a row of equal minima does.
+//
+// decode_self_attention does a decode step's whole attention between the products: the new token's keys and
+// queries rotated (rotary position embedding, as transformers' apply_rotary_pos_emb computes it, rounding as it
+// does in the tensors' dtype: built with -ffp-contract=off, so that no product is fused into a sum), its keys and
+// values written into the cache at each row's own position, and the attention above.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -88,30 +93,68 @@ inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) 
   return {first, end};
 }
 
+// x [D] rotated by its position's cos and sin [D] into out: x cos + rotate_half(x) sin, each product and the sum
+// rounded to T, where rotate_half(x) is (-x[D/2:], x[:D/2]).
 template <typename T>
-void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
-            double scale, at::Tensor& output) {
-  const int64_t rows = query.size(0), heads = query.size(1), size = query.size(3);
+inline void rotate(const T* x, const T* cos, const T* sin, int64_t size, T* out) {
+  const int64_t half = size / 2;
+  for (int64_t i = 0; i < size; ++i) {
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const T straight = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const T turned = static_cast<T>(rotated * static_cast<float>(sin[i]));
+    out[i] = static_cast<T>(static_cast<float>(straight) + static_cast<float>(turned));
+  }
+}
+
+// A decode step's new tokens, for decode_self_attention: row b's queries at query + b * query_row (H heads of D,
+// one after another, as the query product gives them), its keys and values likewise (K heads), cos and sin [D] at
+// cos + b * cos_row, sin + b * sin_row, and the cache position it writes.
+template <typename T>
+struct NewTokens {
+  const T *key, *value, *cos, *sin;
+  int64_t key_row, value_row, cos_row, sin_row;
+  const int64_t* write_positions;
+};
+
+// Attention of query heads [B, H] (row b's head h at q + b * q_row + h * q_head) over the cache key, value
+// [B, K, L, D], written to output [B, H, .., D]; with ``tokens``, their keys and values written into the cache
+// and the queries rotated first.
+template <typename T>
+void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewTokens<T>* tokens, at::Tensor& key,
+            at::Tensor& value, const at::Tensor& mask, double scale, at::Tensor& output) {
+  const int64_t rows = key.size(0), size = key.size(3);
   const int64_t key_heads = key.size(1), length = key.size(2), groups = heads / key_heads;
-  const T* q = query.data_ptr<T>();
-  const T* k = key.data_ptr<T>();
-  const T* v = value.data_ptr<T>();
+  T* k = key.data_ptr<T>();
+  T* v = value.data_ptr<T>();
   const float* m = mask.data_ptr<float>();
   T* out = output.data_ptr<T>();
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t k_row = key.stride(0), k_head = key.stride(1), k_pos = key.stride(2);
   const int64_t v_row = value.stride(0), v_head = value.stride(1), v_pos = value.stride(2);
   const int64_t o_row = output.stride(0), o_head = output.stride(1);
 
   at::parallel_for(0, rows * key_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(groups * size), row(size), sums(groups * size), scores;
+    std::vector<T> rotated(size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / key_heads, kh = item % key_heads;
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* query_g = q + b * q_row + (kh * groups + g) * q_head;
+        if (tokens) {
+          rotate(query_g, tokens->cos + b * tokens->cos_row, tokens->sin + b * tokens->sin_row, size, rotated.data());
+          query_g = rotated.data();
+        }
+        to_float(query_g, &queries[g * size], size);
+      }
+      if (tokens) {  // the row's new key (rotated) and value at its write position
+        const int64_t position = tokens->write_positions[b];
+        rotate(tokens->key + b * tokens->key_row + kh * size, tokens->cos + b * tokens->cos_row,
+               tokens->sin + b * tokens->sin_row, size, k + b * k_row + kh * k_head + position * k_pos);
+        std::copy_n(tokens->value + b * tokens->value_row + kh * size, size, v + b * v_row + kh * v_head + position * v_pos);
+      }
       const float* row_mask = m + b * length;
       const auto [first, last] = seen_span(row_mask, length);
       const int64_t span = last - first;
       scores.resize(groups * span);
-      for (int64_t g = 0; g < groups; ++g) to_float(q + b * q_row + (kh * groups + g) * q_head, &queries[g * size], size);
       const T* keys = k + b * k_row + kh * k_head + first * k_pos;
       for (int64_t g = 0; g < groups; ++g) {
         const float* query_g = &queries[g * size];
@@ -176,6 +219,17 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   });
 }
 
+// A mask [B, 1, 1, L] or [B, L] (additive, or true where a key is seen) as additive float32 [B, L].
+at::Tensor additive_mask(const at::Tensor& mask, int64_t rows, int64_t length) {
+  at::Tensor flat = mask.reshape({rows, length});
+  return flat.scalar_type() == at::kBool
+      ? at::zeros({rows, length}, flat.options().dtype(at::kFloat))
+            .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
+      : flat.to(at::kFloat).contiguous();
+}
+
+at::Tensor last_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 // query [B, H, 1, D]; key, value [B, K, L, D] (H a multiple of K); mask [B, 1, 1, L] or [B, L]: additive, or
 // true where a key is seen. -> [B, H, 1, D], query's dtype.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -185,17 +239,48 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "decode_attention: query heads a multiple of key heads");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "decode_attention: query, key and value of one dtype");
-  const int64_t rows = query.size(0), length = key.size(2);
-  at::Tensor flat = mask.reshape({rows, length});
-  at::Tensor additive = flat.scalar_type() == at::kBool
-      ? at::zeros({rows, length}, flat.options().dtype(at::kFloat))
-            .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
-      : flat.to(at::kFloat).contiguous();
-  auto last_contiguous = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  at::Tensor additive = additive_mask(mask, query.size(0), key.size(2));
   at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
   at::Tensor output = at::empty(query.sizes(), query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention",
-                                  [&] { attend<scalar_t>(q, k, v, additive, scale, output); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
+    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), q.size(1), nullptr, k, v, additive, scale, output);
+  });
+  return output;
+}
+
+// The new token's query [B, 1, H * D], key and value [B, 1, K * D] (last dimension contiguous), its rotary cos
+// and sin [B, 1, D]; the cache keys, values [B, K, L, D] (written: position write_positions[b] of row b), mask as
+// decode_attention's. -> [B, 1, H * D], query's dtype.
+at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
+                                 const at::Tensor& write_positions, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(-1) == 1 && values.stride(-1) == 1,
+              "decode_self_attention: keys and values [B, K, L, D], last dimension contiguous");
+  const int64_t rows = keys.size(0), key_heads = keys.size(1), size = keys.size(3);
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == rows && query.size(1) == 1 && query.size(2) % (key_heads * size) == 0,
+              "decode_self_attention: query [B, 1, H * D], H a multiple of K");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3 && key.size(0) == rows && key.size(1) == 1
+                  && key.size(2) == key_heads * size, "decode_self_attention: key and value [B, 1, K * D]");
+  TORCH_CHECK(cos.numel() == rows * size && sin.numel() == rows * size && size % 2 == 0,
+              "decode_self_attention: cos and sin [B, 1, D], D even");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&key, &value, &cos, &sin, &keys, &values})
+    TORCH_CHECK(t->scalar_type() == query.scalar_type(), "decode_self_attention: every tensor of one dtype");
+  TORCH_CHECK(write_positions.scalar_type() == at::kLong && write_positions.numel() == rows,
+              "decode_self_attention: write_positions [B], int64");
+  at::Tensor additive = additive_mask(mask, rows, keys.size(2));
+  at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
+  at::Tensor c = cos.reshape({rows, size}).contiguous(), s = sin.reshape({rows, size}).contiguous();
+  at::Tensor positions = write_positions.contiguous();
+  const int64_t heads = query.size(2) / size;
+  at::Tensor output = at::empty({rows, 1, heads * size}, query.options());
+  at::Tensor output_heads = output.view({rows, heads, 1, size});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_self_attention", [&] {
+    const NewTokens<scalar_t> tokens{k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                                     s.data_ptr<scalar_t>(), k.stride(0), v.stride(0), size, size,
+                                     positions.data_ptr<int64_t>()};
+    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), size, heads, &tokens, keys, values, additive, scale,
+                     output_heads);
+  });
   return output;
 }
 
@@ -204,12 +289,27 @@ at::Tensor decode_attention_meta(const at::Tensor& query, const at::Tensor&, con
   return at::empty_like(query);
 }
 
+at::Tensor decode_self_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double) {
+  return at::empty_like(query);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(accelgen_cpu_kernels, library) {
   library.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+  library.def(
+      "decode_self_attention(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor(a!) keys, "
+      "Tensor(b!) values, Tensor write_positions, Tensor mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) {
+  library.impl("decode_attention", &decode_attention);
+  library.impl("decode_self_attention", &decode_self_attention);
+}
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) { library.impl("decode_attention", &decode_attention_meta); }
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+  library.impl("decode_attention", &decode_attention_meta);
+  library.impl("decode_self_attention", &decode_self_attention_meta);
+}
