@@ -1,5 +1,7 @@
 """The loop's small pure functions."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,3 +91,13 @@ def test_seeds_of_any_size_hash_into_the_draw():
         for seed in (timestamp_seed, timestamp_seed + 1, timestamp_seed)
     ]
     assert draws[0] == draws[2] != draws[1]
+
+
+def test_a_row_ends_on_any_of_its_end_tokens_and_on_no_other_id():
+    """The end-of-sequence lookup answers for any id, those past the table's largest end token and below 0 included."""
+    rules = decoding.TokenRules(sampling=SamplingSettings(), ending_tokens=decoding.ending_table([7, 2, 30], torch.device("cpu")),
+                                pad_token_id=0, stop_at_eos=True)
+    tokens = torch.tensor([0, 2, 7, 8, 30, 31, 4095, -1])
+    assert decoding.ends_on(rules, tokens).tolist() == [False, True, True, False, True, False, False, False]
+    nothing = dataclasses.replace(rules, ending_tokens=decoding.ending_table([], torch.device("cpu")))
+    assert not decoding.ends_on(nothing, tokens).any()

@@ -43,7 +43,7 @@ class Generator:
         eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
-            sampling=run.sampling, eos_token_ids=torch.tensor(eos_ids, dtype=torch.long, device=loaded.device),
+            sampling=run.sampling, ending_tokens=decoding.ending_table(eos_ids, loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
             per_row=run.rows_choose,
         )
