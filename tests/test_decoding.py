@@ -101,3 +101,16 @@ def test_a_row_ends_on_any_of_its_end_tokens_and_on_no_other_id():
     assert decoding.ends_on(rules, tokens).tolist() == [False, True, True, False, True, False, False, False]
     nothing = dataclasses.replace(rules, ending_tokens=decoding.ending_table([], torch.device("cpu")))
     assert not decoding.ends_on(nothing, tokens).any()
+
+
+@pytest.mark.parametrize("width", [1, 63, 64, 65, 4096, 5000])
+def test_counting_by_blocks_counts_what_one_comparison_counts(width):
+    """sampling.count_at_most (the draw's count) against a comparison over the whole row, marks at, between and
+    beyond the values, zero probabilities (runs of equal sums) included."""
+    generator = torch.Generator().manual_seed(width)
+    probs = torch.rand(6, width, generator=generator) ** 4
+    probs[:, torch.rand(width, generator=generator) < 0.3] = 0
+    ascending = probs.cumsum(-1)
+    mark = torch.rand(6, 1, generator=generator) * ascending[:, -1:]
+    mark[0], mark[1], mark[2], mark[3] = ascending[0, -1], 0, ascending[2, width // 2], ascending[3, -1] + 1
+    assert torch.equal(sampling.count_at_most(ascending, mark), (ascending <= mark).sum(-1))

@@ -90,7 +90,28 @@ def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cumulative sums below the mark, not a search, so that every device runs it."""
     cumulative = probs.float().cumsum(-1)
     mark = uniform.unsqueeze(-1) * cumulative[:, -1:]
-    return (cumulative <= mark).sum(-1).clamp(max=probs.shape[-1] - 1)
+    return count_at_most(cumulative, mark).clamp(max=probs.shape[-1] - 1)
+
+
+#: values per block of :func:`count_at_most`
+COUNT_BLOCK = 64
+
+
+def count_at_most(ascending: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
+    """How many values of each row of ``ascending`` [B, V] (non-decreasing) are at most ``mark`` [B, 1]: [B].
+
+    Counted by blocks of :data:`COUNT_BLOCK`: the blocks whose last value is at most the mark (all of theirs are),
+    then the values of the first block that is not, gathered: two counts over V / 64 and 64 values, where one count
+    over V (a comparison and a sum over [B, V]) took 200 us of a 6.7 ms CPU decode step at 16 rows x 4,096 tokens."""
+    rows, width = ascending.shape
+    blocks = -(-width // COUNT_BLOCK)
+    if blocks * COUNT_BLOCK != width:  # +inf after the last value: counted by no mark
+        ascending = torch.nn.functional.pad(ascending, (0, blocks * COUNT_BLOCK - width), value=float("inf"))
+    blocked = ascending.view(rows, blocks, COUNT_BLOCK)
+    whole = (blocked[:, :, -1] <= mark).sum(-1)  # [B]
+    first_not_whole = whole.clamp(max=blocks - 1).view(rows, 1, 1).expand(rows, 1, COUNT_BLOCK)
+    within = (blocked.gather(1, first_not_whole).squeeze(1) <= mark).sum(-1)  # [B]
+    return whole * COUNT_BLOCK + torch.where(whole < blocks, within, torch.zeros_like(within))
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
