@@ -15,6 +15,8 @@ from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
+from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.norms import use_fused_norms
 from accelgen_cpu.packed_linear import pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
@@ -57,8 +59,11 @@ class CpuAccelerator(Accelerator):
         )
 
         self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
-        if use_decode_attention(model) and run.offload is None:  # offloaded modules run under Accelerate's hooks
-            use_decode_self_attention(model)
+        through_interface = use_decode_attention(model)
+        if run.offload is None and native_kernels():  # offloaded modules run under Accelerate's hooks
+            if through_interface:
+                use_decode_self_attention(model)
+            use_fused_norms(model)
         if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
             pack_linear_layers(model, run.batch_size)
         return model

@@ -297,7 +297,7 @@ at::Tensor decode_self_attention_meta(const at::Tensor& query, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
   library.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   library.def(
       "decode_self_attention(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor(a!) keys, "
