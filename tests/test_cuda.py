@@ -162,8 +162,8 @@ def test_out_of_memory_errors_are_recognised():
 #: check, recording the token, the advance; a fixed batch records tokens at one step (index_copy_), slots each at
 #: its own (scatter_). The token choice besides: :data:`TOKEN_CHOICE`.
 WHOLE_STEP_OPERATIONS = {
-    "static": {"aten.isin.Tensor_Tensor", "aten.index_copy_.default", "aten.add_.Tensor"},
-    "continuous": {"aten.isin.Tensor_Tensor", "aten.scatter_.src", "aten.add_.Tensor", "aten.clamp_.default"},
+    "static": {"aten.index_select.default", "aten.index_copy_.default", "aten.add_.Tensor"},
+    "continuous": {"aten.index_select.default", "aten.scatter_.src", "aten.add_.Tensor", "aten.clamp_.default"},
 }
 #: The token choice: argmax when greedy; a draw's cumulative sum when sampling.
 TOKEN_CHOICE = {"greedy": "aten.argmax.default", "sampling": "aten.cumsum.default"}
