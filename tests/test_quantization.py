@@ -21,7 +21,14 @@ from accelgen.parallel.launcher import free_port
 from accelgen.quantization.int8_layer import Int8Linear, int8_product, quantize_rows
 from accelgen.quantization.while_loading import QuantizingWeights
 from accelgen_cpu import int8_kernels
-from accelgen_cpu.int8_kernels import KERNELS, PackedInt8Product, int8_product_on_cpu, use_int8_kernel
+from accelgen_cpu.int8_kernels import (
+    KERNELS,
+    FusedInt8Product,
+    PackedInt8Product,
+    available_kernels,
+    int8_product_on_cpu,
+    use_int8_kernel,
+)
 
 MAX_NEW_TOKENS = 8
 
@@ -128,13 +135,19 @@ def test_a_layer_of_rows_that_do_not_fit_the_int8_kernel_gives_the_plain_product
         assert torch.equal(int8_product_on_cpu(x, values, scales), int8_product(x, values, scales))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+def skip_unless_available(kernel: str) -> None:
+    if kernel not in available_kernels():
+        pytest.skip(f"this machine or torch build lacks the {kernel!r} int8 kernel")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 19])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
     """Input rows (one when decoding batch 1, several for prompts and slots) are quantized to int8 too, each with its
     own scale: each product moves by at most its row's rounding, half a step (the row's absmax / 254) per value,
     whichever kernel the layer's weight shape takes; a wrong scale, a transposed weight or a scale shared by the rows
     moves it far more. Every kernel gives the same values, so that the one measured fastest never changes a token."""
+    skip_unless_available(kernel)
     torch.manual_seed(0)
     values, scales = quantize_rows(torch.randn(64, 256))
     x = torch.randn(rows, 256) * torch.logspace(0, 3, rows)[:, None]  # rows of very different sizes
@@ -155,6 +168,7 @@ def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
 def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
     """Layers that take the same input in turn (query, key and value projections) quantize its rows once; an input
     changed in place between them, or another input in the same memory, is quantized anew."""
+    skip_unless_available(kernel)
     torch.manual_seed(0)
     layers = []
     for _ in range(2):
@@ -180,15 +194,17 @@ def test_whichever_kernel_a_shape_is_measured_fastest_with_the_completions_are_t
     machine to machine); the completions must not depend on it, eager or captured."""
     folder = str(tiny_model_folder("llama"))
     completions_by_kernel = {}
-    for kernel in KERNELS:
-        monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, candidate, kernel=kernel:
-                            0.0 if candidate == kernel else 1.0)
+    for kernel in available_kernels():
+        monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, candidate, kernel=kernel,
+                            **_: 0.0 if candidate == kernel else 1.0)
         completions_by_kernel[kernel], generator = completions(
             folder, dtype="float32", quantize="int8", batch_size=4, graphs=graphs,
             plugin_manager=plugin_manager_with(CapturingCpu()) if graphs else None)
         products = {type(layer.product) for layer in generator.model.modules() if isinstance(layer, Int8Linear)}
         assert (PackedInt8Product in products) == (kernel == "packed")
-    assert completions_by_kernel["rows"] == completions_by_kernel["columns"] == completions_by_kernel["packed"]
+        assert (FusedInt8Product in products) == (kernel == "fused")
+    assert set(completions_by_kernel) == set(KERNELS)  # this machine runs them all (AVX-512 VNNI, oneDNN)
+    assert all(completions == completions_by_kernel["rows"] for completions in completions_by_kernel.values())
 
 
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):

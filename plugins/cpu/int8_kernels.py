@@ -8,7 +8,10 @@ CPU, so each weight shape takes the one measured fastest at the run's decode row
 - ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major: the fastest for one row;
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
-  for several rows the fastest by far (RESULTS.md, "int8 products on the CPU").
+  for several rows the fastest by far (RESULTS.md, "int8 products on the CPU");
+- ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, on CPUs with AVX-512 VNNI) over the weight as
+  stored: quantization, product and scaling in one operator where the others take about ten; for one row it streams
+  the weight from memory faster than ``_int_mm`` too. Past 16 rows (a prefill) ``_int_mm`` takes over, same weight.
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
 scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8
@@ -24,10 +27,13 @@ import time
 import torch
 
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
+from accelgen_cpu.native_kernels import native_kernels
 from accelgen_cpu.packed_linear import find_packed, register_packed
 
 #: the kernels a weight shape may take, in the order they are tried
-KERNELS = ("rows", "columns", "packed")
+KERNELS = ("rows", "columns", "packed", "fused")
+#: the most rows the fused kernel takes; more (a prefill) go through ``_int_mm`` over the same weight
+FUSED_ROWS = 16
 #: oneDNN's unsigned rows: the int8 values plus this (the sign bit flipped)
 _ZERO_POINT = 128
 _TINY = torch.finfo(torch.float32).tiny
@@ -105,6 +111,22 @@ class PackedInt8Product:
                                                   self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
 
 
+class FusedInt8Product:
+    """The plugin's C++ int8 product over the weight as stored (quantization, product and scaling in one operator,
+    ``_int_mm``'s values to the last bit), for up to :data:`FUSED_ROWS` rows; an
+    :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``. VNNI multiplies unsigned bytes by signed ones,
+    so the operator makes the rows unsigned and takes 128 times each output's weight sum off its sums."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.weight_sums = weight.sum(1, dtype=torch.int32)
+        self.scales = scales.float().contiguous()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > FUSED_ROWS:
+            return int8_product_on_cpu(x, weight, scales)
+        return torch.ops.accelgen_cpu_kernels.int8_rows_linear(x, weight, self.weight_sums, self.scales)
+
+
 @torch.library.custom_op("accelgen_cpu::packed_int8_product", mutates_args=())
 def packed_int8_product(unsigned: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """:meth:`PackedInt8Product.scaled_sums` of the product registered as ``handle``: [rows, out] float32."""
@@ -118,16 +140,36 @@ def _(unsigned, handle, out_features):
 
 def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
     """Give each int8 layer of ``model`` the kernel (module docstring) measured fastest for its weight's shape at
-    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product."""
+    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product.
+
+    Where the model's int8 weights are more than the processor's last-level cache holds, a decode step reads each
+    weight from memory: the timings then start from memory too (the cache overwritten before each), since a weight
+    timed in a loop is read from the cache, where the kernels rank otherwise."""
+    layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear) and not layer.in_features % 16]
+    from_memory = sum(layer.weight.numel() for layer in layers) > last_level_cache_bytes()
     fastest: dict[tuple[int, ...], str] = {}
-    for layer in model.modules():
-        if not isinstance(layer, Int8Linear) or layer.in_features % 16:
-            continue
+    for layer in layers:
         weight, scales = layer.weight.detach(), layer.weight_scale.detach()
         shape = tuple(weight.shape)
         if shape not in fastest:
-            fastest[shape] = min(_kernels(), key=lambda kernel: _seconds_of_product(weight, scales, rows, kernel))
+            fastest[shape] = min(available_kernels(), key=lambda kernel: _seconds_of_product(
+                weight, scales, rows, kernel, from_memory=from_memory))
         use_int8_kernel(layer, fastest[shape])
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of this processor's largest cache (Linux's sysfs; 32 MiB where it says none)."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="utf-8") as size:
+                text = size.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 << 20)
 
 
 def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
@@ -137,23 +179,33 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
     if kernel == "packed":
         product = PackedInt8Product(weight, layer.weight_scale.detach())
         layer.weight, layer.product = product.weight, product
+    elif kernel == "fused":
+        layer.product = FusedInt8Product(weight, layer.weight_scale.detach())
     else:
         if kernel == "columns":
             layer.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
         layer.product = int8_product_on_cpu
 
 
-def _kernels() -> tuple[str, ...]:
-    return KERNELS if _packing_works() else KERNELS[:2]
+def available_kernels() -> tuple[str, ...]:
+    """The kernels of :data:`KERNELS` this machine and torch build run."""
+    fused = native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "int8_rows_linear")
+    return tuple(kernel for kernel in KERNELS
+                 if (kernel != "packed" or _packing_works()) and (kernel != "fused" or fused))
 
 
-def _seconds_of_product(weight: torch.Tensor, scales: torch.Tensor, rows: int, kernel: str) -> float:
-    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``."""
+def _seconds_of_product(weight: torch.Tensor, scales: torch.Tensor, rows: int, kernel: str,
+                        from_memory: bool = False) -> float:
+    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``; with
+    ``from_memory``, each after the cache is overwritten."""
     layer = Int8Linear(weight, scales, None, int8_product_on_cpu)
     use_int8_kernel(layer, kernel)
     x = torch.ones(rows, weight.shape[1], dtype=scales.dtype)  # the run's dtype
+    overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None
     timings = []
     for _ in range(3):
+        if overwrite is not None:
+            overwrite.fill_(1.0)
         started = time.perf_counter()
         layer(x)
         timings.append(time.perf_counter() - started)
