@@ -1,6 +1,8 @@
 """The built-in CPU accelerator: runs everywhere, chooses its threads from the machine as it finds it, packs float
 weights once in oneDNN's layout, captures the decode step with ``torch.compile``, runs int8 weights as int8 products
-of rows quantized as they come."""
+of rows quantized as they come, and runs C++ kernels of its own where they pay (``kernels/``, built once per machine
+by :mod:`accelgen_cpu.native_kernels`): a decode step's attention over only the cache positions each row sees, and
+for Llama's attention modules the whole of it in one operator; Llama-family RMSNorm; int8 products of a few rows."""
 
 from __future__ import annotations
 

@@ -103,11 +103,12 @@ def use_decode_self_attention(model: torch.nn.Module) -> int:
 
 def _decode_self_attention_forward(module: torch.nn.Module, own_forward):
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling() or args:
+            return own_forward(*args, **kwargs)
         hidden_states, mask = kwargs.get("hidden_states"), kwargs.get("attention_mask")
         cache = next((kwargs[name] for name in _CACHE_KEYWORDS if kwargs.get(name) is not None), None)
-        rows = (each_row_write(cache, module.layer_idx)
-                if not args and hidden_states is not None and hidden_states.shape[1] == 1 else None)
-        if (rows is None or torch.compiler.is_compiling() or mask is None or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
+        rows = each_row_write(cache, module.layer_idx) if hidden_states is not None and hidden_states.shape[1] == 1 else None
+        if (rows is None or mask is None or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
                 or kwargs.get("position_embeddings") is None or rows[0].dtype != hidden_states.dtype):
             return own_forward(*args, **kwargs)
         keys, values, write_positions = rows

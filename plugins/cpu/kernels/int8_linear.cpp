@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -39,35 +41,53 @@ float quantize_row(const T* x, int64_t size, uint8_t* q) {
   return largest / kLimit;
 }
 
+// The int32 sums of ``Rows`` unsigned rows (K values each, one after another in ``rows``) times one weight row w:
+// Rows, a constant, lets the compiler keep every row's sums in a register of their own.
+template <int Rows>
+void row_sums(const uint8_t* rows, int64_t size, const int8_t* w, int32_t* sums_out) {
+  const int64_t whole = size / 64 * 64;
+  __m512i sums[Rows];
+  for (int m = 0; m < Rows; ++m) sums[m] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < whole; k += 64) {
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int m = 0; m < Rows; ++m) sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_loadu_si512(rows + m * size + k), wv);
+  }
+  if (whole < size) {
+    const __mmask64 tail = ~0ULL >> (64 - (size - whole));
+    const __m512i wv = _mm512_maskz_loadu_epi8(tail, w + whole);
+    for (int m = 0; m < Rows; ++m)
+      sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_maskz_loadu_epi8(tail, rows + m * size + whole), wv);
+  }
+  for (int m = 0; m < Rows; ++m) sums_out[m] = _mm512_reduce_add_epi32(sums[m]);
+}
+
+using RowSums = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t*);
+
+template <int... Counts>
+constexpr std::array<RowSums, sizeof...(Counts)> row_sums_table(std::integer_sequence<int, Counts...>) {
+  return {&row_sums<Counts + 1>...};
+}
+
+// row_sums of 1 to 16 rows, by count - 1
+constexpr auto kRowSums = row_sums_table(std::make_integer_sequence<int, kMaxRows>{});
+
 template <typename T>
 void int8_rows_product(const T* x, int64_t rows, int64_t size, const int8_t* weight, const int32_t* weight_sums,
                        const float* scales, int64_t outputs, T* out) {
   std::vector<uint8_t> q(rows * size);
   std::vector<float> row_scales(rows);
   for (int64_t m = 0; m < rows; ++m) row_scales[m] = quantize_row(x + m * size, size, &q[m * size]);
-  const int64_t whole = size / 64 * 64;
-  const __mmask64 tail = size == whole ? 0 : (~0ULL >> (64 - (size - whole)));
   for (int64_t first = 0; first < rows; first += kMaxRows) {  // up to 16 rows share each load of a weight row
     const int64_t count = std::min(kMaxRows, rows - first);
     const uint8_t* block = &q[first * size];
+    const RowSums sums_of = kRowSums[count - 1];
     at::parallel_for(0, outputs, 32, [&](int64_t begin, int64_t end) {
+      int32_t sums[kMaxRows];
       for (int64_t n = begin; n < end; ++n) {
-        const int8_t* w = weight + n * size;
-        __m512i sums[kMaxRows];
-        for (int64_t m = 0; m < count; ++m) sums[m] = _mm512_setzero_si512();
-        for (int64_t k = 0; k < whole; k += 64) {
-          const __m512i wv = _mm512_loadu_si512(w + k);
-          for (int64_t m = 0; m < count; ++m)
-            sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_loadu_si512(block + m * size + k), wv);
-        }
-        if (tail) {
-          const __m512i wv = _mm512_maskz_loadu_epi8(tail, w + whole);
-          for (int64_t m = 0; m < count; ++m)
-            sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_maskz_loadu_epi8(tail, block + m * size + whole), wv);
-        }
+        sums_of(block, size, weight + n * size, sums);
         for (int64_t m = 0; m < count; ++m) {
           const int64_t row = first + m;
-          const int32_t total = _mm512_reduce_add_epi32(sums[m]) - 128 * weight_sums[n];
+          const int32_t total = sums[m] - 128 * weight_sums[n];
           out[row * outputs + n] = static_cast<T>(static_cast<float>(total) * scales[n] * row_scales[row]);
         }
       }
