@@ -301,7 +301,7 @@ def test_offloaded_int8_layers_keep_their_stored_layout_whichever_kernel_would_b
     (here oneDNN's over a packed copy is made to time fastest)."""
     from accelgen_cpu import int8_kernels
 
-    monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, kernel:
+    monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, kernel, **_:
                         0.0 if kernel == "packed" else 1.0)
     model = four_layer_model("llama")
     expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
