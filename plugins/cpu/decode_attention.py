@@ -88,11 +88,9 @@ _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # transformers
 
 def use_decode_self_attention(model: torch.nn.Module) -> int:
     """Give the model's attention modules of :data:`SELF_ATTENTION_CLASSES` one C++ operator for a decode step's
-    attention between its products (where the C++ kernels are built): rotary embedding, cache writes and the
+    attention between its products (the C++ kernels loaded already): rotary embedding, cache writes and the
     attention, instead of some forty small operations; any other call (a prefill, a compiled step, another cache)
     runs their own forward. Returns how many modules took it."""
-    if _kernel is decode_attention:
-        return 0
     given = 0
     for module in model.modules():
         if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):

@@ -147,19 +147,22 @@ def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
     timed in a loop is read from the cache, where the kernels rank otherwise."""
     layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear) and not layer.in_features % 16]
     from_memory = sum(layer.weight.numel() for layer in layers) > last_level_cache_bytes()
+    overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None  # made once for every timing
+    kernels = available_kernels()
     fastest: dict[tuple[int, ...], str] = {}
     for layer in layers:
         weight, scales = layer.weight.detach(), layer.weight_scale.detach()
         shape = tuple(weight.shape)
         if shape not in fastest:
-            fastest[shape] = min(available_kernels(), key=lambda kernel: _seconds_of_product(
-                weight, scales, rows, kernel, from_memory=from_memory))
+            fastest[shape] = min(kernels, key=lambda kernel: _seconds_of_product(
+                weight, scales, rows, kernel, overwrite=overwrite))
         use_int8_kernel(layer, fastest[shape])
 
 
 @functools.cache
 def last_level_cache_bytes() -> int:
     """The size of this processor's largest cache (Linux's sysfs; 32 MiB where it says none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for index in range(8):
         try:
@@ -167,7 +170,6 @@ def last_level_cache_bytes() -> int:
                 text = size.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=32 << 20)
 
@@ -195,13 +197,12 @@ def available_kernels() -> tuple[str, ...]:
 
 
 def _seconds_of_product(weight: torch.Tensor, scales: torch.Tensor, rows: int, kernel: str,
-                        from_memory: bool = False) -> float:
-    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``; with
-    ``from_memory``, each after the cache is overwritten."""
+                        overwrite: torch.Tensor | None = None) -> float:
+    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``; given
+    ``overwrite`` (twice the last-level cache), each after it is written, so that the weight comes from memory."""
     layer = Int8Linear(weight, scales, None, int8_product_on_cpu)
     use_int8_kernel(layer, kernel)
     x = torch.ones(rows, weight.shape[1], dtype=scales.dtype)  # the run's dtype
-    overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None
     timings = []
     for _ in range(3):
         if overwrite is not None:

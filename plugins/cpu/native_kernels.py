@@ -43,9 +43,9 @@ def native_kernels() -> bool:
         torch.ops.load_library(str(_built_library()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         warnings.warn(AccelgenWarning(
-            f"the CPU plugin's C++ kernels could not be built or loaded ({_first_line(error)}): decode steps attend "
-            f"with batched products over whole cache rows instead (slower); install a C++ compiler (g++ or clang++, "
-            f"or name one in CXX) to get them"), stacklevel=2)
+            f"the CPU plugin's C++ kernels could not be built or loaded ({_first_line(error)}): the CPU runs torch's "
+            f"own operations instead (attention over whole cache rows, the modules' own norms, the other int8 "
+            f"kernels; slower); install a C++ compiler (g++ or clang++, or name one in CXX) to get them"), stacklevel=2)
         return False
     return True
 

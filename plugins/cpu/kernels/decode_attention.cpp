@@ -65,7 +65,7 @@ inline float dot(const float* a, const float* b, int64_t size) {
 }
 
 // e^x for x <= 0 (softmax's shifted scores) within 2 units in the last place of std::exp, in operations a loop
-// vectorizes (std::exp is a call per value): x = n ln 2 + r, e^r by its Taylor polynomial, 2^n by the exponent bits.
+// vectorizes (std::exp is a call per value): x = n ln 2 + r, e^r by a degree-6 polynomial (Cephes' expf), 2^n by the exponent bits.
 inline float exp_of_nonpositive(float value) {
   const float x = value < -87.0f ? -87.0f : value;  // e^-87: about float32's smallest normal number
   const float n = std::nearbyint(x * 1.44269504088896341f);
@@ -106,9 +106,9 @@ inline void rotate(const T* x, const T* cos, const T* sin, int64_t size, T* out)
   }
 }
 
-// A decode step's new tokens, for decode_self_attention: row b's queries at query + b * query_row (H heads of D,
-// one after another, as the query product gives them), its keys and values likewise (K heads), cos and sin [D] at
-// cos + b * cos_row, sin + b * sin_row, and the cache position it writes.
+// A decode step's new tokens, for decode_self_attention: row b's keys at key + b * key_row (K heads of D, one after
+// another, as the key product gives them), its values likewise, cos and sin [D] at cos + b * cos_row,
+// sin + b * sin_row, and the cache position it writes (its queries are attend's).
 template <typename T>
 struct NewTokens {
   const T *key, *value, *cos, *sin;
