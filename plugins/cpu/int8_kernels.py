@@ -2,16 +2,17 @@
 OpenVINO do), multiplied in int8 with the layer's int8 weights (VNNI instructions), the int32 sums scaled back by
 both scales. Each row's result depends on that row alone, whatever rows share the product.
 
-Three kernels give the same integers; which is fastest depends on the weight's shape, the number of rows and the
+Four kernels give the same integers; which is fastest depends on the weight's shape, the number of rows and the
 CPU, so each weight shape takes the one measured fastest at the run's decode rows (:func:`choose_int8_kernels`):
 
 - ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major: the fastest for one row;
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
   for several rows the fastest by far (RESULTS.md, "int8 products on the CPU");
-- ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, on CPUs with AVX-512 VNNI) over the weight as
-  stored: quantization, product and scaling in one operator where the others take about ten; for one row it streams
-  the weight from memory faster than ``_int_mm`` too. Past 16 rows (a prefill) ``_int_mm`` takes over, same weight.
+- ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, on CPUs with AVX-512 VNNI) over the weight laid
+  out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one operator
+  where the others take about ten, each panel read once for up to 16 rows; from memory the fastest at one row and
+  at 16 (RESULTS.md, "The CPU plugin's C++ kernels").
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
 scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8
@@ -32,8 +33,6 @@ from accelgen_cpu.packed_linear import find_packed, register_packed
 
 #: the kernels a weight shape may take, in the order they are tried
 KERNELS = ("rows", "columns", "packed", "fused")
-#: the most rows the fused kernel takes; more (a prefill) go through ``_int_mm`` over the same weight
-FUSED_ROWS = 16
 #: oneDNN's unsigned rows: the int8 values plus this (the sign bit flipped)
 _ZERO_POINT = 128
 _TINY = torch.finfo(torch.float32).tiny
@@ -112,19 +111,28 @@ class PackedInt8Product:
 
 
 class FusedInt8Product:
-    """The plugin's C++ int8 product over the weight as stored (quantization, product and scaling in one operator,
-    ``_int_mm``'s values to the last bit), for up to :data:`FUSED_ROWS` rows; an
-    :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``. VNNI multiplies unsigned bytes by signed ones,
-    so the operator makes the rows unsigned and takes 128 times each output's weight sum off its sums."""
+    """The plugin's C++ int8 product (quantization, product and scaling in one operator, ``_int_mm``'s values to the
+    last bit) over the weight in panels (:func:`pack_int8_panels`; the layer's weight is then :attr:`weight`); an
+    :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
-        self.weight_sums = weight.sum(1, dtype=torch.int32)
+        self.weight = torch.nn.Parameter(pack_int8_panels(weight), requires_grad=False)
         self.scales = scales.float().contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > FUSED_ROWS:
-            return int8_product_on_cpu(x, weight, scales)
-        return torch.ops.accelgen_cpu_kernels.int8_rows_linear(x, weight, self.weight_sums, self.scales)
+        return torch.ops.accelgen_cpu_kernels.int8_panels_linear(x, self.weight, self.scales)
+
+
+def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The int8 ``weight`` [out, in] as the fused kernel reads it: panels of 16 outputs, each the outputs' values four
+    inputs at a time ([ceil(out / 16), ceil(in / 4), 16 * 4]), plus 128 (unsigned, as VNNI takes one operand); the
+    outputs and inputs past the weight's are zero (the kernel gives no output for the first, and gives the second
+    rows' zeros)."""
+    outputs, inputs = weight.shape
+    panels, quads = -(-outputs // 16), -(-inputs // 4)
+    unsigned = torch.zeros(panels * 16, quads * 4, dtype=torch.uint8)
+    unsigned[:outputs, :inputs] = (weight.to(torch.int16) + 128).to(torch.uint8)
+    return unsigned.view(panels, 16, quads, 4).transpose(1, 2).reshape(panels, quads, 64).contiguous()
 
 
 @torch.library.custom_op("accelgen_cpu::packed_int8_product", mutates_args=())
@@ -182,7 +190,8 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
         product = PackedInt8Product(weight, layer.weight_scale.detach())
         layer.weight, layer.product = product.weight, product
     elif kernel == "fused":
-        layer.product = FusedInt8Product(weight, layer.weight_scale.detach())
+        product = FusedInt8Product(weight, layer.weight_scale.detach())
+        layer.weight, layer.product = product.weight, product
     else:
         if kernel == "columns":
             layer.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
@@ -191,7 +200,7 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
 
 def available_kernels() -> tuple[str, ...]:
     """The kernels of :data:`KERNELS` this machine and torch build run."""
-    fused = native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "int8_rows_linear")
+    fused = native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "int8_panels_linear")
     return tuple(kernel for kernel in KERNELS
                  if (kernel != "packed" or _packing_works()) and (kernel != "fused" or fused))
 

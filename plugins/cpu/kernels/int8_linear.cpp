@@ -1,13 +1,16 @@
-// The int8 product of a few rows in one operator, with AVX-512 VNNI's unsigned-by-signed byte products: each row
-// of x quantized to int8 with a scale of its own (its largest magnitude / 127, rounded half to even), multiplied by
-// the int8 weight, the int32 sums scaled back as (sums * weight scale) * row scale in float32 and rounded to x's
-// dtype: what plugins/cpu/int8_kernels.py computes with _int_mm or oneDNN, to the last bit, in one operator where
-// those take about ten (quantization, product, conversions, scalings), each a pass and a dispatch.
+// The int8 product of rows in one operator, with AVX-512 VNNI's unsigned-by-signed byte products: each row of x
+// quantized to int8 with a scale of its own (its largest magnitude / 127, rounded half to even), multiplied by the
+// int8 weight, the int32 sums scaled back as (sums * weight scale) * row scale in float32 and rounded to x's dtype:
+// what plugins/cpu/int8_kernels.py computes with _int_mm or oneDNN, to the last bit, in one operator where those
+// take about ten (quantization, product, conversions, scalings), each a pass and a dispatch.
 //
-// The weight is the int8 weight as stored ([N, K] row-major). VNNI multiplies unsigned bytes by signed ones: the rows
-// go unsigned (q + 128), so sum_k (q + 128) w = sum_k q w + 128 sum_k w, and each output's 128 sum_k w (its
-// weight_sums, computed once at load) comes off its sums. Each output reads its weight row once for up to 16 rows
-// of x: at one row the product streams the weight from memory, the bound of a decode step at batch 1.
+// The weight is laid out once in panels of 16 outputs (int8_kernels.pack_int8_panels): [ceil(N / 16), ceil(K / 4),
+// 16, 4] bytes, each the weight + 128 (VNNI's unsigned operand), so that one 64-byte load holds four inputs of
+// 16 outputs and one instruction adds four products to each of 16 sums. The rows' values (signed) go in tiles of
+// 16 rows, four bytes of each row side by side, each broadcast to the 16 outputs. Since sum_k (w + 128) q =
+// sum_k w q + 128 sum_k q, each row's 128 sum_k q comes off its sums: the same int32 sums as _int_mm's. A tile's
+// rows share each load of a panel: up to 16 rows read the weight once (a decode step's bound is reading it from
+// memory), and one row takes eight panels at once so that its sums proceed side by side.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,10 +18,10 @@
 
 #include <algorithm>
 #include <array>
-#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -27,112 +30,158 @@
 namespace {
 
 constexpr float kLimit = 127.0f;
-constexpr int64_t kMaxRows = 16;
 
-// A row of x (K values) quantized to int8 and stored unsigned (+ 128) in q: its scale.
+constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 sums per row
+constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
+
+// ``count`` rows of x (K values each) quantized, signed, into a tile: [K4 / 4][kTileRows][4] bytes (K4: K rounded
+// up to 4), the rows past count and the values past K zero; each row's scale and 128 times the sum of its values.
 template <typename T>
-float quantize_row(const T* x, int64_t size, uint8_t* q) {
-  float largest = 0;
-  for (int64_t k = 0; k < size; ++k) largest = std::max(largest, std::fabs(static_cast<float>(x[k])));
-  largest = std::max(largest, std::numeric_limits<float>::min());
-  const float inverse = kLimit / largest;
-  for (int64_t k = 0; k < size; ++k)
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(static_cast<float>(x[k]) * inverse)) + 128);
-  return largest / kLimit;
+void quantize_tile(const T* x, int64_t size, int64_t padded, int64_t count, int8_t* tile, float* row_scales,
+                   int32_t* corrections) {
+  std::fill(tile, tile + padded * kTileRows, 0);
+  for (int64_t m = 0; m < count; ++m) {
+    const T* row = x + m * size;
+    float largest = 0;
+    for (int64_t k = 0; k < size; ++k) largest = std::max(largest, std::fabs(static_cast<float>(row[k])));
+    largest = std::max(largest, std::numeric_limits<float>::min());
+    const float inverse = kLimit / largest;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < size; ++k) {
+      const int32_t value = static_cast<int32_t>(std::nearbyint(static_cast<float>(row[k]) * inverse));
+      tile[(k / 4) * kTileRows * 4 + m * 4 + k % 4] = static_cast<int8_t>(value);
+      sum += value;
+    }
+    row_scales[m] = largest / kLimit;
+    corrections[m] = 128 * sum;
+  }
 }
 
-// The int32 sums of ``Rows`` unsigned rows (K values each, one after another in ``rows``) times one weight row w:
-// Rows, a constant, lets the compiler keep every row's sums in a register of their own.
-template <int Rows>
-void row_sums(const uint8_t* rows, int64_t size, const int8_t* w, int32_t* sums_out) {
-  const int64_t whole = size / 64 * 64;
-  __m512i sums[Rows];
-  for (int m = 0; m < Rows; ++m) sums[m] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < whole; k += 64) {
-    const __m512i wv = _mm512_loadu_si512(w + k);
-    for (int m = 0; m < Rows; ++m) sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_loadu_si512(rows + m * size + k), wv);
+// The int32 sums of a tile's first Rows rows times Panels consecutive panels (panel_bytes apart), into
+// out[Rows][Panels]: constants, so that every sum stays in a register of its own.
+template <int Rows, int Panels>
+void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, int64_t padded, __m512i* out) {
+  __m512i sums[Rows][Panels];
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < padded; k += 4) {
+    __m512i w[Panels];
+    for (int p = 0; p < Panels; ++p) w[p] = _mm512_loadu_si512(panel + p * panel_bytes + k * kOutputs);
+    const int8_t* values = tile + k * kTileRows;
+    for (int m = 0; m < Rows; ++m) {
+      const __m512i x = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(values + m * 4));
+      for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], w[p], x);
+    }
   }
-  if (whole < size) {
-    const __mmask64 tail = ~0ULL >> (64 - (size - whole));
-    const __m512i wv = _mm512_maskz_loadu_epi8(tail, w + whole);
-    for (int m = 0; m < Rows; ++m)
-      sums[m] = _mm512_dpbusd_epi32(sums[m], _mm512_maskz_loadu_epi8(tail, rows + m * size + whole), wv);
-  }
-  for (int m = 0; m < Rows; ++m) sums_out[m] = _mm512_reduce_add_epi32(sums[m]);
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) out[m * Panels + p] = sums[m][p];
 }
 
-using RowSums = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t*);
+// The panels a tile of ``rows`` rows takes at once: 16 registers of sums at most, 8 for one or two rows (the
+// product's latency is hidden by sums that proceed side by side)
+constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
+
+using TileSums = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, __m512i*);
 
 template <int... Counts>
-constexpr std::array<RowSums, sizeof...(Counts)> row_sums_table(std::integer_sequence<int, Counts...>) {
-  return {&row_sums<Counts + 1>...};
+constexpr std::array<TileSums, sizeof...(Counts)> wide_table(std::integer_sequence<int, Counts...>) {
+  return {&tile_sums<Counts + 1, panels_for(Counts + 1)>...};
 }
-
-// row_sums of 1 to 16 rows, by count - 1
-constexpr auto kRowSums = row_sums_table(std::make_integer_sequence<int, kMaxRows>{});
+template <int... Counts>
+constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequence<int, Counts...>) {
+  return {&tile_sums<Counts + 1, 1>...};
+}
+// tile_sums of 1 to 16 rows (by count - 1), with panels_for(rows) panels and with one
+constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 
 template <typename T>
-void int8_rows_product(const T* x, int64_t rows, int64_t size, const int8_t* weight, const int32_t* weight_sums,
-                       const float* scales, int64_t outputs, T* out) {
-  std::vector<uint8_t> q(rows * size);
-  std::vector<float> row_scales(rows);
-  for (int64_t m = 0; m < rows; ++m) row_scales[m] = quantize_row(x + m * size, size, &q[m * size]);
-  for (int64_t first = 0; first < rows; first += kMaxRows) {  // up to 16 rows share each load of a weight row
-    const int64_t count = std::min(kMaxRows, rows - first);
-    const uint8_t* block = &q[first * size];
-    const RowSums sums_of = kRowSums[count - 1];
-    at::parallel_for(0, outputs, 32, [&](int64_t begin, int64_t end) {
-      int32_t sums[kMaxRows];
-      for (int64_t n = begin; n < end; ++n) {
-        sums_of(block, size, weight + n * size, sums);
-        for (int64_t m = 0; m < count; ++m) {
-          const int64_t row = first + m;
-          const int32_t total = sums[m] - 128 * weight_sums[n];
-          out[row * outputs + n] = static_cast<T>(static_cast<float>(total) * scales[n] * row_scales[row]);
+void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panels, const float* scales,
+                    int64_t outputs, T* out) {
+  const int64_t padded = (size + 3) / 4 * 4, panel_bytes = padded * kOutputs;
+  const int64_t panel_count = (outputs + kOutputs - 1) / kOutputs, tiles = (rows + kTileRows - 1) / kTileRows;
+  std::vector<int8_t> quantized(tiles * padded * kTileRows);
+  std::vector<float> row_scales(tiles * kTileRows);
+  std::vector<int32_t> corrections(tiles * kTileRows);
+  for (int64_t t = 0; t < tiles; ++t)
+    quantize_tile(x + t * kTileRows * size, size, padded, std::min(kTileRows, rows - t * kTileRows),
+                  &quantized[t * padded * kTileRows], &row_scales[t * kTileRows], &corrections[t * kTileRows]);
+  const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
+  const int64_t units = (panel_count + group - 1) / group;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    __m512i sums[kTileRows];  // rows x panels_for(rows): 16 at most
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t count = std::min(kTileRows, rows - t * kTileRows);
+        const int wide = panels_for(static_cast<int>(count));
+        const int8_t* tile = &quantized[t * padded * kTileRows];
+        for (int64_t p = 0; p < in_unit;) {  // the unit's panels, as many at once as the tile's rows take
+          const int take = wide <= in_unit - p ? wide : 1;
+          (take == wide ? kWide : kNarrow)[count - 1](tile, panels + (first_panel + p) * panel_bytes, panel_bytes,
+                                                       padded, sums);
+          for (int64_t m = 0; m < count; ++m) {
+            const int64_t row = t * kTileRows + m;
+            const __m512i correction = _mm512_set1_epi32(corrections[row]);
+            const __m512 row_scale = _mm512_set1_ps(row_scales[row]);
+            for (int q = 0; q < take; ++q) {
+              const int64_t n = (first_panel + p + q) * kOutputs;
+              const int64_t valid = std::min<int64_t>(kOutputs, outputs - n);
+              const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+              const __m512 scale = _mm512_maskz_loadu_ps(mask, scales + n);
+              const __m512 value = _mm512_mul_ps(
+                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[m * take + q], correction)), scale), row_scale);
+              if constexpr (std::is_same_v<T, float>) {
+                _mm512_mask_storeu_ps(out + row * outputs + n, mask, value);
+              } else {
+                alignas(64) float values[kOutputs];
+                _mm512_store_ps(values, value);
+                for (int64_t i = 0; i < valid; ++i) out[row * outputs + n + i] = static_cast<T>(values[i]);
+              }
+            }
+          }
+          p += take;
         }
       }
-    });
-  }
+    }
+  });
 }
 
-// x [..., K] (float32 or bfloat16), weight [N, K] int8 (contiguous), weight_sums [N] int32 (each row's sum),
-// scales [N] float32 -> [..., N], x's dtype.
-at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_sums,
-                            const at::Tensor& scales) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "int8_rows_linear: weight [N, K] int8, contiguous");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "int8_rows_linear: x [..., K] for weight [N, K]");
-  TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == weight.size(0) && weight_sums.is_contiguous(),
-              "int8_rows_linear: weight_sums [N] int32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0) && scales.is_contiguous(),
-              "int8_rows_linear: scales [N] float32");
-  const int64_t size = weight.size(1), outputs = weight.size(0), rows = x.numel() / size;
+// x [..., K] (float32 or bfloat16), panels [ceil(N / 16), ceil(K / 4), 64] uint8 (pack_int8_panels), scales [N]
+// float32 -> [..., N], x's dtype.
+at::Tensor int8_panels_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales) {
+  const int64_t size = x.size(-1), outputs = scales.numel(), rows = x.numel() / size;
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 3 &&
+                  panels.size(0) == (outputs + 15) / 16 && panels.size(1) == (size + 3) / 4 && panels.size(2) == 64,
+              "int8_panels_linear: panels [ceil(N / 16), ceil(K / 4), 64] uint8 for x [..., K] and scales [N]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "int8_panels_linear: scales [N] float32");
   at::Tensor flat = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = outputs;
   at::Tensor out = at::empty(shape, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_rows_linear", [&] {
-    int8_rows_product<scalar_t>(flat.data_ptr<scalar_t>(), rows, size, weight.data_ptr<int8_t>(),
-                                weight_sums.data_ptr<int32_t>(), scales.data_ptr<float>(), outputs,
-                                out.data_ptr<scalar_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_panels_linear", [&] {
+    panels_product<scalar_t>(flat.data_ptr<scalar_t>(), rows, size, panels.data_ptr<uint8_t>(),
+                                     scales.data_ptr<float>(), outputs, out.data_ptr<scalar_t>());
   });
   return out;
 }
 
-at::Tensor int8_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&, const at::Tensor&) {
+at::Tensor int8_panels_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& scales) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = weight.size(0);
+  shape.back() = scales.numel();
   return at::empty(shape, x.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
-  library.def("int8_rows_linear(Tensor x, Tensor weight, Tensor weight_sums, Tensor scales) -> Tensor");
+  library.def("int8_panels_linear(Tensor x, Tensor panels, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("int8_rows_linear", &int8_rows_linear); }
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("int8_panels_linear", &int8_panels_linear); }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) { library.impl("int8_rows_linear", &int8_rows_linear_meta); }
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+  library.impl("int8_panels_linear", &int8_panels_linear_meta);
+}
 
 #endif  // AVX-512 VNNI: where the compiler's target lacks it, the operator is not defined
