@@ -182,27 +182,31 @@ class SlotRunner:
         if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
+        # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
+        # one takes the prompts and draws as they come, and computes no padding row
+        rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.captures_prefill
+                           else (len(prompts), len(draws)))
         self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
-        self.stats.prefill_positions += insertion.shape_rows * (spans[-1][1] - spans[0][0])
-        key = (insertion.shape_rows, insertion.bucket_length, insertion.draw_rows, spans[-1][0])
+        self.stats.prefill_positions += rows * (spans[-1][1] - spans[0][0])
+        key = (rows, insertion.bucket_length, draw_rows, spans[-1][0])
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
             prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
         input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
-                                                   insertion.shape_rows, self.rules.pad_token_id)
+                                                   rows, self.rules.pad_token_id)
         prefill_shape.input_ids.copy_(input_ids)
         prefill_shape.prompt_mask.copy_(prompt_mask)
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
-        prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, insertion.shape_rows)))
-        prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, insertion.draw_rows)))
-        prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in draws], insertion.draw_rows)))
-        prefill_shape.draw_slots.copy_(torch.tensor(_padded(draw_slots, insertion.draw_rows)))
+        prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, rows)))
+        prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, draw_rows)))
+        prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in draws], draw_rows)))
+        prefill_shape.draw_slots.copy_(torch.tensor(_padded(draw_slots, draw_rows)))
         limits, sampling = _row_settings(draws)
-        prefill_shape.limits.copy_(torch.tensor(_padded(limits, insertion.draw_rows)))
+        prefill_shape.limits.copy_(torch.tensor(_padded(limits, draw_rows)))
         for buffer, values in zip(prefill_shape.sampling, sampling):
-            buffer.copy_(torch.tensor(_padded(values, insertion.draw_rows), dtype=buffer.dtype))
+            buffer.copy_(torch.tensor(_padded(values, draw_rows), dtype=buffer.dtype))
         if self._steps_left:  # the decode steps between the passes must not write into the rows being prefilled
             decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
         for span in spans[:-1]:
@@ -214,8 +218,8 @@ class SlotRunner:
             prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape), "prefill_captures")
         self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
         self.stats.prefills += 1
-        self.stats.prefill_rows += insertion.shape_rows
-        self.stats.slot_tokens += insertion.shape_rows
+        self.stats.prefill_rows += rows
+        self.stats.slot_tokens += rows
         decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
         if self.prefixes is not None:
             self.prefixes.store(shape.cache, prompts, prompt_slots, insertion.bucket_length)
