@@ -165,6 +165,22 @@ def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
     assert torch.equal(compiled(x), product)
 
 
+def test_a_layer_whose_rows_are_not_a_multiple_of_16_values_takes_the_fused_kernel_with_exact_sums():
+    """``_int_mm`` and oneDNN take rows of a multiple of 16 values only; the fused kernel takes any (the dataset
+    benchmark's MLP is 682 wide): such a layer takes it, and its int32 sums are the exact products of the rows'
+    and the weight's int8 values."""
+    skip_unless_available("fused")
+    torch.manual_seed(0)
+    values, scales = quantize_rows(torch.randn(40, 682))
+    model = torch.nn.Sequential(Int8Linear(values.clone(), scales, None, int8_product_on_cpu))
+    int8_kernels.choose_int8_kernels(model, rows=4)
+    assert isinstance(model[0].product, FusedInt8Product)
+    x = torch.randn(5, 682) * torch.logspace(0, 2, 5)[:, None]
+    row_values, row_scales = int8_kernels.quantize_input_rows(x)
+    sums = (row_values.double() @ values.double().t()).float()  # exact: every partial sum is an integer below 2**53
+    assert torch.equal(model(x), sums.mul(scales.float()).mul(row_scales))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
     """Layers that take the same input in turn (query, key and value projections) quantize its rows once; an input

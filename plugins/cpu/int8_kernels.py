@@ -148,15 +148,21 @@ def _(unsigned, handle, out_features):
 
 def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
     """Give each int8 layer of ``model`` the kernel (module docstring) measured fastest for its weight's shape at
-    ``rows`` rows, measured once per shape; layers of rows that fit no int8 kernel keep the plain product.
+    ``rows`` rows, measured once per shape. Layers whose rows are not a multiple of 16 values, which ``_int_mm`` and
+    oneDNN do not take, take the fused kernel where it is built, else keep the plain product.
 
     Where the model's int8 weights are more than the processor's last-level cache holds, a decode step reads each
     weight from memory: the timings then start from memory too (the cache overwritten before each), since a weight
     timed in a loop is read from the cache, where the kernels rank otherwise."""
-    layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear) and not layer.in_features % 16]
+    layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear)]
+    kernels = available_kernels()
+    if "fused" in kernels:
+        for layer in layers:
+            if layer.in_features % 16:
+                use_int8_kernel(layer, "fused")
+    layers = [layer for layer in layers if not layer.in_features % 16]
     from_memory = sum(layer.weight.numel() for layer in layers) > last_level_cache_bytes()
     overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None  # made once for every timing
-    kernels = available_kernels()
     fastest: dict[tuple[int, ...], str] = {}
     for layer in layers:
         weight, scales = layer.weight.detach(), layer.weight_scale.detach()
