@@ -31,12 +31,14 @@ def kernel(request):
 @pytest.mark.parametrize("key_heads", [8, 2])
 @pytest.mark.parametrize("boolean_mask", [False, True])
 @pytest.mark.parametrize("unseen_tail", [0, 15])
-def test_one_query_per_row_attends_as_sdpa_does(kernel, dtype, tolerance, key_heads, boolean_mask, unseen_tail):
+@pytest.mark.parametrize("size", [20, 32, 64, 128])
+def test_one_query_per_row_attends_as_sdpa_does(kernel, dtype, tolerance, key_heads, boolean_mask, unseen_tail, size):
     """``unseen_tail``: the cache's last positions seen by no row (a static cache is longer than its rows: they must
     add nothing); the rows end at different positions before them, start at different ones (the left padding of
-    their prompts' buckets) and skip some between (a head size with a remainder past the kernel's lanes, too)."""
+    their prompts' buckets) and skip some between. ``size``: heads of 32, 64 and 128 values take loops of their own,
+    others (a remainder past the kernel's lanes) the generic ones."""
     torch.manual_seed(0)
-    rows, heads, positions, size = 3, 8, 40, 20
+    rows, heads, positions = 3, 8, 40
     query = torch.randn(rows, heads, 1, size, dtype=dtype)
     key, value = (torch.randn(rows, key_heads, positions, size, dtype=dtype) for _ in range(2))
     seen = torch.rand(rows, 1, 1, positions) < 0.6
@@ -44,10 +46,10 @@ def test_one_query_per_row_attends_as_sdpa_does(kernel, dtype, tolerance, key_he
         own = positions - 1 - unseen_tail - 4 * row
         seen[row, ..., own], seen[row, ..., own + 1:], seen[row, ..., : 5 * row] = True, False, False
     mask = seen if boolean_mask else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
-    groups = heads // key_heads
+    groups, scale = heads // key_heads, size**-0.5  # as a model scales
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
-    ours = kernel(query, key, value, mask, 0.3)
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
+    ours = kernel(query, key, value, mask, scale)
     assert ours.shape == expected.shape and ours.dtype == dtype
     assert torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -68,7 +70,8 @@ def test_a_row_that_sees_nothing_attends_to_every_position_evenly(kernel, boolea
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key_heads", [4, 2])
-def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key_heads):
+@pytest.mark.parametrize("size", [16, 64])
+def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key_heads, size):
     """decode_self_attention: the new token's keys rotated as transformers' apply_rotary_pos_emb rotates them, written
     with its values at each row's own position (the cache left exactly as transformers' path leaves it, in bfloat16
     too), and the rows' queries, rotated, attending as SDPA does."""
@@ -76,7 +79,7 @@ def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key
 
     assert native_kernels()
     torch.manual_seed(0)
-    rows, heads, positions, size = 3, 4, 24, 16
+    rows, heads, positions = 3, 4, 24
     query, key, value = (torch.randn(rows, 1, count * size, dtype=dtype) for count in (heads, key_heads, key_heads))
     angles = torch.rand(rows, 1, size // 2) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)

@@ -25,7 +25,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -83,6 +88,74 @@ inline float exp_of_nonpositive(float value) {
   return value < -87.0f ? 0.0f : p * power;  // below it 0, as std::exp rounds masked positions' weights
 }
 
+// The loops of span_kernels: scores of a span's positions, and the weighted sum of their values.
+template <typename T>
+struct SpanKernels {
+  void (*scores)(const float*, const T*, int64_t, int64_t, bool, float*);
+  void (*values)(const float*, const T*, int64_t, int64_t, bool, float*);
+};
+
+#if defined(__AVX512F__)
+// Heads of 32, 64 or 128 values (Chunks = D / 16 registers of float32 each) take these: a position's products in
+// registers, and the weighted sum of the values held in registers over the whole span, where attend's own loops
+// take any size (a sum over d per position, the weighted sum through memory; bfloat16 converted value by value).
+
+template <typename T>
+inline __m512 load_floats(const T* values) {  // 16 values as float32
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(values);
+  } else {  // bfloat16: the upper half of a float32's bits
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// scores[j] = query . keys[j] for the span's positions (step apart), prefetching ahead when ``ahead``.
+template <int Chunks, typename T>
+void span_scores(const float* query, const T* keys, int64_t step, int64_t span, bool ahead, float* scores) {
+  __m512 q[Chunks];
+  for (int c = 0; c < Chunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  for (int64_t j = 0; j < span; ++j) {
+    const T* key = keys + j * step;
+    if (ahead) prefetch(key + kPrefetchPositions * step, Chunks * 16 * sizeof(T));
+    __m512 sum = _mm512_mul_ps(q[0], load_floats(key));
+    for (int c = 1; c < Chunks; ++c) sum = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), sum);
+    scores[j] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// out = sum_j weights[j] values[j] over the span's positions (step apart), prefetching ahead when ``ahead``.
+template <int Chunks, typename T>
+void span_values(const float* weights, const T* values, int64_t step, int64_t span, bool ahead, float* out) {
+  __m512 sum[Chunks];
+  for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < span; ++j) {
+    const T* value = values + j * step;
+    if (ahead) prefetch(value + kPrefetchPositions * step, Chunks * 16 * sizeof(T));
+    const __m512 weight = _mm512_set1_ps(weights[j]);
+    for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_fmadd_ps(weight, load_floats(value + 16 * c), sum[c]);
+  }
+  for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(out + 16 * c, sum[c]);
+}
+
+// The span kernels of heads of ``size`` values; none (the generic loops) for other sizes or dtypes.
+template <typename T>
+std::optional<SpanKernels<T>> span_kernels(int64_t size) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    switch (size) {
+      case 32: return SpanKernels<T>{&span_scores<2, T>, &span_values<2, T>};
+      case 64: return SpanKernels<T>{&span_scores<4, T>, &span_values<4, T>};
+      case 128: return SpanKernels<T>{&span_scores<8, T>, &span_values<8, T>};
+      default: break;
+    }
+  }
+  return std::nullopt;
+}
+#else
+template <typename T>
+std::optional<SpanKernels<T>> span_kernels(int64_t) { return std::nullopt; }
+#endif
+
 // The first and one past the last position of ``mask`` [L] that a query sees; [0, L) when it sees none.
 inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) {
   const float unseen = std::numeric_limits<float>::lowest() / 2;
@@ -135,6 +208,7 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
   at::parallel_for(0, rows * key_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(groups * size), row(size), sums(groups * size), scores;
     std::vector<T> rotated(size);
+    const std::optional<SpanKernels<T>> vectorized = span_kernels<T>(size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / key_heads, kh = item % key_heads;
       for (int64_t g = 0; g < groups; ++g) {
@@ -160,7 +234,10 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
         const float* query_g = &queries[g * size];
         float* s = &scores[g * span];
         int64_t j = 0;
-        if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
+        if (vectorized) {
+          vectorized->scores(query_g, keys, k_pos, span, g == 0, s);
+          j = span;
+        } else if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
           for (; j + 4 <= span; j += 4) {
             if (g == 0) prefetch(keys + (j + kPrefetchPositions) * k_pos, 4 * k_pos * sizeof(T));
             four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
@@ -195,20 +272,25 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
       if (kh + 1 < key_heads) prefetch(keys + k_head, kPrefetchPositions * k_pos * sizeof(T));  // the next head's span
       std::fill(sums.begin(), sums.end(), 0.0f);
       const T* values = v + b * v_row + kh * v_head;
-      for (int64_t j = 0; j < span; ++j) {
-        const T* value_j = values + (first + j) * v_pos;
-        prefetch(value_j + kPrefetchPositions * v_pos, size * sizeof(T));
-        const float* vf;
-        if constexpr (std::is_same_v<T, float>) {
-          vf = value_j;
-        } else {
-          to_float(value_j, row.data(), size);
-          vf = row.data();
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          const float weight = scores[g * span + j];
-          float* sum = &sums[g * size];
-          for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+      if (vectorized) {
+        for (int64_t g = 0; g < groups; ++g)
+          vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, g == 0, &sums[g * size]);
+      } else {
+        for (int64_t j = 0; j < span; ++j) {
+          const T* value_j = values + (first + j) * v_pos;
+          prefetch(value_j + kPrefetchPositions * v_pos, size * sizeof(T));
+          const float* vf;
+          if constexpr (std::is_same_v<T, float>) {
+            vf = value_j;
+          } else {
+            to_float(value_j, row.data(), size);
+            vf = row.data();
+          }
+          for (int64_t g = 0; g < groups; ++g) {
+            const float weight = scores[g * span + j];
+            float* sum = &sums[g * size];
+            for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+          }
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
