@@ -12,7 +12,7 @@ CPU, so each weight shape takes the one measured fastest at the run's decode row
 - ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, on CPUs with AVX-512 VNNI) over the weight laid
   out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one operator
   where the others take about ten, each panel read once for up to 16 rows; from memory the fastest at one row and
-  at 16 (RESULTS.md, "The CPU plugin's C++ kernels").
+  at 16 (RESULTS.md, "int8 products in panels"). Layers of any width take it (the others: multiples of 16).
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
 scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8
@@ -124,10 +124,10 @@ class FusedInt8Product:
 
 
 def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
-    """The int8 ``weight`` [out, in] as the fused kernel reads it: panels of 16 outputs, each the outputs' values four
-    inputs at a time ([ceil(out / 16), ceil(in / 4), 16 * 4]), plus 128 (unsigned, as VNNI takes one operand); the
-    outputs and inputs past the weight's are zero (the kernel gives no output for the first, and gives the second
-    rows' zeros)."""
+    """The int8 ``weight`` [out, in] as the fused kernel reads it: panels of 16 outputs, each holding the 16 outputs'
+    values four inputs at a time ([ceil(out / 16), ceil(in / 4), 16 * 4]), plus 128 (unsigned: VNNI takes one operand
+    so). Padding outputs and inputs are zero bytes: the kernel writes no padding output, and gives the rows' padding
+    inputs the value zero, so they add nothing."""
     outputs, inputs = weight.shape
     panels, quads = -(-outputs // 16), -(-inputs // 4)
     unsigned = torch.zeros(panels * 16, quads * 4, dtype=torch.uint8)
