@@ -97,7 +97,7 @@ class PackedInt8Product:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         values, row_scales = _last_input.quantized_rows(x)
-        unsigned = torch.bitwise_xor(values, -_ZERO_POINT).view(torch.uint8)  # v + 128, as oneDNN takes rows
+        unsigned = as_unsigned(values)  # as oneDNN takes rows
         if torch.compiler.is_compiling():
             scaled_sums = packed_int8_product(unsigned, self.handle, self.out_features)
         else:
@@ -131,8 +131,14 @@ def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
     outputs, inputs = weight.shape
     panels, quads = -(-outputs // 16), -(-inputs // 4)
     unsigned = torch.zeros(panels * 16, quads * 4, dtype=torch.uint8)
-    unsigned[:outputs, :inputs] = (weight.to(torch.int16) + 128).to(torch.uint8)
+    unsigned[:outputs, :inputs] = as_unsigned(weight)
     return unsigned.view(panels, 16, quads, 4).transpose(1, 2).reshape(panels, quads, 64).contiguous()
+
+
+def as_unsigned(values: torch.Tensor) -> torch.Tensor:
+    """int8 ``values`` plus 128, as uint8 (the sign bit flipped): the unsigned operand oneDNN's and VNNI's products
+    take."""
+    return torch.bitwise_xor(values, -_ZERO_POINT).view(torch.uint8)
 
 
 @torch.library.custom_op("accelgen_cpu::packed_int8_product", mutates_args=())
@@ -154,13 +160,13 @@ def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
     Where the model's int8 weights are more than the processor's last-level cache holds, a decode step reads each
     weight from memory: the timings then start from memory too (the cache overwritten before each), since a weight
     timed in a loop is read from the cache, where the kernels rank otherwise."""
-    layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear)]
+    int8_layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear)]
+    layers = [layer for layer in int8_layers if not layer.in_features % 16]
     kernels = available_kernels()
     if "fused" in kernels:
-        for layer in layers:
+        for layer in int8_layers:
             if layer.in_features % 16:
                 use_int8_kernel(layer, "fused")
-    layers = [layer for layer in layers if not layer.in_features % 16]
     from_memory = sum(layer.weight.numel() for layer in layers) > last_level_cache_bytes()
     overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None  # made once for every timing
     fastest: dict[tuple[int, ...], str] = {}

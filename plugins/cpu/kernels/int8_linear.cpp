@@ -33,6 +33,7 @@ constexpr float kLimit = 127.0f;
 
 constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 sums per row
 constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
+constexpr int kSumRegisters = 16;  // registers of sums a tile's product holds at most (of AVX-512's 32)
 
 // ``count`` rows of x (K values each) quantized, signed, into a tile: [K4 / 4][kTileRows][4] bytes (K4: K rounded
 // up to 4), the rows past count and the values past K zero; each row's scale and 128 times the sum of its values.
@@ -80,6 +81,12 @@ void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, in
 // The panels a tile of ``rows`` rows takes at once: 16 registers of sums at most, 8 for one or two rows (the
 // product's latency is hidden by sums that proceed side by side)
 constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
+constexpr bool sums_fit_registers() {
+  for (int rows = 1; rows <= kTileRows; ++rows)
+    if (rows * panels_for(rows) > kSumRegisters) return false;
+  return true;
+}
+static_assert(sums_fit_registers(), "a tile's sums (rows x panels_for(rows)) must fit kSumRegisters");
 
 using TileSums = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, __m512i*);
 
@@ -109,7 +116,7 @@ void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panel
   const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
   const int64_t units = (panel_count + group - 1) / group;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    __m512i sums[kTileRows];  // rows x panels_for(rows): 16 at most
+    __m512i sums[kSumRegisters];  // rows x panels_for(rows)
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
       for (int64_t t = 0; t < tiles; ++t) {
@@ -161,7 +168,7 @@ at::Tensor int8_panels_linear(const at::Tensor& x, const at::Tensor& panels, con
   at::Tensor out = at::empty(shape, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_panels_linear", [&] {
     panels_product<scalar_t>(flat.data_ptr<scalar_t>(), rows, size, panels.data_ptr<uint8_t>(),
-                                     scales.data_ptr<float>(), outputs, out.data_ptr<scalar_t>());
+                             scales.data_ptr<float>(), outputs, out.data_ptr<scalar_t>());
   });
   return out;
 }
