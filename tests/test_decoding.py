@@ -42,28 +42,45 @@ def test_top_k_and_top_p_keep_the_likely_tokens():
 
 def test_greedy_choice_is_the_argmax():
     logits = torch.randn(4, 50)
-    assert torch.equal(sampling.choose_tokens(logits, SamplingSettings(), torch.arange(4), torch.zeros(1)), logits.argmax(-1))
+    assert torch.equal(sampling.choose_tokens(logits, SamplingSettings(), torch.rand(4)), logits.argmax(-1))
+
+
+def seeded_choice(logits, settings, rows, step):
+    """choose_tokens with each row's draw number made from the run's seed, the row's number and the step."""
+    seed_keys = torch.full_like(rows, sampling.seed_key(settings.seed))
+    return sampling.choose_tokens(logits, settings, sampling.uniform_draws(seed_keys, rows, step))
+
+
+def test_a_rows_table_of_draw_numbers_holds_each_steps_number():
+    """What a decode step reads from a row's table (made when the row starts, every step at once) is the number
+    that row's draw takes at that step alone."""
+    seed_keys, rows = torch.tensor([sampling.seed_key(3), sampling.seed_key(2**40)]), torch.tensor([7, 2**33 + 5])
+    table = sampling.uniform_draws(seed_keys.unsqueeze(-1), rows.unsqueeze(-1), torch.arange(50).unsqueeze(0))
+    assert table.shape == (2, 50) and bool(((table > 0) & (table < 1)).all())
+    for step in (0, 1, 49):
+        assert torch.equal(table[:, step], sampling.uniform_draws(seed_keys, rows, torch.tensor([step])))
+    assert len(set(table.flatten().tolist())) == 100
 
 
 def test_a_draw_depends_on_the_seed_row_and_step_only():
     logits = torch.randn(1, 500).repeat(6, 1)  # six rows with the same distribution
     settings = SamplingSettings(do_sample=True, temperature=2.0, seed=11)
     rows, step = torch.tensor([40, 41, 42, 43, 44, 45]), torch.tensor([3])
-    draws = sampling.choose_tokens(logits, settings, rows, step)
+    draws = seeded_choice(logits, settings, rows, step)
     # the same rows in another batch, in another order, give the same draws
-    reordered = sampling.choose_tokens(logits[:3], settings, rows[[5, 0, 3]], step)
+    reordered = seeded_choice(logits[:3], settings, rows[[5, 0, 3]], step)
     assert reordered.tolist() == draws[[5, 0, 3]].tolist()
     # different rows, steps or seeds draw differently (six rows from 500 likely tokens: not all the same)
     assert len(set(draws.tolist())) > 1
-    other_step = sampling.choose_tokens(logits, settings, rows, torch.tensor([4]))
-    other_seed = sampling.choose_tokens(logits, SamplingSettings(do_sample=True, temperature=2.0, seed=12), rows, step)
+    other_step = seeded_choice(logits, settings, rows, torch.tensor([4]))
+    other_seed = seeded_choice(logits, SamplingSettings(do_sample=True, temperature=2.0, seed=12), rows, step)
     assert other_step.tolist() != draws.tolist() and other_seed.tolist() != draws.tolist()
 
 
 def test_draws_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     settings = SamplingSettings(do_sample=True, seed=5)
-    draws = sampling.choose_tokens(probs.log().repeat(4000, 1), settings, torch.arange(4000), torch.tensor([0]))
+    draws = seeded_choice(probs.log().repeat(4000, 1), settings, torch.arange(4000), torch.tensor([0]))
     frequencies = torch.bincount(draws, minlength=4) / 4000
     # binomial standard deviation at n=4000 is at most 0.008: five of them
     assert torch.allclose(frequencies, probs, atol=0.04), frequencies
@@ -76,8 +93,7 @@ def test_a_draw_never_picks_a_token_filtered_out():
     logits = torch.randn(3000, 40)
     logits[:1000, 0] += 10  # rows where the first token is kept, and likely
     logits[1000:2000, -1] += 10
-    draws = sampling.choose_tokens(logits, SamplingSettings(do_sample=True, top_k=3, seed=1), torch.arange(3000),
-                                   torch.tensor([0]))
+    draws = seeded_choice(logits, SamplingSettings(do_sample=True, top_k=3, seed=1), torch.arange(3000), torch.tensor([0]))
     assert bool((draws[:, None] == logits.topk(3).indices).any(1).all())
     assert len(set(draws[2000:].tolist())) > 3  # the other rows spread over many tokens
 
@@ -87,7 +103,7 @@ def test_seeds_of_any_size_hash_into_the_draw():
     rows, step = torch.tensor([0, 1]), torch.tensor([0])
     timestamp_seed = 1_732_300_000_123_456_789
     draws = [
-        sampling.choose_tokens(logits, SamplingSettings(do_sample=True, seed=seed), rows, step).tolist()
+        seeded_choice(logits, SamplingSettings(do_sample=True, seed=seed), rows, step).tolist()
         for seed in (timestamp_seed, timestamp_seed + 1, timestamp_seed)
     ]
     assert draws[0] == draws[2] != draws[1]

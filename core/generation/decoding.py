@@ -2,7 +2,7 @@
 
 The decode step keeps one shape, B rows over a cache of L positions, and each row is a *slot*: it holds one
 prompt from the moment the prompt is inserted until its completion ends, with its own cache write position,
-position id, step and prompt number. ``prefill`` runs k padded prompts and chooses each one's first token;
+position id, step and the numbers its sampling draws are made from. ``prefill`` runs k padded prompts and chooses each one's first token;
 ``insert_rows`` puts them into free slots (between steps, with device operations on the same buffers);
 ``decode_one_token`` is the whole decode step, per row and in place (the forward pass, the token choice, the
 end-of-sequence bookkeeping and the advance of every position), so an accelerator captures it once and
@@ -25,7 +25,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
-from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logprobs
+from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logprobs, uniform_draws
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -45,7 +45,7 @@ class DecodeState(NamedTuple):
     steps: torch.Tensor  # [B] index in new_tokens of the token being chosen; N once the row has finished
     new_tokens: torch.Tensor  # [B, N + 1] each row's tokens so far; column N takes a finished row's tokens
     finished: torch.Tensor  # [B] the row has ended (or the slot holds nothing)
-    row_indices: torch.Tensor  # [B] each row's prompt number, which decides its sampling draws
+    uniforms: torch.Tensor  # [B, N + 1] float32: each row's number for its draw at each step (unused when greedy)
     logprobs: torch.Tensor  # [B, N + 1] float32: each chosen token's log-probability (written with --logprobs)
     limits: torch.Tensor  # [B] each row's own maximum of new tokens (at most N)
     temperatures: torch.Tensor  # [B] float32 \
@@ -59,7 +59,7 @@ class DecodeState(NamedTuple):
             input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
             attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
             new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
-            row_indices=longs(slots), logprobs=floats(slots, new_tokens + 1), limits=longs(slots),
+            uniforms=floats(slots, new_tokens + 1), logprobs=floats(slots, new_tokens + 1), limits=longs(slots),
             temperatures=floats(slots), top_ps=floats(slots), seed_keys=longs(slots),
         )
 
@@ -196,7 +196,8 @@ def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor
     [m]; with their log-probabilities [m] (zeros unless ``rules.logprobs``)."""
     logits = run_prompt_positions(forward, input_ids, prompt_mask, start, input_ids.shape[1]).index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    tokens = choose_tokens(logits, rules.sampling, draw_keys, first_step, sampling, rules.per_row)
+    uniform = uniform_draws(sampling.seed_keys, draw_keys, first_step)
+    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 
@@ -221,9 +222,12 @@ def insert_rows(state: DecodeState, slots: torch.Tensor, start: RowStart, rules:
     state.write_positions.index_fill_(0, slots, bucket_length)
     state.position_ids.index_copy_(0, slots, prompt_mask.sum(-1, keepdim=True))
     state.input_ids.index_copy_(0, slots, first_tokens.unsqueeze(-1))
-    state.row_indices.index_copy_(0, slots, start.draw_keys)
     for buffer, values in zip((state.limits, *state.sampling), (start.limits, *start.sampling)):
         buffer.index_copy_(0, slots, values)
+    if rules.sampling.do_sample or rules.per_row:  # every step's draw number, made once
+        steps = torch.arange(state.uniforms.shape[1], device=slots.device).unsqueeze(0)
+        state.uniforms.index_copy_(0, slots, uniform_draws(start.sampling.seed_keys.unsqueeze(-1),
+                                                           start.draw_keys.unsqueeze(-1), steps))
     state.new_tokens.index_fill_(0, slots, rules.pad_token_id)
     state.new_tokens[:, 0].index_copy_(0, slots, first_tokens)
     state.logprobs.index_fill_(0, slots, 0)
@@ -250,7 +254,8 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
     else:
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
-    chosen = choose_tokens(logits, rules.sampling, state.row_indices, state.steps, state.sampling, rules.per_row)
+    uniform = state.uniforms.gather(1, state.steps.unsqueeze(-1)).squeeze(-1)
+    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row)
     next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)

@@ -8,7 +8,8 @@ against about 40 us for a cumulative sum and a count). The number is not drawn f
 (seed, the row's prompt number, the step), computed with integer arithmetic on the device. So a row's draws depend
 on nothing but the seed, which prompt it is and how far it has got: not on the batch it shares, where that batch
 starts, the batch size, or what ran before. A resumed run therefore samples exactly what an uninterrupted one did,
-and a captured graph holds no generator state to register or advance.
+and a captured graph holds no generator state to register or advance. The hash takes some eighty small integer
+operations, which a decode step does not run: it reads each row's number from a table of its every step's numbers (:func:`uniform_draws` over [rows, steps]), made when the row starts.
 
 Shapes: B batch, V vocabulary.
 """
@@ -61,20 +62,19 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowS
     return logits.softmax(-1)
 
 
-def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, row_indices: torch.Tensor, step: torch.Tensor,
+def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: torch.Tensor,
                   rows: RowSampling | None = None, per_row: bool = False) -> torch.Tensor:
     """Next token ids [B] from logits [B, V]: the most likely when greedy, else a seeded draw.
 
-    ``row_indices`` [B] number each row's prompt and ``step`` [1] is the index of the token being chosen
-    (0 for the first new token): with each row's seed they decide the draw (see the module docstring).
-    ``rows``: each row's temperature, top-p and seed (default: the run's). With ``per_row`` the rows choose
+    ``uniform`` [B] is each row's number for its draw (:func:`uniform_draws` of its seed, prompt number and step;
+    see the module docstring), unread when greedy. ``rows``: each row's temperature and top-p (default: the
+    run's). With ``per_row`` the rows choose
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
     ``do_sample``."""
     if not (sampling.do_sample or per_row):
         return most_likely(logits)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
-    probs = logits_to_probs(logits, sampling, rows, per_row)
-    drawn = draw(probs, uniform_draws(rows.seed_keys, row_indices, step))
+    drawn = draw(logits_to_probs(logits, sampling, rows, per_row), uniform)
     return torch.where(rows.temperatures > 0, drawn, most_likely(logits)) if per_row else drawn
 
 
@@ -121,8 +121,9 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_draws(seed_keys: torch.Tensor, row_indices: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """A uniform number in (0, 1) per row [B] (float32) that is a pure function of (seed, row index, step):
-    ``seed_keys`` [B] are the rows' seeds as :func:`seed_key` makes them.
+    """A uniform number in (0, 1) (float32) that is a pure function of (seed, row index, step), for each element of
+    the three int64 tensors broadcast together: ``seed_keys`` are the rows' seeds as :func:`seed_key` makes them.
+    Rows [B] at one step [1] give [B]; rows [B, 1] and steps [1, N] give every step's number of every row [B, N].
 
     Integer arithmetic only, exact on every device (no product leaves int64's range), so the same inputs give the
     same number on a CPU, a GPU or a Gaudi."""
