@@ -12,7 +12,11 @@ Two jobs:
 
 Contenders (each measurement a process of its own; contenders interleaved round by round; medians):
 
-    accelgen_float32, accelgen_int8   accelgen (continuous batching); int8: int8 weights, rows quantized as they come
+    accelgen_float32, accelgen_int8   accelgen (continuous batching); int8: int8 weights, rows quantized as they come.
+                                      The dataset job's decode step compiled (--graphs), as a dataset job long enough
+                                      for the compile to pay gets it by default: the 192 rows stand for such a job, the
+                                      compile made in the warm-up, off the clock (as OpenVINO compiles its model at
+                                      load); the batch-1 job eager, as a one-prompt run is
     hf_float32                        Hugging Face: generate_batch() for the dataset, generate() at batch 1
     ct2_float32, ct2_int8             CTranslate2 Generator (converted with ct2-transformers-converter)
     ov_float32, ov_int8               OpenVINO through optimum-intel (exported with optimum-cli; int8: weight-only)
@@ -129,7 +133,8 @@ def accelgen_generator(name, folder, work, max_new):
     tokenizer = load_tokenizer(str(folder))
     generator = accelgen.load(str(folder), device="cpu", dtype="bfloat16" if int8 else "float32",
                               quantize="int8" if int8 else None, batch_size=work["batch_size"], max_new_tokens=max_new,
-                              do_sample=bool(work["ending"]), seed=0, ignore_eos=not work["ending"])
+                              do_sample=bool(work["ending"]), seed=0, ignore_eos=not work["ending"],
+                              graphs=True if work["ending"] else None)
 
     def generate(prompts):
         texts = [tokenizer.decode(prompt, skip_special_tokens=True) for prompt in prompts]

@@ -27,14 +27,16 @@ from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 class CpuAccelerator(Accelerator):
     """The host's own processor. Ranks share it (each with the threads it was given), over gloo.
 
-    Capture is compilation (inductor): it costs tens of seconds the first time a model's step is compiled
-    (seconds once inductor's cache holds it), and since the eager step runs the plugin's C++ kernels (which a
-    compiled step leaves to inductor) it saves nothing: the dataset model's step took 5.42 ms eager against 6.18
-    compiled (RESULTS.md, "Compiled decode step on the CPU"). So nothing is compiled unless ``--graphs`` asks. The
-    prefill shapes always run eagerly: each would compile anew, for a few runs."""
+    Capture is compilation (inductor, with its C++ wrapper): it costs tens of seconds the first time a model's step
+    is compiled (seconds once inductor's cache holds it) and saves the eager step's per-operation overhead (the
+    plugin's C++ operators are called from compiled code), so by default only the decode step of a job long enough
+    to pay that back even uncached is compiled (``--graphs`` / ``--no-graphs`` decide otherwise; RESULTS.md,
+    "Compiled decode step on the CPU"). The prefill shapes always run eagerly: each would compile anew, for a few
+    runs."""
 
     name = "cpu"
-    captures_by_default = False
+    captures_by_default = True
+    capture_pays_after_steps = 40_000
     captures_prefill = False
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
@@ -103,8 +105,10 @@ class CpuAccelerator(Accelerator):
     def capture(
         self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
     ) -> Callable[..., torch.Tensor]:
-        # Static shapes and in-place cache updates let inductor compile the step once per shape.
-        compiled_step = torch.compile(step, dynamic=False, fullgraph=False)
+        # Static shapes and in-place cache updates let inductor compile the step once per shape. Its C++ wrapper calls
+        # the step's kernels (the plugin's operators among them) from compiled code, where the Python one spent a
+        # call's overhead on each of them.
+        compiled_step = torch.compile(step, dynamic=False, fullgraph=False, options={"cpp_wrapper": True})
         compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
         return compiled_step
 

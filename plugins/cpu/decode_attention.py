@@ -89,8 +89,8 @@ _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # transformers
 def use_decode_self_attention(model: torch.nn.Module) -> int:
     """Give the model's attention modules of :data:`SELF_ATTENTION_CLASSES` one C++ operator for a decode step's
     attention between its products (the C++ kernels loaded already): rotary embedding, cache writes and the
-    attention, instead of some forty small operations; any other call (a prefill, a compiled step, another cache)
-    runs their own forward. Returns how many modules took it."""
+    attention, instead of some forty small operations (in a compiled step too: one operator, which writes the cache in
+    place); any other call (a prefill, another cache) runs their own forward. Returns how many modules took it."""
     given = 0
     for module in model.modules():
         if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):
@@ -101,7 +101,7 @@ def use_decode_self_attention(model: torch.nn.Module) -> int:
 
 def _decode_self_attention_forward(module: torch.nn.Module, own_forward):
     def forward(*args, **kwargs):
-        if torch.compiler.is_compiling() or args:
+        if args:
             return own_forward(*args, **kwargs)
         hidden_states, mask = kwargs.get("hidden_states"), kwargs.get("attention_mask")
         cache = next((kwargs[name] for name in _CACHE_KEYWORDS if kwargs.get(name) is not None), None)
