@@ -3,6 +3,9 @@ where they can be (untied layers of a run in float32 or bfloat16), never where t
 embedding, int8 layers, offloaded weights), counted in the parameters' bytes, and compiled. Whole runs' token-for-token
 parity with Hugging Face ``generate`` over packed layers is in test_parity.py; compiled = eager in test_capture.py."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import PROMPTS
@@ -27,13 +30,33 @@ def test_a_packed_layer_gives_the_plain_layers_values(dtype, tolerance, rows, bi
         assert torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_a_compiled_packed_layer_gives_the_eager_values():
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
+def test_a_compiled_packed_layer_gives_the_eager_values(wrapper):
+    """Compiled as the plugin compiles (inductor's C++ wrapper, which calls the plugin's C++ operator) and with the
+    Python wrapper."""
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 32))
     packed = torch.nn.Sequential(PackedLinear(layers[0], 4), torch.nn.SiLU(), PackedLinear(layers[2], 4))
     x = torch.randn(4, 64)
     with torch.no_grad():
-        assert torch.equal(torch.compile(packed, dynamic=False)(x), packed(x))
+        compiled = torch.compile(packed, dynamic=False, options={"cpp_wrapper": wrapper == "cpp"})
+        assert torch.equal(compiled(x), packed(x))
+
+
+def test_the_cpp_operators_number_for_a_packed_weight_keeps_no_layer_alive():
+    """A compiled step names a packed weight by a number (inductor takes no oneDNN tensor); the number holds the
+    weight only as long as its layer does, and a freed one is a clear error, not a crash."""
+    torch.manual_seed(0)
+    layer = PackedLinear(torch.nn.Linear(16, 8), 2)
+    number, x = layer.native_handle, torch.randn(2, 16)
+    assert number is not None  # the plugin's kernels are built on this machine
+    assert torch.equal(torch.ops.accelgen_cpu_kernels.packed_linear(x, number, 8, layer.bias), layer(x))
+    weight = weakref.ref(layer.weight)
+    del layer
+    gc.collect()
+    assert weight() is None
+    with pytest.raises(RuntimeError, match="was freed with its layer"):
+        torch.ops.accelgen_cpu_kernels.packed_linear(x, number, 8, None)
 
 
 def _packed_and_plain(model):

@@ -8,8 +8,9 @@ takes the place of the plain one (same bytes, a copy of the process's own where 
 Only plain ``nn.Linear`` layers in float32 or bfloat16 with a weight of their own are packed: a head tied to the
 input embedding keeps the embedding's matrix (the lookup needs it whole), layers that tensor parallelism or int8
 replaced are other modules, and offloaded weights arrive at each forward pass. The packed weight is an opaque
-oneDNN tensor: inductor cannot take it as an input, so a compiled step calls the product as a custom operator that
-finds the weight by a number (:func:`packed_product`); an eager step calls oneDNN directly.
+oneDNN tensor: inductor cannot take it as an input, so a compiled step calls the product as an operator that finds
+the weight by a number: the plugin's C++ one (``kernels/packed_linear.cpp``, called from the compiled step's C++
+wrapper) where the kernels are built, else :func:`packed_product`, a Python one; an eager step calls oneDNN directly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from accelgen_cpu.native_kernels import native_kernels
 
 #: packed weights (or what holds them) by handle, for compiled steps' operators; the layers hold them (weakly
 #: held here)
@@ -48,9 +51,13 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(packed, requires_grad=False)  # a parameter: counted with the model's
         self.bias = linear.bias
         self.handle = register_packed(self.weight)
+        #: the weight's number among the C++ operator's; None without the plugin's kernels
+        self.native_handle = torch.ops.accelgen_cpu_kernels.keep_packed(self.weight) if native_kernels() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if self.native_handle is not None:
+                return torch.ops.accelgen_cpu_kernels.packed_linear(x, self.native_handle, self.out_features, self.bias)
             return packed_product(x, self.handle, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
