@@ -8,8 +8,8 @@ round by round, medians:
     cold       --graphs, inductor's cache empty (a folder of its own, made for the run): the first run of a model
     warm       --graphs, the cache the cold run filled: every later run of the same model and shapes
 
-Each process loads the model, runs one warm-up call of --batch-size prompts (the compile happens there) and then
-the whole dataset on the clock. Printed: the capture seconds, decode ms per step (the decode steps' own clock),
+Each process loads the model, runs the whole dataset once to warm up (the compile of every slot shape the run meets
+happens there: the slots grow with the longest prompt met) and then once more on the clock. Printed: the capture seconds, decode ms per step (the decode steps' own clock),
 the job's kept tokens per second, and where compiling pays: capture seconds / ms saved per step.
 
     python benchmarks/cpu_compile.py                    # 4 layers, hidden 256, 1 thread, 3 rounds
@@ -39,7 +39,7 @@ def run_worker(folder: Path, graphs: bool, batch_size: int, max_new_tokens: int)
     prompts = json.loads((folder / "prompts.json").read_text())
     generator = accelgen.load(str(folder), device="cpu", dtype="float32", batch_size=batch_size,
                               max_new_tokens=max_new_tokens, do_sample=True, seed=0, graphs=graphs)
-    generator.generate(prompts[:batch_size])
+    generator.generate(prompts)
     capture_seconds = generator.stats.capture_seconds
     generator.stats = generator.runner.stats = GenerationStats()
     started = time.perf_counter()
