@@ -36,7 +36,7 @@ class CpuAccelerator(Accelerator):
 
     name = "cpu"
     captures_by_default = True
-    capture_pays_after_steps = 40_000
+    capture_pays_after_steps = 20_000
     captures_prefill = False
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
