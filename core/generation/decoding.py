@@ -2,9 +2,9 @@
 
 The decode step keeps one shape, B rows over a cache of L positions, and each row is a *slot*: it holds one
 prompt from the moment the prompt is inserted until its completion ends, with its own cache write position,
-position id, step and the numbers its sampling draws are made from. ``prefill`` runs k padded prompts and chooses each one's first token;
-``insert_rows`` puts them into free slots (between steps, with device operations on the same buffers);
-``decode_one_token`` is the whole decode step, per row and in place (the forward pass, the token choice, the
+position id, step and the numbers its sampling draws are made from. ``prefill`` runs k padded prompts and chooses
+each one's first token; ``insert_rows`` puts them into free slots (between steps, with device operations on the
+same buffers); ``decode_one_token`` is the whole decode step, per row and in place (the forward pass, the token choice, the
 end-of-sequence bookkeeping and the advance of every position), so an accelerator captures it once and
 replays it whatever rows are inside it. A fixed batch is B rows inserted together, decoded until all end.
 

@@ -9,7 +9,8 @@ against about 40 us for a cumulative sum and a count). The number is not drawn f
 on nothing but the seed, which prompt it is and how far it has got: not on the batch it shares, where that batch
 starts, the batch size, or what ran before. A resumed run therefore samples exactly what an uninterrupted one did,
 and a captured graph holds no generator state to register or advance. The hash takes some eighty small integer
-operations, which a decode step does not run: it reads each row's number from a table of its every step's numbers (:func:`uniform_draws` over [rows, steps]), made when the row starts.
+operations, which a decode step does not run: it reads each row's number from a table of its every step's numbers
+(:func:`uniform_draws` over [rows, steps]), made when the row starts.
 
 Shapes: B batch, V vocabulary.
 """
