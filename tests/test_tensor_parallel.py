@@ -90,6 +90,23 @@ def test_two_ranks_generate_what_one_process_generates(
     assert processes_of(job_environment) == []
 
 
+def test_two_ranks_compile_their_decode_step_and_generate_what_one_process_generates(
+    tiny_model_folder, tmp_path, job_environment
+):
+    """With --graphs each rank compiles its step, whose all-reduce (DeepSpeed's operator) inductor's C++ wrapper
+    cannot call: the step is compiled with the Python wrapper instead, not left eager."""
+    folder = str(tiny_model_folder("llama"))
+    output = tmp_path / "out.jsonl"
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
+                     "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--graphs", "--output", str(output),
+                     "--master-port", str(free_port()))
+    assert result.returncode == 0, result.stderr
+    assert "graph captures: 1" in result.stderr and "cannot capture" not in result.stderr, result.stderr
+    expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=2, max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+
+
 def test_two_nodes_on_one_machine_generate_the_same(tiny_model_folder, tmp_path, job_environment):
     """--nnodes 2: one launcher per node, meeting at node 0's address (here both on localhost)."""
     folder = str(tiny_model_folder("llama"))

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from accelgen.common.errors import interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
@@ -107,10 +108,14 @@ class CpuAccelerator(Accelerator):
     ) -> Callable[..., torch.Tensor]:
         # Static shapes and in-place cache updates let inductor compile the step once per shape. Its C++ wrapper calls
         # the step's kernels (the plugin's operators among them) from compiled code, where the Python one spent a
-        # call's overhead on each of them.
-        compiled_step = torch.compile(step, dynamic=False, fullgraph=False, options={"cpp_wrapper": True})
-        compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
-        return compiled_step
+        # call's overhead on each of them; a step with an operator the C++ wrapper cannot call (DeepSpeed's all-reduce,
+        # under tensor parallelism) takes the Python one.
+        try:
+            return _compiled(step, example_inputs, cpp_wrapper=True)
+        except (torch._dynamo.exc.BackendCompilerFailed, NotImplementedError) as error:
+            if (interruption := interruption_in(error)) is not None:  # Ctrl-C or a stop, wrapped by the compiler
+                raise interruption from None
+            return _compiled(step, example_inputs, cpp_wrapper=False)
 
     def memory_stats(self) -> dict[str, int]:
         # the process's peak resident memory, weights and caches included
@@ -133,6 +138,13 @@ class CpuAccelerator(Accelerator):
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
         }
+
+
+def _compiled(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...],
+              cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
+    compiled_step = torch.compile(step, dynamic=False, fullgraph=False, options={"cpp_wrapper": cpp_wrapper})
+    compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
+    return compiled_step
 
 
 def _cpu_model_name() -> str:
