@@ -9,8 +9,9 @@ round by round, medians:
     warm       --graphs, the cache the cold run filled: every later run of the same model and shapes
 
 Each process loads the model, runs the whole dataset once to warm up (the compile of every slot shape the run meets
-happens there: the slots grow with the longest prompt met) and then once more on the clock. Printed: the capture seconds, decode ms per step (the decode steps' own clock),
-the job's kept tokens per second, and where compiling pays: capture seconds / ms saved per step.
+happens there: the slots grow with the longest prompt met) and then once more on the clock. Printed: the capture
+seconds, decode ms per step (the decode steps' own clock), the job's kept tokens per second, and where compiling pays:
+capture seconds / ms saved per step.
 
     python benchmarks/cpu_compile.py                    # 4 layers, hidden 256, 1 thread, 3 rounds
     python benchmarks/cpu_compile.py --layers 8 --hidden 512 --rounds 1
