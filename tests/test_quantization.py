@@ -181,6 +181,25 @@ def test_a_layer_whose_rows_are_not_a_multiple_of_16_values_takes_the_fused_kern
     assert torch.equal(model(x), sums.mul(scales.float()).mul(row_scales))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_gives_the_plain_products_values_to_the_last_bit(rows, dtype):
+    """The fused kernel quantizes sixteen values at a time and writes bfloat16 with the processor's rounding: the
+    int8 product's values to the last bit (each row its own scale, rounded half to even; the exact int32 sums scaled
+    in float32, then rounded to the input's dtype), for rows of any count and width, the last tile and panel partly
+    filled."""
+    skip_unless_available("fused")
+    torch.manual_seed(0)
+    for inputs, outputs in ((256, 40), (682, 256), (20, 17)):
+        values, scales = quantize_rows(torch.randn(outputs, inputs))
+        layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
+        use_int8_kernel(layer, "fused")
+        x = (torch.randn(rows, inputs) * torch.logspace(0, 3, rows)[:, None]).to(dtype)
+        row_values, row_scales = int8_kernels.quantize_input_rows(x)
+        sums = (row_values.double() @ values.double().t()).float()  # exact: integers below 2**53
+        assert torch.equal(layer(x), sums.mul(scales.float()).mul(row_scales).to(dtype)), (inputs, outputs)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
     """Layers that take the same input in turn (query, key and value projections) quantize its rows once; an input

@@ -53,8 +53,8 @@ def native_kernels() -> bool:
 def _built_library() -> Path:
     sources = sorted(SOURCES.glob("*.cpp"))
     command = _compile_command(sources)
-    digest = hashlib.sha256("\0".join([*command, torch.__version__, _cpu_identity(),
-                                       *(source.read_text() for source in sources)]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in [*sources, *sorted(SOURCES.glob("*.h"))]]  # the headers they include too
+    digest = hashlib.sha256("\0".join([*command, torch.__version__, _cpu_identity(), *texts]).encode()).hexdigest()[:16]
     library = Path(extension_build_folder(KERNELS_FOLDER)) / digest / "kernels.so"
     if library.exists():
         return library

@@ -28,9 +28,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "float_lanes.h"
 
 namespace {
 
@@ -99,16 +97,6 @@ struct SpanKernels {
 // Heads of 32, 64 or 128 values (Chunks = D / 16 registers of float32 each) take these: a position's products in
 // registers, and the weighted sum of the values held in registers over the whole span, where attend's own loops
 // take any size (a sum over d per position, the weighted sum through memory; bfloat16 converted value by value).
-
-template <typename T>
-inline __m512 load_floats(const T* values) {  // 16 values as float32
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(values);
-  } else {  // bfloat16: the upper half of a float32's bits
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-}
 
 // scores[j] = query . keys[j] for the span's positions (step apart), prefetching ahead when ``ahead``.
 template <int Chunks, typename T>

@@ -18,14 +18,16 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#include "float_lanes.h"
 
 namespace {
 
@@ -35,26 +37,40 @@ constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 
 constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
 constexpr int kSumRegisters = 16;  // registers of sums a tile's product holds at most (of AVX-512's 32)
 
+// The mask of the first min(count, 16) lanes.
+inline __mmask16 lanes_before(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // ``count`` rows of x (K values each) quantized, signed, into a tile: [K4 / 4][kTileRows][4] bytes (K4: K rounded
 // up to 4), the rows past count and the values past K zero; each row's scale and 128 times the sum of its values.
+// Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (the
+// conversion's default rounding, as nearbyint's), narrowed to bytes and written four by four, 64 bytes apart.
 template <typename T>
 void quantize_tile(const T* x, int64_t size, int64_t padded, int64_t count, int8_t* tile, float* row_scales,
                    int32_t* corrections) {
   std::fill(tile, tile + padded * kTileRows, 0);
+  const int64_t groups = padded / 4;
   for (int64_t m = 0; m < count; ++m) {
     const T* row = x + m * size;
-    float largest = 0;
-    for (int64_t k = 0; k < size; ++k) largest = std::max(largest, std::fabs(static_cast<float>(row[k])));
-    largest = std::max(largest, std::numeric_limits<float>::min());
-    const float inverse = kLimit / largest;
-    int32_t sum = 0;
-    for (int64_t k = 0; k < size; ++k) {
-      const int32_t value = static_cast<int32_t>(std::nearbyint(static_cast<float>(row[k]) * inverse));
-      tile[(k / 4) * kTileRows * 4 + m * 4 + k % 4] = static_cast<int8_t>(value);
-      sum += value;
+    __m512 largest_lanes = _mm512_setzero_ps();
+    for (int64_t k = 0; k < size; k += 16) {
+      const __mmask16 mask = lanes_before(size - k);
+      largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(load_floats(row + k, mask)));
+    }
+    const float largest = std::max(_mm512_reduce_max_ps(largest_lanes), std::numeric_limits<float>::min());
+    const __m512 inverse = _mm512_set1_ps(kLimit / largest);
+    __m512i sums = _mm512_setzero_si512();
+    for (int64_t k = 0; k < size; k += 16) {
+      const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, lanes_before(size - k)), inverse));
+      sums = _mm512_add_epi32(sums, values);
+      alignas(16) int32_t quads[4];  // the 16 values as bytes, four to an int32
+      _mm_store_si128(reinterpret_cast<__m128i*>(quads), _mm512_cvtepi32_epi8(values));
+      for (int64_t q = 0; q < 4 && k / 4 + q < groups; ++q)
+        std::memcpy(tile + (k / 4 + q) * kTileRows * 4 + m * 4, &quads[q], 4);
     }
     row_scales[m] = largest / kLimit;
-    corrections[m] = 128 * sum;
+    corrections[m] = 128 * _mm512_reduce_add_epi32(sums);
   }
 }
 
@@ -102,6 +118,23 @@ constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequ
 constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 
+// The lanes of ``values`` set in ``mask`` written to out as T: bfloat16 rounded half to even, as torch rounds it.
+template <typename T>
+inline void store_floats(__m512 values, __mmask16 mask, T* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(out, mask, values);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(values));
+#else
+    alignas(64) float lanes[kOutputs];
+    _mm512_store_ps(lanes, values);
+    for (int i = 0; i < kOutputs; ++i)
+      if (mask >> i & 1) out[i] = static_cast<T>(lanes[i]);
+#endif
+  }
+}
+
 template <typename T>
 void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panels, const float* scales,
                     int64_t outputs, T* out) {
@@ -133,18 +166,11 @@ void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panel
             const __m512 row_scale = _mm512_set1_ps(row_scales[row]);
             for (int q = 0; q < take; ++q) {
               const int64_t n = (first_panel + p + q) * kOutputs;
-              const int64_t valid = std::min<int64_t>(kOutputs, outputs - n);
-              const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+              const __mmask16 mask = lanes_before(outputs - n);
               const __m512 scale = _mm512_maskz_loadu_ps(mask, scales + n);
               const __m512 value = _mm512_mul_ps(
                   _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[m * take + q], correction)), scale), row_scale);
-              if constexpr (std::is_same_v<T, float>) {
-                _mm512_mask_storeu_ps(out + row * outputs + n, mask, value);
-              } else {
-                alignas(64) float values[kOutputs];
-                _mm512_store_ps(values, value);
-                for (int64_t i = 0; i < valid; ++i) out[row * outputs + n + i] = static_cast<T>(values[i]);
-              }
+              store_floats(value, mask, out + row * outputs + n);
             }
           }
           p += take;
