@@ -9,6 +9,7 @@ import pytest
 import torch
 from accelerators import CapturingCpu, plugin_manager_with
 from conftest import PROMPTS
+from tiny_models import build_model, build_tokenizer, tiny_configs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accelgen
@@ -186,6 +187,23 @@ def test_the_cpu_compiles_no_step_of_a_short_job_by_default(tiny_model_folder, c
     assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens", "4",
                  "--quiet", "--prompt", PROMPTS[0]]) == 0
     assert "graph captures: 0" in capsys.readouterr().err
+
+
+def test_two_models_of_one_shape_compiled_in_one_process_each_generate_their_own_text(tmp_path):
+    """The CPU compiles each step with no guard on the model's modules and weights (they never change after load):
+    the step of a second model of the same shapes, loaded while the first lives, must get a graph of its own, not
+    the first model's (which would pass every check left and compute the other model's text)."""
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    folders = [build_model(tmp_path / f"seed-{seed}", tiny_configs(len(tokenizer))["llama"], seed=seed)
+               for seed in (1, 2)]
+    for folder in folders:
+        tokenizer.save_pretrained(folder)
+    compiled = [accelgen.load(str(folder), device="cpu", graphs=True, max_new_tokens=NEW_TOKENS) for folder in folders]
+    written = [token_ids(generator.generate(PROMPTS)) for generator in compiled]
+    assert [generator.stats.graph_captures for generator in compiled] == [1, 1]
+    assert written == [eager_token_ids(str(folder), PROMPTS) for folder in folders]
+    assert written[0] != written[1]
+    assert token_ids(compiled[0].generate(PROMPTS)) == written[0]  # the first model's step again, after the second's
 
 
 def test_the_python_interface_warns_with_a_warning_category(tiny_model_folder):

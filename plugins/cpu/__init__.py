@@ -142,9 +142,27 @@ class CpuAccelerator(Accelerator):
 
 def _compiled(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...],
               cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
-    compiled_step = torch.compile(step, dynamic=False, fullgraph=False, options={"cpp_wrapper": cpp_wrapper})
+    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
+    # A step is compiled over one loaded model, whose modules and weights accelgen never changes after loading (the
+    # kernels are chosen before; offloaded steps, whose weights arrive at each pass, are never compiled): the guards
+    # that check every module attribute and weight before each call, most of a call's checking, are left out. The
+    # compiler keeps its graphs by code object, and the steps of every model share their code: each compiled step
+    # gets a code object of its own, so that no other step, another model's above all, is ever given its graph.
+    if (skip_module_guards := getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)) is not None:
+        options["guard_filter_fn"] = skip_module_guards
+    compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=False, options=options)
     compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
     return compiled_step
+
+
+def _of_its_own_code(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``step``, called through a function whose code object no other function has."""
+
+    def own(*buffers: torch.Tensor) -> torch.Tensor:
+        return step(*buffers)
+
+    own.__code__ = own.__code__.replace()  # a copy: a new code object
+    return own
 
 
 def _cpu_model_name() -> str:
