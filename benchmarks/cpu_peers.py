@@ -12,14 +12,21 @@ Two jobs:
 
 Contenders (each measurement a process of its own; contenders interleaved round by round; medians):
 
-    accelgen_float32, accelgen_int8   accelgen (continuous batching); int8: int8 weights, rows quantized as they come.
+    accelgen_float32,                 accelgen (continuous batching); int8: int8 weights, rows quantized as they come
+    accelgen_bfloat16, accelgen_int8  (bfloat16 activations).
                                       The dataset job's decode step compiled (--graphs), as a dataset job long enough
                                       for the compile to pay gets it by default: the 192 rows stand for such a job, the
                                       compile made in the warm-up, off the clock (as OpenVINO compiles its model at
                                       load); the batch-1 job eager, as a one-prompt run is
     hf_float32                        Hugging Face: generate_batch() for the dataset, generate() at batch 1
-    ct2_float32, ct2_int8             CTranslate2 Generator (converted with ct2-transformers-converter)
-    ov_float32, ov_int8               OpenVINO through optimum-intel (exported with optimum-cli; int8: weight-only)
+    ct2_float32, ct2_bfloat16,        CTranslate2 Generator (converted with ct2-transformers-converter)
+    ct2_int8
+    ov_float32, ov_bfloat16, ov_int8  OpenVINO through optimum-intel (exported with optimum-cli; int8: weight-only).
+                                      OpenVINO computes in bfloat16 wherever the CPU has bfloat16 instructions,
+                                      float32 models included, unless told otherwise: ov_float32 is told to compute
+                                      in float32 (INFERENCE_PRECISION_HINT f32), ov_bfloat16 in bfloat16, so that
+                                      each row of the table computes in the precision it names; ov_int8 keeps
+                                      OpenVINO's default (bfloat16 activations on such a CPU)
 
 The peers run in a virtual environment of their own, never the test suite's:
 
@@ -43,7 +50,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-CONTENDERS = ("accelgen_float32", "accelgen_int8", "hf_float32", "ct2_float32", "ct2_int8", "ov_float32", "ov_int8")
+CONTENDERS = ("accelgen_float32", "accelgen_bfloat16", "accelgen_int8", "hf_float32", "ct2_float32", "ct2_bfloat16",
+              "ct2_int8", "ov_float32", "ov_bfloat16", "ov_int8")
+#: OpenVINO's inference precision for each contender (None: its own default)
+OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16", "int8": None}
 PROMPT_TOKENS = 16
 
 
@@ -84,8 +94,8 @@ def prepare(job: str, scratch: Path, arguments) -> Path:
 
 
 def convert(folder: Path, peers_python: str, names: list[str]) -> None:
-    """The peers' own forms of the checkpoint, beside it: ``ct2-float32``, ``ct2-int8``, ``ov-float32``,
-    ``ov-int8``."""
+    """The peers' own forms of the checkpoint, beside it: ``ct2-float32``, ``ct2-int8``, ``ov-float32``, ...
+    (OpenVINO's bfloat16 is its float32 export, computed in bfloat16)."""
     bin_folder = Path(peers_python).parent
     for name in names:
         engine, precision = name.split("_")
@@ -95,7 +105,7 @@ def convert(folder: Path, peers_python: str, names: list[str]) -> None:
                        str(target), "--quantization", precision, "--force"]
         elif engine == "ov":
             command = [str(bin_folder / "optimum-cli"), "export", "openvino", "--model", str(folder), "--task",
-                       "text-generation-with-past", "--weight-format", "fp32" if precision == "float32" else "int8",
+                       "text-generation-with-past", "--weight-format", "int8" if precision == "int8" else "fp32",
                        str(target)]
         else:
             continue
@@ -133,7 +143,7 @@ def accelgen_generator(name, folder, work, max_new):
 
     int8 = name.endswith("int8")
     tokenizer = load_tokenizer(str(folder))
-    generator = accelgen.load(str(folder), device="cpu", dtype="bfloat16" if int8 else "float32",
+    generator = accelgen.load(str(folder), device="cpu", dtype="float32" if name.endswith("float32") else "bfloat16",
                               quantize="int8" if int8 else None, batch_size=work["batch_size"], max_new_tokens=max_new,
                               do_sample=bool(work["ending"]), seed=0, ignore_eos=not work["ending"],
                               graphs=True if work["ending"] else None)
@@ -191,8 +201,10 @@ def openvino_generator(name, folder, work, max_new):
     from transformers import GenerationConfig
 
     threads = os.environ.get("OMP_NUM_THREADS", "1")
+    precision = OPENVINO_PRECISION[name.split("_")[1]]
     model = OVModelForCausalLM.from_pretrained(folder / name.replace("_", "-"), ov_config={
-        "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "CACHE_DIR": ""})
+        "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "CACHE_DIR": "",
+        **({"INFERENCE_PRECISION_HINT": precision} if precision else {})})
     sampled = bool(work["ending"])
     config = GenerationConfig(max_new_tokens=max_new, min_new_tokens=0 if sampled else max_new, do_sample=sampled,
                               top_k=0, eos_token_id=work["ending"] or None, pad_token_id=0)
