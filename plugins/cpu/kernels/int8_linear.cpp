@@ -188,14 +188,19 @@ at::Tensor int8_panels_linear(const at::Tensor& x, const at::Tensor& panels, con
                   panels.size(0) == (outputs + 15) / 16 && panels.size(1) == (size + 3) / 4 && panels.size(2) == 64,
               "int8_panels_linear: panels [ceil(N / 16), ceil(K / 4), 64] uint8 for x [..., K] and scales [N]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "int8_panels_linear: scales [N] float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8_panels_linear: x float32 or bfloat16");
   at::Tensor flat = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = outputs;
   at::Tensor out = at::empty(shape, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_panels_linear", [&] {
-    panels_product<scalar_t>(flat.data_ptr<scalar_t>(), rows, size, panels.data_ptr<uint8_t>(),
-                             scales.data_ptr<float>(), outputs, out.data_ptr<scalar_t>());
-  });
+  if (x.scalar_type() == at::kFloat) {
+    panels_product<float>(flat.data_ptr<float>(), rows, size, panels.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                          outputs, out.data_ptr<float>());
+  } else {
+    panels_product<at::BFloat16>(flat.data_ptr<at::BFloat16>(), rows, size, panels.data_ptr<uint8_t>(),
+                                 scales.data_ptr<float>(), outputs, out.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
