@@ -145,6 +145,31 @@ def test_prompts_longer_than_the_slots_hold_wait_and_the_slots_grow(ending_model
     assert generator.cache_length_in_use == 128 + NEW_TOKENS
 
 
+def test_an_eager_prefill_starts_prompts_of_several_buckets_in_one_pass(ending_model):
+    """On a device whose prefills run eagerly (the CPU), the prompts that start together take one forward pass, at the
+    largest of their buckets: a pass costs more for being a pass than a short prompt's padding does. Each row's text
+    is what it is alone, and a sample parked by that pass (its prompt's other samples did not fit the slots) starts
+    later from its prompt's cache row at that bucket, as the samples that all fit write it."""
+    folder, eos = ending_model("llama")
+    long_prompt = " ".join(PROMPTS)
+    prompts = ["Hello", long_prompt, "x", "Once " + long_prompt]  # no two share a beginning (no prefix reuse's split)
+    generator = accelgen.load(folder, device="cpu", batch_size=4, max_new_tokens=NEW_TOKENS, buckets=(8, 160),
+                              batching="continuous")
+    assert [c.completion_token_ids for c in generator.generate(prompts)] == hugging_face_alone(folder, prompts, eos)
+    assert (generator.stats.prefills, generator.stats.prefill_passes) == (1, 1)  # two buckets, one pass
+
+    options = dict(device="cpu", max_new_tokens=NEW_TOKENS, buckets=(8, 160), batching="continuous", do_sample=True,
+                   seed=5, num_samples=2)
+    parked = accelgen.load(folder, batch_size=3, **options)  # "Hello"'s second sample waits for a slot
+
+    def samples(generator):
+        return [[sample["completion_token_ids"] for sample in completion.completions]
+                for completion in generator.generate([long_prompt, "Hello"])]
+
+    assert samples(parked) == samples(accelgen.load(folder, batch_size=4, **options))
+    assert parked.stats.prefill_passes == 1
+
+
 def test_a_model_the_slot_step_cannot_serve_runs_in_fixed_batches_with_one_line(tmp_path, capsys):
     """Falcon's ALiBi variant builds its attention bias inside the model from one position for the batch."""
     sys.path.insert(0, str(Path(__file__).parent))

@@ -154,12 +154,15 @@ class SlotRunner:
         return insertion.decode_between - self._steps_left
 
     def _parts(self, insertion: Insertion) -> list[Insertion]:
-        """The prefills of the insertion's prompts, in order: one per bucket among them (every row at the shape's
-        bucket where the model needs rows at one position), each split for prefix reuse in two when some prompts
-        share a beginning not stored yet."""
+        """The prefills of the insertion's prompts, in order: one per bucket among them where prefills are captured
+        (a shape per bucket: a short prompt computes no longer bucket's positions), else one for all, every prompt at
+        the largest bucket (an eager pass computes the positions of its longest prompt whatever the bucket, and
+        costs more for being a pass than for a short prompt's padding; the same where the model needs rows at one
+        position); each split for prefix reuse in two when some prompts share a beginning not stored yet."""
         if not insertion.prefilled:
             return []
-        buckets = [insertion.bucket_length] if self.rows_aligned else sorted({row.bucket for row in insertion.prefilled})
+        one_bucket = self.rows_aligned or not self.accelerator.captures_prefill
+        buckets = [insertion.bucket_length] if one_bucket else sorted({row.bucket for row in insertion.prefilled})
         parts = [insertion] if len(buckets) == 1 else [
             insertion.of_prompts({row.number for row in insertion.prefilled if row.bucket == bucket}) for bucket in buckets]
         if self.prefixes is None:
@@ -228,6 +231,7 @@ class SlotRunner:
             logprobs = prefill_shape.first_logprobs[started: len(draws)].tolist()
             for row, slot, token, logprob in zip(draws[started:], draw_slots[started:], tokens, logprobs):
                 row.first_token, row.first_logprob, row.prompt_slot = token, logprob, slot
+                row.bucket = insertion.bucket_length  # where its prompt's cache row holds the prompt
 
     def _prefill_pass(self, step: Callable[..., object], buffers: tuple[torch.Tensor, ...], span: tuple[int, int]) -> None:
         """One forward pass of a prefill, over positions ``span`` of its bucket, timed (the longest is kept); after a

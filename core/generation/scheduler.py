@@ -48,7 +48,7 @@ class Row:
     place: int  # its place among the rows given to one run: results come out in this order
     number: int  # its prompt number: keys its sampling draws (with ``sample``), names it in errors
     prompt_ids: list[int]
-    bucket: int  # the prompt bucket it is padded to
+    bucket: int  # the prompt bucket it is padded to (once parked: the one its prompt was prefilled at)
     budget: int  # decode steps it may still take (its first token comes from the prefill)
     state: str = "waiting"  # -> "running" -> "finished"
     slot: int | None = None
