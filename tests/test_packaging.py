@@ -39,3 +39,11 @@ def test_every_listed_data_file_exists_in_its_package():
         folder = directories[top].joinpath(*rest)
         for pattern in patterns:
             assert list(folder.glob(pattern)), f"{package}: nothing matches {pattern} in {folder}"
+
+
+def test_every_file_the_cpu_kernels_are_built_from_ships():
+    """The CPU plugin compiles its C++ kernels where it runs, from the sources and headers in its ``kernels`` folder:
+    an installed copy must hold each of them (a header left out fails the build on the user's machine)."""
+    plugin = ROOT / SETUPTOOLS["package-dir"]["accelgen_cpu"]
+    shipped = {path for pattern in SETUPTOOLS["package-data"]["accelgen_cpu"] for path in plugin.glob(pattern)}
+    assert {path for path in (plugin / "kernels").iterdir() if path.is_file()} <= shipped
