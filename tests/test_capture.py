@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import GraphCaptureWarning
+from accelgen.common.settings import RunSettings
 from accelgen.generation.decoding import DecodeState
 from accelgen.generation.scheduler import LOOK_INTERVAL
 from accelgen_cuda.graph_pool import SharedGraphPool
@@ -204,6 +205,25 @@ def test_two_models_of_one_shape_compiled_in_one_process_each_generate_their_own
     assert written == [eager_token_ids(str(folder), PROMPTS) for folder in folders]
     assert written[0] != written[1]
     assert token_ids(compiled[0].generate(PROMPTS)) == written[0]  # the first model's step again, after the second's
+
+
+def test_a_cpu_step_the_compiler_breaks_in_two_still_reads_what_the_host_reads_at_each_call():
+    """The CPU checks no guard before a step compiled into one graph (the core calls it with nothing but the buffers it
+    was compiled over); a step that the compiler breaks in two where the host reads a value keeps the guard on that
+    value, so that a new value gives a new graph, not the first value again."""
+    from accelgen_cpu import CpuAccelerator
+
+    def step(counter, total):
+        amount = int(counter.item())  # read by the host: a graph break, the value passed on to the second graph
+        total.add_(amount)
+        counter.add_(1)
+        return total
+
+    counter, total = torch.tensor([1]), torch.zeros(1, dtype=torch.long)
+    captured = CpuAccelerator().capture(step, (counter, total), RunSettings(dtype="float32"))  # runs once: adds 1
+    captured(counter, total)  # adds 2
+    captured(counter, total)  # adds 3
+    assert (total.item(), counter.item()) == (6, 4)
 
 
 def test_the_python_interface_warns_with_a_warning_category(tiny_model_folder):

@@ -142,17 +142,33 @@ class CpuAccelerator(Accelerator):
 
 def _compiled(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...],
               cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
-    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
-    # A step is compiled over one loaded model, whose modules and weights accelgen never changes after loading (the
-    # kernels are chosen before; offloaded steps, whose weights arrive at each pass, are never compiled): the guards
-    # that check every module attribute and weight before each call, most of a call's checking, are left out. The
-    # compiler keeps its graphs by code object, and the steps of every model share their code: each compiled step
+    # The compiler keeps its graphs by code object, and the steps of every model share their code: each compiled step
     # gets a code object of its own, so that no other step, another model's above all, is ever given its graph.
+    # A step compiled whole into one graph checks no guard before a call: the core calls it with nothing but the
+    # buffers it was compiled over (the contract of ``capture``), and its closure (the model, its cache) is its own,
+    # so every guard would pass. A step the compiler breaks into graphs keeps the guards that choose which runs, less
+    # those on the model's modules and weights, which accelgen never changes after loading (the kernels are chosen
+    # before; offloaded steps, whose weights arrive at each pass, are never compiled).
+    try:
+        return _compiled_now(step, example_inputs, cpp_wrapper, whole=True)
+    except torch._dynamo.exc.Unsupported:  # a graph break
+        return _compiled_now(step, example_inputs, cpp_wrapper, whole=False)
+
+
+def _compiled_now(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], cpp_wrapper: bool,
+                  whole: bool) -> Callable[..., torch.Tensor]:
+    """``step`` compiled (now, so that the time lands in capture, not in the first token): ``whole``, into one graph
+    that checks no guard; else in graphs that check all guards but the modules'."""
+    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
     if (skip_module_guards := getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)) is not None:
-        options["guard_filter_fn"] = skip_module_guards
-    compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=False, options=options)
-    compiled_step(*example_inputs)  # compile now, so the time lands in capture, not in the first token
+        options["guard_filter_fn"] = _no_guards if whole else skip_module_guards
+    compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=whole, options=options)
+    compiled_step(*example_inputs)
     return compiled_step
+
+
+def _no_guards(entries: list) -> list[bool]:
+    return [False] * len(entries)
 
 
 def _of_its_own_code(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
