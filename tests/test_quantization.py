@@ -16,11 +16,12 @@ from transformers import LlamaConfig
 
 import accelgen
 from accelgen.cli import main
+from accelgen.common.settings import RunSettings
 from accelgen.model.memory import parameter_bytes, parameter_bytes_of_config
 from accelgen.parallel.launcher import free_port
 from accelgen.quantization.int8_layer import Int8Linear, int8_product, quantize_rows
 from accelgen.quantization.while_loading import QuantizingWeights
-from accelgen_cpu import int8_kernels
+from accelgen_cpu import CpuAccelerator, int8_kernels
 from accelgen_cpu.int8_kernels import (
     KERNELS,
     FusedInt8Product,
@@ -241,6 +242,24 @@ def test_whichever_kernel_a_shape_is_measured_fastest_with_the_completions_are_t
         assert (FusedInt8Product in products) == (kernel == "fused")
     assert set(completions_by_kernel) == set(KERNELS)  # this machine runs them all (AVX-512 VNNI, oneDNN)
     assert all(completions == completions_by_kernel["rows"] for completions in completions_by_kernel.values())
+
+
+def test_a_compiled_bfloat16_product_rounds_as_the_eager_one_whichever_kernel_a_shape_takes():
+    """Compiled by the CPU, in bfloat16: the fused kernel rounds its products to bfloat16 inside its operator, the others
+    in the compiled code around theirs, which must round there too, not carry float32 on into the next operation (here
+    a residual sum): else what a step computes, and so the tokens, would depend on which kernel a shape was measured
+    fastest with, from run to run."""
+    torch.manual_seed(0)
+    values, scales = quantize_rows(torch.randn(64, 256))
+    x, residual = torch.randn(16, 256).bfloat16(), torch.randn(16, 64).bfloat16()
+    eager = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)(x) + residual
+    for kernel in available_kernels():
+        layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
+        use_int8_kernel(layer, kernel)
+        out = torch.empty_like(residual)
+        CpuAccelerator().capture(lambda x, residual, out, layer=layer: out.copy_(layer(x) + residual), (x, residual, out),
+                                 RunSettings(dtype="bfloat16"))
+        assert torch.equal(out, eager), kernel
 
 
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):

@@ -159,7 +159,9 @@ def _compiled_now(step: Callable[..., torch.Tensor], example_inputs: tuple[torch
                   whole: bool) -> Callable[..., torch.Tensor]:
     """``step`` compiled (now, so that the time lands in capture, not in the first token): ``whole``, into one graph
     that checks no guard; else in graphs that check all guards but the modules'."""
-    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
+    # a conversion to bfloat16 rounds where the step says so, as the eager step does: left to itself the compiler carries
+    # float32 on into the next operation, and a step's values would depend on which operations are the plugin's own
+    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper, "emulate_precision_casts": True}
     if (skip_module_guards := getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)) is not None:
         options["guard_filter_fn"] = _no_guards if whole else skip_module_guards
     compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=whole, options=options)
