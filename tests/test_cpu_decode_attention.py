@@ -70,7 +70,7 @@ def test_a_row_that_sees_nothing_attends_to_every_position_evenly(kernel, boolea
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key_heads", [4, 2])
-@pytest.mark.parametrize("size", [16, 64])
+@pytest.mark.parametrize("size", [16, 32, 64])  # 32 and 64: rotated sixteen values at a time
 def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key_heads, size):
     """decode_self_attention: the new token's keys rotated as transformers' apply_rotary_pos_emb rotates them, written
     with its values at each row's own position (the cache left exactly as transformers' path leaves it, in bfloat16

@@ -37,14 +37,18 @@ inline void to_float(const T* in, float* out, int64_t size) {
   for (int64_t i = 0; i < size; ++i) out[i] = static_cast<float>(in[i]);
 }
 
-// Ask for the cache lines of [start, start + bytes) ahead of their use: a row's span is read once per step, mostly
-// from memory, and the hardware's own prefetching restarts at every span.
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* line = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(line + offset);
+// Ask for the cache lines of ``positions`` positions (``step`` values apart, the first ``size`` values of each) from
+// ``start`` on, into the second-level cache. A row's span is read once per step, mostly from memory, and the
+// hardware's own prefetching restarts at every span: a whole span asked for before the work that comes ahead of its
+// use has its lines arrive side by side, where one at a time they cost a memory latency each.
+template <typename T>
+inline void prefetch_positions(const T* start, int64_t step, int64_t positions, int64_t size) {
+  for (int64_t j = 0; j < positions; ++j) {
+    const char* line = reinterpret_cast<const char*>(start + j * step);
+    for (int64_t offset = 0; offset < size * static_cast<int64_t>(sizeof(T)); offset += 64)
+      __builtin_prefetch(line + offset, 0, 2);
+  }
 }
-
-constexpr int64_t kPrefetchPositions = 16;
 
 // The dot products of ``query`` [D] with four consecutive key positions (``step`` apart), into ``scores``.
 inline void four_dots(const float* query, const float* keys, int64_t step, int64_t size, float* scores) {
@@ -89,8 +93,8 @@ inline float exp_of_nonpositive(float value) {
 // The loops of span_kernels: scores of a span's positions, and the weighted sum of their values.
 template <typename T>
 struct SpanKernels {
-  void (*scores)(const float*, const T*, int64_t, int64_t, bool, float*);
-  void (*values)(const float*, const T*, int64_t, int64_t, bool, float*);
+  void (*scores)(const float*, const T*, int64_t, int64_t, float*);
+  void (*values)(const float*, const T*, int64_t, int64_t, float*);
 };
 
 #if defined(__AVX512F__)
@@ -98,28 +102,26 @@ struct SpanKernels {
 // registers, and the weighted sum of the values held in registers over the whole span, where attend's own loops
 // take any size (a sum over d per position, the weighted sum through memory; bfloat16 converted value by value).
 
-// scores[j] = query . keys[j] for the span's positions (step apart), prefetching ahead when ``ahead``.
+// scores[j] = query . keys[j] for the span's positions (step apart).
 template <int Chunks, typename T>
-void span_scores(const float* query, const T* keys, int64_t step, int64_t span, bool ahead, float* scores) {
+void span_scores(const float* query, const T* keys, int64_t step, int64_t span, float* scores) {
   __m512 q[Chunks];
   for (int c = 0; c < Chunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
   for (int64_t j = 0; j < span; ++j) {
     const T* key = keys + j * step;
-    if (ahead) prefetch(key + kPrefetchPositions * step, Chunks * 16 * sizeof(T));
     __m512 sum = _mm512_mul_ps(q[0], load_floats(key));
     for (int c = 1; c < Chunks; ++c) sum = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), sum);
     scores[j] = _mm512_reduce_add_ps(sum);
   }
 }
 
-// out = sum_j weights[j] values[j] over the span's positions (step apart), prefetching ahead when ``ahead``.
+// out = sum_j weights[j] values[j] over the span's positions (step apart).
 template <int Chunks, typename T>
-void span_values(const float* weights, const T* values, int64_t step, int64_t span, bool ahead, float* out) {
+void span_values(const float* weights, const T* values, int64_t step, int64_t span, float* out) {
   __m512 sum[Chunks];
   for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < span; ++j) {
     const T* value = values + j * step;
-    if (ahead) prefetch(value + kPrefetchPositions * step, Chunks * 16 * sizeof(T));
     const __m512 weight = _mm512_set1_ps(weights[j]);
     for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_fmadd_ps(weight, load_floats(value + 16 * c), sum[c]);
   }
@@ -154,10 +156,32 @@ inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) 
   return {first, end};
 }
 
+#if defined(__AVX512F__)
+// rotate() sixteen values at a time, for sizes whose halves are whole registers (a multiple of 32): the same
+// products, sums and roundings.
+template <typename T>
+inline void rotate_lanes(const T* x, const T* cos, const T* sin, int64_t size, T* out) {
+  const int64_t half = size / 2;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t i = 0; i < size; i += 16) {
+    const __m512 other = i < half ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_floats(x + i + half)), sign))
+                                  : load_floats(x + i - half);
+    const __m512 straight = rounded_to<T>(_mm512_mul_ps(load_floats(x + i), load_floats(cos + i)));
+    const __m512 turned = rounded_to<T>(_mm512_mul_ps(other, load_floats(sin + i)));
+    store_floats(_mm512_add_ps(straight, turned), 0xFFFF, out + i);
+  }
+}
+#endif
+
 // x [D] rotated by its position's cos and sin [D] into out: x cos + rotate_half(x) sin, each product and the sum
 // rounded to T, where rotate_half(x) is (-x[D/2:], x[:D/2]).
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, int64_t size, T* out) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (size % 32 == 0) return rotate_lanes(x, cos, sin, size, out);
+  }
+#endif
   const int64_t half = size / 2;
   for (int64_t i = 0; i < size; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
@@ -193,6 +217,9 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
   const int64_t v_row = value.stride(0), v_head = value.stride(1), v_pos = value.stride(2);
   const int64_t o_row = output.stride(0), o_head = output.stride(1);
 
+  std::vector<std::pair<int64_t, int64_t>> spans(rows);  // each row's, shared by its heads
+  for (int64_t b = 0; b < rows; ++b) spans[b] = seen_span(m + b * length, length);
+
   at::parallel_for(0, rows * key_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(groups * size), row(size), sums(groups * size), scores;
     std::vector<T> rotated(size);
@@ -214,22 +241,21 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
         std::copy_n(tokens->value + b * tokens->value_row + kh * size, size, v + b * v_row + kh * v_head + position * v_pos);
       }
       const float* row_mask = m + b * length;
-      const auto [first, last] = seen_span(row_mask, length);
+      const auto [first, last] = spans[b];
       const int64_t span = last - first;
       scores.resize(groups * span);
       const T* keys = k + b * k_row + kh * k_head + first * k_pos;
+      const T* values = v + b * v_row + kh * v_head;
+      prefetch_positions(values + first * v_pos, v_pos, span, size);  // arriving while the scores are computed
       for (int64_t g = 0; g < groups; ++g) {
         const float* query_g = &queries[g * size];
         float* s = &scores[g * span];
         int64_t j = 0;
         if (vectorized) {
-          vectorized->scores(query_g, keys, k_pos, span, g == 0, s);
+          vectorized->scores(query_g, keys, k_pos, span, s);
           j = span;
         } else if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
-          for (; j + 4 <= span; j += 4) {
-            if (g == 0) prefetch(keys + (j + kPrefetchPositions) * k_pos, 4 * k_pos * sizeof(T));
-            four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
-          }
+          for (; j + 4 <= span; j += 4) four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
         }
         for (; j < span; ++j) {
           const float* key_j;
@@ -257,16 +283,18 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
         const float inverse = 1.0f / total;
         for (int64_t j = 0; j < span; ++j) s[j] *= inverse;
       }
-      if (kh + 1 < key_heads) prefetch(keys + k_head, kPrefetchPositions * k_pos * sizeof(T));  // the next head's span
+      if (item + 1 < rows * key_heads) {  // the next item's keys, arriving while this one's values are summed
+        const int64_t next_b = (item + 1) / key_heads, next_kh = (item + 1) % key_heads;
+        const auto [next_first, next_last] = spans[next_b];
+        prefetch_positions(k + next_b * k_row + next_kh * k_head + next_first * k_pos, k_pos, next_last - next_first, size);
+      }
       std::fill(sums.begin(), sums.end(), 0.0f);
-      const T* values = v + b * v_row + kh * v_head;
       if (vectorized) {
         for (int64_t g = 0; g < groups; ++g)
-          vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, g == 0, &sums[g * size]);
+          vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, &sums[g * size]);
       } else {
         for (int64_t j = 0; j < span; ++j) {
           const T* value_j = values + (first + j) * v_pos;
-          prefetch(value_j + kPrefetchPositions * v_pos, size * sizeof(T));
           const float* vf;
           if constexpr (std::is_same_v<T, float>) {
             vf = value_j;

@@ -118,23 +118,6 @@ constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequ
 constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 
-// The lanes of ``values`` set in ``mask`` written to out as T: bfloat16 rounded half to even, as torch rounds it.
-template <typename T>
-inline void store_floats(__m512 values, __mmask16 mask, T* out) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_mask_storeu_ps(out, mask, values);
-  } else {
-#if defined(__AVX512BF16__)
-    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(values));
-#else
-    alignas(64) float lanes[kOutputs];
-    _mm512_store_ps(lanes, values);
-    for (int i = 0; i < kOutputs; ++i)
-      if (mask >> i & 1) out[i] = static_cast<T>(lanes[i]);
-#endif
-  }
-}
-
 template <typename T>
 void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panels, const float* scales,
                     int64_t outputs, T* out) {
