@@ -41,3 +41,11 @@ def plugin_manager_with(*accelerators):
     plugin_manager = get_plugin_manager(load_entry_points=False)
     plugin_manager.register(RegisteringPlugin(*accelerators))
     return plugin_manager
+
+
+class RefillingCpu(CpuAccelerator):
+    """The CPU accelerator, except that a slot freed while rows run takes the next row at the next look, as on a device
+    whose prefill passes cost nothing beyond their prompts' work (the plain continuous policy)."""
+
+    prefill_pass_steps = 0
+

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from accelerators import RefillingCpu, plugin_manager_with
 from conftest import ARCHITECTURES
 from killed_runs import kill_after_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
@@ -94,8 +95,11 @@ def test_every_row_is_what_hugging_face_generates_for_its_prompt_alone(ending_mo
 
 
 def test_continuous_batching_fills_the_slots_that_fixed_batches_leave_idle(ending_model, tmp_path, capsys):
+    """The plain policy, each freed slot refilled at the next look (the CPU's own waits for more slots to free first:
+    the next test)."""
     folder, _ = ending_model("llama")
-    options = dict(model=str(folder), device="cpu", batch_size=4, max_new_tokens=NEW_TOKENS)
+    options = dict(model=str(folder), device="cpu", batch_size=4, max_new_tokens=NEW_TOKENS,
+                   plugin_manager=plugin_manager_with(RefillingCpu()))
     static = accelgen.load(batching="static", **options)
     continuous = accelgen.load(batching="continuous", **options)
     prompts = PROMPTS * 2
@@ -104,6 +108,23 @@ def test_continuous_batching_fills_the_slots_that_fixed_batches_leave_idle(endin
     assert continuous.stats.new_tokens == static.stats.new_tokens
     assert continuous.stats.slot_occupancy > static.stats.slot_occupancy
     assert continuous.stats.slot_tokens < static.stats.slot_tokens  # fewer token places computed for the same text
+
+
+def test_on_the_cpu_freed_slots_wait_for_others_so_that_one_prefill_pass_starts_several_rows(ending_model):
+    """A CPU prefill pass costs more than its prompts' work: slots freed while rows run wait, idle, until they have
+    idled as long as a pass costs, then one pass starts rows in all of them. The same rows, in fewer passes; and the
+    same passes every time (the rule counts decode steps, never seconds)."""
+    folder, _ = ending_model("llama")
+    options = dict(model=str(folder), device="cpu", batch_size=8, max_new_tokens=NEW_TOKENS, do_sample=True, seed=5)
+    prompts = PROMPTS * 4
+    refilling = accelgen.load(plugin_manager=plugin_manager_with(RefillingCpu()), **options)
+    gathering = accelgen.load(**options)
+    expected = [c.completion_token_ids for c in refilling.generate(prompts)]
+    assert [c.completion_token_ids for c in gathering.generate(prompts)] == expected
+    assert gathering.stats.prefill_passes < refilling.stats.prefill_passes
+    passes = gathering.stats.prefill_passes
+    assert [c.completion_token_ids for c in gathering.generate(prompts)] == expected
+    assert gathering.stats.prefill_passes == 2 * passes
 
 
 @pytest.mark.parametrize("architecture", ["bloom", "llama"])

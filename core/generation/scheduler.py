@@ -12,7 +12,9 @@ Two policies of the same scheduler:
 A row that cannot end early (``--ignore-eos``) ends when its budget does: the host then looks only when the
 next row ends.
 
-- ``continuous``: a finished row's slot takes the next waiting row at the next look. A prompt's samples that
+- ``continuous``: a finished row's slot takes the next waiting row at the next look (on a device whose prefill
+  passes cost much beyond their prompts' work, once the free slots have idled as long as a pass costs, so that one
+  pass starts several rows). A prompt's samples that
   do not all fit the free slots start as they fit: those left wait, their first tokens drawn from the one
   prefill, and each starts from its prompt's cache row as a slot frees. Rows are read only as
   slots free up (for a data-parallel replica, reading a row is taking it from the others), and a row starts
@@ -123,10 +125,14 @@ class Plan:
 class Scheduler:
     """Rows into slots, by a policy ("continuous" or "static")."""
 
-    def __init__(self, run: RunSettings, policy: str, context_limit: int | None):
+    def __init__(self, run: RunSettings, policy: str, context_limit: int | None, prefill_pass_steps: float = 0):
         """Rows of ``run`` (its batch size is the slot count; its settings each row's, but for a row's own) by
-        ``policy``, for a model of ``context_limit`` positions (None: no limit)."""
+        ``policy``, for a model of ``context_limit`` positions (None: no limit), on a device where a prefill pass
+        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.prefill_pass_steps``)."""
         self.run, self.policy, self.slots, self.max_new_tokens = run, policy, run.batch_size, run.max_new_tokens
+        #: the idle slot-steps free slots wait for before a pass starts rows in them (continuous batching)
+        self.pass_slot_steps = prefill_pass_steps * run.batch_size if policy == "continuous" else 0
+        self._idle_slot_steps = 0  # the free slots' since the last insertion
         #: whether a row that cannot be completed ends as an error row (else it stops the run)
         self.bad_rows_end = run.skip_bad_rows
         #: whether a row may end before its budget (at end-of-sequence, a stop text, a row's own budget); if not,
@@ -182,7 +188,7 @@ class Scheduler:
         """What to run next; None when no row waits or runs. Commits the plan's steps to the rows' budgets."""
         if self.idle:
             return None
-        insertion = self._insertion()
+        insertion = None if self._gathering() else self._insertion()
         if insertion is None and not self.running:  # the next row needs larger slots: the slots are empty
             self.cache_bucket = self._bucket_for_next_rows()
             insertion = self._insertion()
@@ -194,7 +200,17 @@ class Scheduler:
             steps = max(ends) if self.policy == "static" else min(ends)
         for row in self.running.values():
             row.budget = max(0, row.budget - steps)
+        self._idle_slot_steps = 0 if insertion is not None else self._idle_slot_steps + (self.slots - len(self.running)) * steps
         return Plan(self.cache_bucket, insertion, steps)
+
+    def _gathering(self) -> bool:
+        """Whether the free slots wait for more to free before a pass starts rows in them: while rows run and enough
+        rows wait to fill them (none left to come otherwise), until they have idled as many slot-steps as a pass
+        costs (a ski-rental rule: at most twice the cost of the better choice, whatever the rows' lengths). It
+        depends on the rows' tokens alone, never on timings: a job runs the same passes every time."""
+        free = self.slots - len(self.running)
+        return (bool(self.running) and 0 < free <= len(self.waiting)
+                and self._idle_slot_steps < self.pass_slot_steps)
 
     def _insertion(self) -> Insertion | None:
         """Waiting rows into free slots, as the policy allows; None when none goes in."""

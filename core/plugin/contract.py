@@ -80,6 +80,11 @@ class Accelerator(abc.ABC):
     #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
     #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
     captures_prefill: bool = True
+    #: In continuous batching, what one prefill pass costs beyond its prompts' own work (a pass's fixed overhead),
+    #: in decode steps of the whole batch. Where it is more than nothing, slots freed while rows run wait for more to
+    #: free, idle, until their idle slot-steps add up to that cost: one pass then starts several rows. 0: a freed
+    #: slot takes the next row at the next look.
+    prefill_pass_steps: float = 0
     #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
     priority: int = 0
     #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most

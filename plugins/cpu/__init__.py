@@ -39,6 +39,9 @@ class CpuAccelerator(Accelerator):
     captures_by_default = True
     capture_pays_after_steps = 20_000
     captures_prefill = False
+    # An eager prefill pass costs about two decode steps beyond its prompts' work on a small model (a forward pass's
+    # per-operation overhead), about one on a large one (every weight read, as a step reads it)
+    prefill_pass_steps = 1.5
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
     quantization_schemes = ("int8",)
