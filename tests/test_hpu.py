@@ -302,8 +302,8 @@ def test_a_failing_rank_ends_the_deepspeed_job(tiny_model_folder, habana_double)
          "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--max-new-tokens", "200"],
         env=environment, capture_output=True, text=True, timeout=180,
     )
-    assert result.returncode == 1
-    assert "RuntimeError: injected fault on rank 1" in result.stderr
+    assert result.returncode == 1, result.stderr
+    assert "RuntimeError: injected fault on rank 1" in result.stderr, result.stderr  # whole: it failed once, unexplained
     assert "accelgen: error: the job's launcher" in result.stderr
 
 
