@@ -48,4 +48,3 @@ class RefillingCpu(CpuAccelerator):
     whose prefill passes cost nothing beyond their prompts' work (the plain continuous policy)."""
 
     prefill_pass_steps = 0
-
