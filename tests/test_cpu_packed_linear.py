@@ -1,6 +1,7 @@
-"""The CPU's linear layers over packed weights (plugins/cpu/packed_linear.py): the same values as ``nn.Linear``, used
-where they can be (untied layers of a run in float32 or bfloat16), never where they cannot (a head tied to the
-embedding, int8 layers, offloaded weights), counted in the parameters' bytes, and compiled. Whole runs' token-for-token
+"""The CPU's linear layers over weights laid out at load (plugins/cpu/packed_linear.py: float32 panels for the
+plugin's kernel, oneDNN's packed layout otherwise): the same values as ``nn.Linear``, used where they can be (untied
+layers of a run in float32 or bfloat16), never where they cannot (a head tied to the embedding, int8 layers,
+offloaded weights), counted in the parameters' bytes, and compiled. Whole runs' token-for-token
 parity with Hugging Face ``generate`` over packed layers is in test_parity.py; compiled = eager in test_capture.py."""
 
 import gc
@@ -13,7 +14,8 @@ from safetensors import safe_open
 
 import accelgen
 from accelgen.model.memory import parameter_bytes
-from accelgen_cpu.packed_linear import PackedLinear
+from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.packed_linear import FloatPanelsLinear, PackedLinear
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -59,16 +61,61 @@ def test_the_cpp_operators_number_for_a_packed_weight_keeps_no_layer_alive():
         torch.ops.accelgen_cpu_kernels.packed_linear(x, number, 8, None)
 
 
+@pytest.mark.parametrize("outputs", [5, 16, 37, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_float32_panels_layer_gives_the_plain_layers_values(outputs, bias):
+    """Whole panels of 16 outputs and a partial one, 1 to 19 rows (tiles of 8 rows and what is left), as a matrix and
+    as [batch, positions, features], a weight of the plain one's bytes."""
+    assert native_kernels()  # the plugin's kernels are built on this machine (AVX-512)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(72, outputs, bias=bias)
+    panels = FloatPanelsLinear(linear)
+    assert panels.weight.nbytes == linear.weight.nbytes
+    with torch.no_grad():
+        for rows in (1, 2, 3, 8, 11, 19):
+            for x in (torch.randn(rows, 72), torch.randn(2, rows, 72)):
+                expected, ours = linear(x), panels(x)
+                assert ours.shape == expected.shape and ours.dtype == torch.float32
+                assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_float32_panels_product_depends_on_that_row_alone():
+    """Alone or among 1 to 23 others, each of the 8 rows of a tile or the rows left: the same bits."""
+    assert native_kernels()
+    torch.manual_seed(0)
+    panels, x = FloatPanelsLinear(torch.nn.Linear(300, 53)), torch.randn(24, 300)
+    with torch.no_grad():
+        alone = torch.cat([panels(x[row:row + 1]) for row in range(24)])
+        for rows in (2, 5, 8, 9, 16, 24):
+            assert torch.equal(panels(x[:rows]), alone[:rows])
+
+
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
+def test_a_compiled_float32_panels_layer_gives_the_eager_values(wrapper):
+    """Between the products an exact operation (inductor's SiLU rounds the odd lane differently from torch's)."""
+    assert native_kernels()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 130), torch.nn.ReLU(), torch.nn.Linear(130, 32))
+    panels = torch.nn.Sequential(FloatPanelsLinear(layers[0]), torch.nn.ReLU(), FloatPanelsLinear(layers[2]))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled = torch.compile(panels, dynamic=False, options={"cpp_wrapper": wrapper == "cpp"})
+        assert torch.equal(compiled(x), panels(x))
+        assert torch.allclose(panels(x), layers(x), atol=1e-5)
+
+
 def _packed_and_plain(model):
-    layers = [module for module in model.modules() if isinstance(module, (PackedLinear, torch.nn.Linear))]
-    return sum(isinstance(layer, PackedLinear) for layer in layers), sum(type(layer) is torch.nn.Linear for layer in layers)
+    kinds = (PackedLinear, FloatPanelsLinear)
+    layers = [module for module in model.modules() if isinstance(module, (*kinds, torch.nn.Linear))]
+    return sum(isinstance(layer, kinds) for layer in layers), sum(type(layer) is torch.nn.Linear for layer in layers)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_run_packs_every_linear_layer_with_a_weight_of_its_own(tiny_model_folder, dtype):
+@pytest.mark.parametrize("dtype, kind", [("float32", FloatPanelsLinear), ("bfloat16", PackedLinear)])
+def test_a_run_packs_every_linear_layer_with_a_weight_of_its_own(tiny_model_folder, dtype, kind):
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", dtype=dtype, batch_size=2, max_new_tokens=4)
     packed, plain = _packed_and_plain(generator.model)
     assert (packed, plain) == (2 * 7 + 1, 0)  # 2 layers of q, k, v, o, gate, up, down; the head (untied)
+    assert sum(isinstance(layer, kind) for layer in generator.model.modules()) == packed
     assert generator.model.get_output_embeddings().weight.dtype == getattr(torch, dtype)
     assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
 

@@ -1,16 +1,26 @@
-"""Linear layers whose weights are laid out once, at load, in oneDNN's blocked format for the run's number of rows.
+"""Linear layers whose weights are laid out once, at load, for the CPU's products.
 
 torch's plain product (``F.linear``) takes the weight as stored, row-major [out, in], and the matrix library re-reads
-it in that layout at every call; oneDNN's own blocked layout, made once, feeds its kernels directly: on this
-project's AVX-512 machine, products 1.1 to 2x faster (RESULTS.md, "Packed weights on the CPU"). The packed weight
-takes the place of the plain one (same bytes, a copy of the process's own where the plain one was the file's map).
+it in that layout at every call. Two layouts made once feed kernels directly:
+
+- float32 weights, where the plugin's kernels are built for AVX-512: panels of 16 outputs
+  (:func:`pack_float_panels`), multiplied by the plugin's C++ operator (``kernels/float_panels_linear.cpp``), which
+  reads one layout well for every number of rows: one row (a batch-1 decode step, bound by reading the weight) and
+  16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS.md,
+  "float32 products in panels"); a row's result depends on that row alone;
+- otherwise (bfloat16, or no kernels): oneDNN's own blocked layout for the run's number of rows, faster than the
+  plain one (RESULTS.md, "Packed weights on the CPU").
+
+The laid-out weight takes the place of the plain one (same bytes, a copy of the process's own where the plain one was
+the file's map).
 
 Only plain ``nn.Linear`` layers in float32 or bfloat16 with a weight of their own are packed: a head tied to the
 input embedding keeps the embedding's matrix (the lookup needs it whole), layers that tensor parallelism or int8
-replaced are other modules, and offloaded weights arrive at each forward pass. The packed weight is an opaque
-oneDNN tensor: inductor cannot take it as an input, so a compiled step calls the product as an operator that finds
-the weight by a number: the plugin's C++ one (``kernels/packed_linear.cpp``, called from the compiled step's C++
-wrapper) where the kernels are built, else :func:`packed_product`, a Python one; an eager step calls oneDNN directly.
+replaced are other modules, and offloaded weights arrive at each forward pass. The panels are a plain tensor, which
+compiled steps take as any other. oneDNN's packed weight is an opaque tensor, which inductor cannot take as an input,
+so a compiled step calls its product as an operator that finds the weight by a number: the plugin's C++ one
+(``kernels/packed_linear.cpp``, called from the compiled step's C++ wrapper) where the kernels are built, else
+:func:`packed_product`, a Python one; an eager step calls oneDNN directly.
 """
 
 from __future__ import annotations
@@ -76,10 +86,38 @@ def _(x, handle, out_features, bias):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+class FloatPanelsLinear(torch.nn.Module):
+    """``nn.Linear``'s product over a float32 weight laid out in panels of 16 outputs (:func:`pack_float_panels`)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(pack_float_panels(linear.weight.detach()), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.accelgen_cpu_kernels.float_panels_linear(x, self.weight, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_float_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 ``weight`` [out, in] as the panels kernel reads it, [out * in]: panels of 16 outputs, each holding
+    its outputs' weights input by input ([in, 16]), the last the ``out % 16`` outputs left ([in, out % 16]), so that
+    the panels take the weight's bytes, no more."""
+    outputs, inputs = weight.shape
+    whole = outputs // 16 * 16
+    parts = [weight[:whole].reshape(-1, 16, inputs).transpose(1, 2).flatten(), weight[whole:].t().flatten()]
+    return torch.cat(parts).contiguous()
+
+
 def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
-    """Replace the model's packable linear layers (module docstring) by :class:`PackedLinear` ones laid out for
-    ``rows`` rows, one at a time (the plain weight is freed as its packed copy is made); returns how many."""
-    if not _packing_works():
+    """Replace the model's packable linear layers (module docstring) by :class:`FloatPanelsLinear` ones (float32
+    weights, where the kernel is built) or :class:`PackedLinear` ones laid out for ``rows`` rows, one at a time (the
+    plain weight is freed as its laid-out copy is made); returns how many."""
+    panels = _float_panels_work()
+    if not (panels or _packing_works()):
         return 0
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
@@ -89,9 +127,19 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
         for name, child in list(parent.named_children()):
             if (type(child) is torch.nn.Linear and uses.get(id(child.weight)) == 1 and not child.weight.is_meta
                     and child.weight.dtype in (torch.float32, torch.bfloat16)):
-                setattr(parent, name, PackedLinear(child, rows))
+                if panels and child.weight.dtype == torch.float32:
+                    setattr(parent, name, FloatPanelsLinear(child))
+                elif _packing_works():
+                    setattr(parent, name, PackedLinear(child, rows))
+                else:
+                    continue
                 packed += 1
     return packed
+
+
+def _float_panels_work() -> bool:
+    """Whether the plugin's float32 panels kernel is built (its kernels, on a CPU with AVX-512)."""
+    return native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "float_panels_linear")
 
 
 @functools.cache

@@ -1,0 +1,171 @@
+// The float32 product of rows and a weight laid out once in panels of 16 outputs (packed_linear.pack_float_panels):
+// N x K values, each panel holding its 16 outputs' weights input by input ([K][16]), the last one the N % 16 outputs
+// left ([K][N % 16]: no padding), so that one 64-byte load holds one input's weights for 16 outputs and one fused
+// multiply-add adds a row's product to 16 sums. The rows go in
+// tiles of up to 8; each of a tile's rows is broadcast, input by input, to the panels the tile takes at once. A
+// panel is read once for a tile's rows, and the one or two rows of a decode step take eight panels at once, so
+// that eight streams of weights are read side by side: one layout serves the single row of a batch-1 decode, whose
+// bound is reading the weight from memory, and the 16 rows of a prompt or of a batch, whose bound is the
+// multiply-adds, where oneDNN's layouts are each good at one of the two (RESULTS.md, "float32 products in panels").
+//
+// Each output is its inputs' products summed in input order, one fused multiply-add at a time, plus the bias: a
+// row's result depends on that row alone, whatever rows share the product.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kOutputs = 16;  // outputs of a panel: one register of sums per row
+constexpr int64_t kTileRows = 8;  // rows of a tile
+constexpr int kSumRegisters = 24;  // registers of sums a tile's product holds at most (of AVX-512's 32)
+
+// The mask of the first min(count, 16) lanes.
+inline __mmask16 lanes_before(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// The sums of Rows rows of x (``size`` values each, consecutive) times Panels consecutive whole panels
+// (panel_floats apart), into out[Rows][Panels]: constants, so that every sum stays in a register of its own.
+// Partial: one panel of the outputs in ``mask``, its inputs that many values apart.
+template <int Rows, int Panels, bool Partial = false>
+void tile_sums(const float* x, int64_t size, const float* panel, int64_t panel_floats, __m512* out,
+               __mmask16 mask = 0xFFFF) {
+  static_assert(!Partial || Panels == 1, "one partial panel");
+  const int64_t step = Partial ? __builtin_popcount(mask) : kOutputs;
+  __m512 sums[Rows][Panels];
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < size; ++k) {
+    __m512 w[Panels];
+    for (int p = 0; p < Panels; ++p)
+      w[p] = Partial ? _mm512_maskz_loadu_ps(mask, panel + k * step) : _mm512_loadu_ps(panel + p * panel_floats + k * step);
+    for (int m = 0; m < Rows; ++m) {
+      const __m512 value = _mm512_set1_ps(x[m * size + k]);
+      for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_fmadd_ps(value, w[p], sums[m][p]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) out[m * Panels + p] = sums[m][p];
+}
+
+// The panels a tile of ``rows`` rows takes at once: eight for one or two rows (eight streams of weights read side
+// by side), else as many as kSumRegisters holds.
+constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 6 : 3; }
+constexpr bool sums_fit_registers() {
+  for (int rows = 1; rows <= kTileRows; ++rows)
+    if (rows * panels_for(rows) > kSumRegisters) return false;
+  return true;
+}
+static_assert(sums_fit_registers(), "a tile's sums (rows x panels_for(rows)) must fit kSumRegisters");
+
+using TileSums = void (*)(const float*, int64_t, const float*, int64_t, __m512*, __mmask16);
+
+template <int... Counts>
+constexpr std::array<TileSums, sizeof...(Counts)> wide_table(std::integer_sequence<int, Counts...>) {
+  return {&tile_sums<Counts + 1, panels_for(Counts + 1)>...};
+}
+template <int... Counts>
+constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequence<int, Counts...>) {
+  return {&tile_sums<Counts + 1, 1>...};
+}
+template <int... Counts>
+constexpr std::array<TileSums, sizeof...(Counts)> partial_table(std::integer_sequence<int, Counts...>) {
+  return {&tile_sums<Counts + 1, 1, true>...};
+}
+// tile_sums of 1 to 8 rows (by count - 1), with panels_for(rows) panels, with one, and with the partial one
+constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kPartial = partial_table(std::make_integer_sequence<int, kTileRows>{});
+
+void panels_product(const float* x, int64_t rows, int64_t size, const float* panels, const float* bias,
+                    int64_t outputs, float* out) {
+  const int64_t panel_floats = size * kOutputs;
+  const int64_t panel_count = (outputs + kOutputs - 1) / kOutputs, tiles = (rows + kTileRows - 1) / kTileRows;
+  const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
+  const int64_t units = (panel_count + group - 1) / group;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    __m512 sums[kSumRegisters];  // rows x panels_for(rows)
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
+      const int64_t whole_in_unit = std::min<int64_t>(in_unit, outputs / kOutputs - first_panel);
+      for (int64_t t = 0; t < tiles; ++t) {  // the unit's panels stay in cache from one tile to the next
+        const int64_t count = std::min(kTileRows, rows - t * kTileRows);
+        const int wide = panels_for(static_cast<int>(count));
+        const float* tile = x + t * kTileRows * size;
+        for (int64_t p = 0; p < in_unit;) {  // the unit's panels, as many at once as the tile's rows take
+          const int take = wide <= whole_in_unit - p ? wide : 1;
+          const int64_t first_output = (first_panel + p) * kOutputs;
+          const auto& sums_of = p >= whole_in_unit ? kPartial : take == wide ? kWide : kNarrow;
+          sums_of[count - 1](tile, size, panels + first_output * size, panel_floats, sums,
+                             lanes_before(outputs - first_output));
+          for (int64_t m = 0; m < count; ++m) {
+            const int64_t row = t * kTileRows + m;
+            for (int q = 0; q < take; ++q) {
+              const int64_t n = (first_panel + p + q) * kOutputs;
+              const __mmask16 mask = lanes_before(outputs - n);
+              __m512 value = sums[m * take + q];
+              if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + n));
+              _mm512_mask_storeu_ps(out + row * outputs + n, mask, value);
+            }
+          }
+          p += take;
+        }
+      }
+    }
+  });
+}
+
+// x [..., K] float32, panels [N * K] float32 (pack_float_panels), bias [N] float32 or none -> [..., N].
+at::Tensor float_panels_linear(const at::Tensor& x, const at::Tensor& panels, int64_t outputs,
+                               const std::optional<at::Tensor>& bias) {
+  const int64_t size = x.size(-1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "float_panels_linear: x float32");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.dim() == 1 &&
+                  panels.numel() == outputs * size,
+              "float_panels_linear: panels [N * K] float32 for x [..., K] and N outputs");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == outputs),
+              "float_panels_linear: bias [N] float32");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = outputs;
+  at::Tensor out = at::empty(shape, x.options());
+  if (size == 0) return bias ? out.copy_(bias->expand_as(out)) : out.zero_();  // sums of no products
+  const int64_t rows = x.numel() / size;
+  if (rows == 0 || outputs == 0) return out;
+  at::Tensor flat = x.contiguous();
+  panels_product(flat.data_ptr<float>(), rows, size, panels.data_ptr<float>(),
+                 bias ? bias->data_ptr<float>() : nullptr, outputs, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor float_panels_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t outputs,
+                                    const std::optional<at::Tensor>&) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = outputs;
+  return at::empty(shape, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+  library.def("float_panels_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("float_panels_linear", &float_panels_linear); }
+
+TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+  library.impl("float_panels_linear", &float_panels_linear_meta);
+}
+
+#endif  // AVX-512: where the compiler's target lacks it, the operator is not defined
