@@ -1,7 +1,7 @@
 // The float32 product of rows and a weight laid out once in panels of 16 outputs (packed_linear.pack_float_panels):
 // N x K values, each panel holding its 16 outputs' weights input by input ([K][16]), the last one the N % 16 outputs
 // left ([K][N % 16]: no padding), so that one 64-byte load holds one input's weights for 16 outputs and one fused
-// multiply-add adds a row's product to 16 sums. The rows go in
+// multiply-add adds a row's product to 16 sums. Each panel's stream asks for its weights a page ahead. The rows go in
 // tiles of up to 8; each of a tile's rows is broadcast, input by input, to the panels the tile takes at once. A
 // panel is read once for a tile's rows, and the one or two rows of a decode step take eight panels at once, so
 // that eight streams of weights are read side by side: one layout serves the single row of a batch-1 decode, whose
@@ -30,6 +30,9 @@ namespace {
 constexpr int64_t kOutputs = 16;  // outputs of a panel: one register of sums per row
 constexpr int64_t kTileRows = 8;  // rows of a tile
 constexpr int kSumRegisters = 24;  // registers of sums a tile's product holds at most (of AVX-512's 32)
+// How far ahead of its loads each panel's stream asks for its weights (into L2): the hardware's prefetching stops at
+// each 4 KB page, a whole page ahead here (a line per input of a whole panel)
+constexpr int64_t kPrefetchInputs = 64;
 
 // The mask of the first min(count, 16) lanes.
 inline __mmask16 lanes_before(int64_t count) {
@@ -49,8 +52,11 @@ void tile_sums(const float* x, int64_t size, const float* panel, int64_t panel_f
     for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < size; ++k) {
     __m512 w[Panels];
-    for (int p = 0; p < Panels; ++p)
-      w[p] = Partial ? _mm512_maskz_loadu_ps(mask, panel + k * step) : _mm512_loadu_ps(panel + p * panel_floats + k * step);
+    for (int p = 0; p < Panels; ++p) {
+      const float* weights = panel + p * panel_floats + k * step;
+      w[p] = Partial ? _mm512_maskz_loadu_ps(mask, weights) : _mm512_loadu_ps(weights);
+      _mm_prefetch(reinterpret_cast<const char*>(weights + kPrefetchInputs * step), _MM_HINT_T1);
+    }
     for (int m = 0; m < Rows; ++m) {
       const __m512 value = _mm512_set1_ps(x[m * size + k]);
       for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_fmadd_ps(value, w[p], sums[m][p]);
