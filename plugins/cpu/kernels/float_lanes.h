@@ -1,4 +1,5 @@
-// 16 values of float32 or bfloat16 as one AVX-512 register of float32, and back: the kernels' common loads and stores.
+// 16 values of float32 or bfloat16 as one AVX-512 register of float32, and back: the kernels' common loads and stores
+// (and the masks of their first lanes).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -6,7 +7,13 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
 #include <type_traits>
+
+// The mask of the first min(count, 16) lanes.
+inline __mmask16 lanes_before(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
 
 template <typename T>
 inline __m512 load_floats(const T* values) {

@@ -25,6 +25,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "float_lanes.h"
+
 namespace {
 
 constexpr int64_t kOutputs = 16;  // outputs of a panel: one register of sums per row
@@ -33,11 +35,6 @@ constexpr int kSumRegisters = 24;  // registers of sums a tile's product holds a
 // How far ahead of its loads each panel's stream asks for its weights (into L2): the hardware's prefetching stops at
 // each 4 KB page, a whole page ahead here (a line per input of a whole panel)
 constexpr int64_t kPrefetchInputs = 64;
-
-// The mask of the first min(count, 16) lanes.
-inline __mmask16 lanes_before(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
 
 // The sums of Rows rows of x (``size`` values each, consecutive) times Panels consecutive whole panels
 // (panel_floats apart), into out[Rows][Panels]: constants, so that every sum stays in a register of its own.

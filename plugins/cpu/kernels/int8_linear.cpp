@@ -37,11 +37,6 @@ constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 
 constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
 constexpr int kSumRegisters = 16;  // registers of sums a tile's product holds at most (of AVX-512's 32)
 
-// The mask of the first min(count, 16) lanes.
-inline __mmask16 lanes_before(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
-
 // ``count`` rows of x (K values each) quantized, signed, into a tile: [K4 / 4][kTileRows][4] bytes (K4: K rounded
 // up to 4), the rows past count and the values past K zero; each row's scale and 128 times the sum of its values.
 // Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (the
