@@ -90,6 +90,54 @@ inline float exp_of_nonpositive(float value) {
   return value < -87.0f ? 0.0f : p * power;  // below it 0, as std::exp rounds masked positions' weights
 }
 
+#if defined(__AVX512F__)
+// exp_of_nonpositive of 16 values: the same operations in the same order in each lane, so the same bits.
+inline __m512 exp_of_nonpositive_lanes(__m512 value) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(value, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m512 x = _mm512_mask_blend_ps(underflow, value, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// scores [span] -> their softmax, in place; sixteen at a time where AVX-512 is (the scalar loops do not vectorize).
+inline void softmax_in_place(float* scores, int64_t span) {
+#if defined(__AVX512F__)
+  __m512 tops = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < span; j += 16)
+    tops = _mm512_mask_max_ps(tops, lanes_before(span - j), tops, _mm512_maskz_loadu_ps(lanes_before(span - j), scores + j));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
+  __m512 totals = _mm512_setzero_ps();
+  for (int64_t j = 0; j < span; j += 16) {
+    const __mmask16 mask = lanes_before(span - j);
+    const __m512 weights = exp_of_nonpositive_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), top));
+    totals = _mm512_mask_add_ps(totals, mask, totals, weights);
+    _mm512_mask_storeu_ps(scores + j, mask, weights);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+  for (int64_t j = 0; j < span; j += 16)
+    _mm512_mask_storeu_ps(scores + j, lanes_before(span - j),
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_before(span - j), scores + j), inverse));
+#else
+  const float top = *std::max_element(scores, scores + span);
+  float total = 0;
+  for (int64_t j = 0; j < span; ++j) {
+    scores[j] = exp_of_nonpositive(scores[j] - top);
+    total += scores[j];
+  }
+  const float inverse = 1.0f / total;
+  for (int64_t j = 0; j < span; ++j) scores[j] *= inverse;
+#endif
+}
+
 // The loops of span_kernels: scores of a span's positions, and the weighted sum of their values.
 template <typename T>
 struct SpanKernels {
@@ -271,18 +319,7 @@ void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewT
         const float factor = static_cast<float>(scale);
         for (int64_t i = 0; i < span; ++i) s[i] = s[i] * factor + row_mask_span[i];
       }
-      for (int64_t g = 0; g < groups; ++g) {  // softmax of each query's scores
-        float* s = &scores[g * span];
-        const float top = *std::max_element(s, s + span);
-        float total = 0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < span; ++j) {
-          s[j] = exp_of_nonpositive(s[j] - top);
-          total += s[j];
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t j = 0; j < span; ++j) s[j] *= inverse;
-      }
+      for (int64_t g = 0; g < groups; ++g) softmax_in_place(&scores[g * span], span);
       if (item + 1 < rows * key_heads) {  // the next item's keys, arriving while this one's values are summed
         const int64_t next_b = (item + 1) / key_heads, next_kh = (item + 1) % key_heads;
         const auto [next_first, next_last] = spans[next_b];
