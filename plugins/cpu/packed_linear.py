@@ -108,8 +108,10 @@ def pack_float_panels(weight: torch.Tensor) -> torch.Tensor:
     the panels take the weight's bytes, no more."""
     outputs, inputs = weight.shape
     whole = outputs // 16 * 16
-    parts = [weight[:whole].reshape(-1, 16, inputs).transpose(1, 2).flatten(), weight[whole:].t().flatten()]
-    return torch.cat(parts).contiguous()
+    panels = torch.empty(outputs * inputs, dtype=weight.dtype)  # written in place: one copy, no temporaries
+    panels[: whole * inputs].view(-1, inputs, 16).copy_(weight[:whole].reshape(-1, 16, inputs).transpose(1, 2))
+    panels[whole * inputs:].view(inputs, outputs - whole).copy_(weight[whole:].t())
+    return panels
 
 
 def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
