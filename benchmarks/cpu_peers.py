@@ -126,9 +126,9 @@ def run_worker(name: str, folder: Path, new_tokens: int | None) -> dict:
     """Generate the work once to warm up, then once on the clock: generation seconds and kept tokens. The warm-up is
     the whole work with each prompt's tokens reversed: the same lengths, so that a compiled step has met every shape
     the run meets (accelgen's slots grow with the longest prompt met) before the clock starts, and other beginnings,
-    so that no engine finds the prompts on the clock already computed (accelgen keeps prompts' 16-token blocks for
-    reuse: warmed up on the same prompts, its timed run found ~3,300 of the dataset job's ~5,000 prompt tokens
-    stored, which a real job, each prompt once, never does)."""
+    so that no engine finds the prompts on the clock already computed: accelgen keeps prompts' 16-token blocks for
+    reuse, and warmed up on the same prompts its timed run found most of them stored, which a real job, each prompt
+    once, never does (RESULTS.md, "Twelfth run")."""
     work = json.loads((folder / "work.json").read_text())
     ending = set(work["ending"])
     max_new = new_tokens or work["max_new_tokens"]
