@@ -28,7 +28,7 @@ import time
 import torch
 
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
-from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.native_kernels import native_operator_built
 from accelgen_cpu.packed_linear import find_packed, register_packed
 
 #: the kernels a weight shape may take, in the order they are tried
@@ -212,7 +212,7 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
 
 def available_kernels() -> tuple[str, ...]:
     """The kernels of :data:`KERNELS` this machine and torch build run."""
-    fused = native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "int8_panels_linear")
+    fused = native_operator_built("int8_panels_linear")
     return tuple(kernel for kernel in KERNELS
                  if (kernel != "packed" or _packing_works()) and (kernel != "fused" or fused))
 

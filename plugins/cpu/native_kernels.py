@@ -50,6 +50,12 @@ def native_kernels() -> bool:
     return True
 
 
+def native_operator_built(name: str) -> bool:
+    """Whether the kernels are loaded and define the operator ``name``: operators that need instructions the compiler's
+    target lacks (AVX-512, VNNI) are left out of the build."""
+    return native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, name)
+
+
 def _built_library() -> Path:
     sources = sorted(SOURCES.glob("*.cpp"))
     command = _compile_command(sources)

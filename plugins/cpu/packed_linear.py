@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.native_kernels import native_kernels, native_operator_built
 
 #: packed weights (or what holds them) by handle, for compiled steps' operators; the layers hold them (weakly
 #: held here)
@@ -118,7 +118,7 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
     """Replace the model's packable linear layers (module docstring) by :class:`FloatPanelsLinear` ones (float32
     weights, where the kernel is built) or :class:`PackedLinear` ones laid out for ``rows`` rows, one at a time (the
     plain weight is freed as its laid-out copy is made); returns how many."""
-    panels = _float_panels_work()
+    panels = native_operator_built("float_panels_linear")  # AVX-512
     if not (panels or _packing_works()):
         return 0
     uses: dict[int, int] = {}
@@ -137,11 +137,6 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
                     continue
                 packed += 1
     return packed
-
-
-def _float_panels_work() -> bool:
-    """Whether the plugin's float32 panels kernel is built (its kernels, on a CPU with AVX-512)."""
-    return native_kernels() and hasattr(torch.ops.accelgen_cpu_kernels, "float_panels_linear")
 
 
 @functools.cache
