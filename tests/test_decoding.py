@@ -120,13 +120,34 @@ def test_a_row_ends_on_any_of_its_end_tokens_and_on_no_other_id():
 
 
 @pytest.mark.parametrize("width", [1, 63, 64, 65, 4096, 5000])
-def test_counting_by_blocks_counts_what_one_comparison_counts(width):
-    """sampling.count_at_most (the draw's count) against a comparison over the whole row, marks at, between and
-    beyond the values, zero probabilities (runs of equal sums) included."""
+def test_a_draw_takes_the_first_token_whose_cumulative_weight_passes_the_mark(width):
+    """sampling.draw (by blocks of tokens) against the same count over the whole row in float64, on weights with
+    zeros (runs of equal sums): the same token wherever the mark is not within rounding of a token's edge."""
     generator = torch.Generator().manual_seed(width)
-    probs = torch.rand(6, width, generator=generator) ** 4
-    probs[:, torch.rand(width, generator=generator) < 0.3] = 0
-    ascending = probs.cumsum(-1)
-    mark = torch.rand(6, 1, generator=generator) * ascending[:, -1:]
-    mark[0], mark[1], mark[2], mark[3] = ascending[0, -1], 0, ascending[2, width // 2], ascending[3, -1] + 1
-    assert torch.equal(sampling.count_at_most(ascending, mark), (ascending <= mark).sum(-1))
+    weights = torch.rand(400, width, generator=generator) ** 4 * 7
+    weights[:, torch.rand(width, generator=generator) < 0.3] = 0
+    weights[:, width // 2] += 0.01  # a token of weight in every row
+    uniform = torch.rand(400, generator=generator).clamp(1e-6, 1 - 1e-6)
+    drawn = sampling.draw(weights, uniform)
+    cumulative = weights.double().cumsum(-1)
+    mark = uniform.double().unsqueeze(-1) * cumulative[:, -1:]
+    expected = (cumulative <= mark).sum(-1)
+    clear = ((cumulative - mark).abs() > 1e-5 * cumulative[:, -1:]).all(-1)
+    assert clear.sum() > 350 and torch.equal(drawn[clear], expected[clear])
+    assert bool((weights.gather(1, drawn.unsqueeze(-1)) > 0).all())
+
+
+def test_a_draw_at_the_ends_of_the_distribution_takes_a_token_of_weight():
+    """The smallest and largest numbers a draw gets take the first and the last token of any weight, whatever
+    weightless tokens lie before or after them, within a block or at the end of the vocabulary."""
+    weights = torch.zeros(4, 200)
+    weights[0, [5, 70, 130]] = torch.tensor([1.0, 2.0, 3.0])
+    weights[1, [0, 199]] = 1.0
+    weights[2, 64:128] = 0.5  # one whole block
+    weights[3, [0, 130]] = torch.tensor([1.0, 1e-9])  # 1e-9 is lost in a float32 sum with 1
+    # the extremes of sampling.uniform_draws: its largest number rounds to 1 in float32
+    smallest, largest = torch.full((4,), 0.5 / (1 << 24)), torch.full((4,), 1.0)
+    assert sampling.draw(weights, smallest).tolist() == [5, 0, 64, 0]
+    assert sampling.draw(weights, largest).tolist() == [130, 199, 127, 130]
+    at_edge = torch.tensor([1 / 6, 0.5, 0.5, 0.5])  # marks on a token's end: the next token of weight
+    assert sampling.draw(weights, at_edge).tolist() == [70, 199, 96, 0]

@@ -42,13 +42,18 @@ class RowSampling(NamedTuple):
                    torch.full((rows,), seed_key(sampling.seed), dtype=torch.long, device=device))
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
-                    per_row: bool = False) -> torch.Tensor:
-    """Probabilities [B, V] after temperature, top-k and top-p (nucleus) filtering, in that order: the run's
-    top-k, each row's temperature and top-p (``rows``; default: the run's). Top-p sorts the vocabulary, so it
-    runs only where a row may use it: the run's top-p is below 1, or rows choose their own (``per_row``)."""
+def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
+                      per_row: bool = False) -> torch.Tensor:
+    """Each token's weight [B, V]: its probability after temperature, top-k and top-p (nucleus) filtering, in that
+    order, times a row's own constant (the most likely token weighs 1, a filtered one 0); what a draw needs, without
+    the division a normalised distribution costs. The run's top-k, each row's temperature and top-p (``rows``;
+    default: the run's). Top-p sorts the vocabulary, so it runs only where a row may use it: the run's top-p is
+    below 1, or rows choose their own (``per_row``)."""
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
-    logits = logits.float() / rows.temperatures.clamp(min=1e-5).unsqueeze(-1)
+    logits = logits.float()
+    # shifted to a largest of 0 before the temperature divides them (as a product by its inverse): the same
+    # distribution, and no exponential overflows
+    logits = (logits - logits.amax(-1, keepdim=True)) * (1 / rows.temperatures.clamp(min=1e-5)).unsqueeze(-1)
     if sampling.top_k > 0:
         kth_largest = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -60,7 +65,14 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowS
         remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - rows.top_ps.unsqueeze(-1), keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    return logits.softmax(-1)
+    return logits.exp()
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
+                    per_row: bool = False) -> torch.Tensor:
+    """Probabilities [B, V] after temperature, top-k and top-p filtering: :func:`logits_to_weights`, normalised."""
+    weights = logits_to_weights(logits, sampling, rows, per_row)
+    return weights / weights.sum(-1, keepdim=True)
 
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: torch.Tensor,
@@ -75,7 +87,7 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: tor
     if not (sampling.do_sample or per_row):
         return most_likely(logits)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
-    drawn = draw(logits_to_probs(logits, sampling, rows, per_row), uniform)
+    drawn = draw(logits_to_weights(logits, sampling, rows, per_row), uniform)
     return torch.where(rows.temperatures > 0, drawn, most_likely(logits)) if per_row else drawn
 
 
@@ -85,34 +97,39 @@ def most_likely(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
-def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Token ids [B]: for each row of ``probs`` [B, V] the first token whose cumulative probability exceeds
-    ``uniform`` [B] (in (0, 1)) times the row's total; a token of probability 0 is never drawn. A count of the
-    cumulative sums below the mark, not a search, so that every device runs it."""
-    cumulative = probs.float().cumsum(-1)
-    mark = uniform.unsqueeze(-1) * cumulative[:, -1:]
-    return count_at_most(cumulative, mark).clamp(max=probs.shape[-1] - 1)
+#: tokens per block of :func:`draw`
+DRAW_BLOCK = 64
 
 
-#: values per block of :func:`count_at_most`
-COUNT_BLOCK = 64
+def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Token ids [B]: for each row of ``weights`` [B, V] (non-negative, some positive: probabilities, or any multiple
+    of them) the first token whose cumulative weight exceeds ``uniform`` [B] (in (0, 1]) times the row's total. A
+    token of weight 0 is never drawn.
+
+    By blocks of :data:`DRAW_BLOCK` tokens: the cumulative sum of the blocks' totals finds the block the mark falls
+    in, and the cumulative sum of that block's weights the token in it. A cumulative sum adds one value after
+    another; these add V / 64 and 64 a row where one over the row adds V. Counts, not searches, so that every device
+    runs them. Where rounding puts the mark at or past the end of the weight (of the row, or of the block it falls
+    in), the draw takes the last token of any weight there."""
+    rows, width = weights.shape
+    blocks = -(-width // DRAW_BLOCK)
+    weights = weights.float()
+    if blocks * DRAW_BLOCK != width:  # tokens of weight 0 after the last
+        weights = torch.nn.functional.pad(weights, (0, blocks * DRAW_BLOCK - width))
+    blocked = weights.view(rows, blocks, DRAW_BLOCK)
+    block_totals = blocked.sum(-1)  # [B, blocks]
+    block_ends = block_totals.cumsum(-1)  # [B, blocks]: the cumulative weight at each block's end
+    mark = uniform.unsqueeze(-1) * block_ends[:, -1:]  # [B, 1]
+    block = torch.minimum((block_ends <= mark).sum(-1), _last_true(block_totals > 0))  # [B]
+    before = torch.where(block > 0, block_ends.gather(1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    inner = blocked.gather(1, block.view(rows, 1, 1).expand(rows, 1, DRAW_BLOCK)).squeeze(1)  # [B, DRAW_BLOCK]
+    within = (inner.cumsum(-1) + before.unsqueeze(-1) <= mark).sum(-1)  # a token of weight 0 adds nothing: never past
+    return block * DRAW_BLOCK + torch.minimum(within, _last_true(inner > 0))
 
 
-def count_at_most(ascending: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
-    """How many values of each row of ``ascending`` [B, V] (non-decreasing) are at most ``mark`` [B, 1]: [B].
-
-    Counted by blocks of :data:`COUNT_BLOCK`: the blocks whose last value is at most the mark (all of theirs are),
-    then the values of the first block that is not, gathered: two counts over V / 64 and 64 values, where one count
-    over V (a comparison and a sum over [B, V]) took 200 us of a 6.7 ms CPU decode step at 16 rows x 4,096 tokens."""
-    rows, width = ascending.shape
-    blocks = -(-width // COUNT_BLOCK)
-    if blocks * COUNT_BLOCK != width:  # +inf after the last value: counted by no mark
-        ascending = torch.nn.functional.pad(ascending, (0, blocks * COUNT_BLOCK - width), value=float("inf"))
-    blocked = ascending.view(rows, blocks, COUNT_BLOCK)
-    whole = (blocked[:, :, -1] <= mark).sum(-1)  # [B]
-    first_not_whole = whole.clamp(max=blocks - 1).view(rows, 1, 1).expand(rows, 1, COUNT_BLOCK)
-    within = (blocked.gather(1, first_not_whole).squeeze(1) <= mark).sum(-1)  # [B]
-    return whole * COUNT_BLOCK + torch.where(whole < blocks, within, torch.zeros_like(within))
+def _last_true(flags: torch.Tensor) -> torch.Tensor:
+    """The index [B] of the last True of each row of ``flags`` [B, N] (0 where none is)."""
+    return (torch.arange(flags.shape[-1], device=flags.device) * flags).amax(-1)
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -122,7 +139,7 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_draws(seed_keys: torch.Tensor, row_indices: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """A uniform number in (0, 1) (float32) that is a pure function of (seed, row index, step), for each element of
+    """A uniform number in (0, 1] (float32) that is a pure function of (seed, row index, step), for each element of
     the three int64 tensors broadcast together: ``seed_keys`` are the rows' seeds as :func:`seed_key` makes them.
     Rows [B] at one step [1] give [B]; rows [B, 1] and steps [1, N] give every step's number of every row [B, N].
 
@@ -131,7 +148,8 @@ def uniform_draws(seed_keys: torch.Tensor, row_indices: torch.Tensor, step: torc
     rows = row_indices.long()
     row_key = _hash32((rows & _MASK_32) ^ _hash32(((rows >> 32) & _MASK_32) ^ seed_keys))  # [B]
     bits = _hash32(row_key ^ _hash32(step.long() & _MASK_32))  # [B], uniform over 32 bits
-    # the top 24 bits fit a float32 exactly: uniform in (0, 1), never 0 or 1
+    # the top 24 bits, and a half: uniform in (0, 1], never 0; the largest rounds to 1 in float32 (a draw at 1 takes
+    # its row's last token of any weight)
     return ((bits >> 8).float() + 0.5) / float(1 << 24)
 
 
