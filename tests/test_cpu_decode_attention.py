@@ -107,9 +107,42 @@ def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key
     assert ours.shape == expected.shape and torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("key_heads", [4, 2])
+@pytest.mark.parametrize("boolean_mask", [False, True])
+@pytest.mark.parametrize("stored", [0, 8])
+@pytest.mark.parametrize("size", [20, 32, 64])
+def test_a_prompts_queries_attend_as_sdpa_does(dtype, tolerance, key_heads, boolean_mask, stored, size):
+    """prompt_attention: right-aligned prompts of different lengths in a bucket (the core's causal mask over their
+    padding), in the model's head layout (queries [B, H, T, D] transposed from [B, T, H, D]); ``stored``: positions
+    held before the queries' own (a prefix found stored), seen by the prompts that reach back to them. Each real
+    query's output is SDPA's; a padding query's, which sees nothing, is 0."""
+    from accelgen.model.transformers_adapter.forward import additive_causal_mask
+
+    assert native_kernels()
+    torch.manual_seed(0)
+    rows, heads, queries = 3, 4, 12
+    lengths = [12 + stored, 7, 1]  # the first reaches back into the stored positions
+    query = torch.randn(rows, queries, heads, size, dtype=dtype).transpose(1, 2)
+    key, value = (torch.randn(rows, stored + queries, key_heads, size, dtype=dtype).transpose(1, 2) for _ in range(2))
+    prompt_mask = torch.zeros(rows, stored + queries, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        prompt_mask[row, stored + queries - length:] = 1
+    mask = additive_causal_mask(prompt_mask, torch.arange(stored, stored + queries), dtype)  # [B, 1, T, L]
+    seen = mask == 0
+    groups, scale = heads // key_heads, size**-0.5
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
+    ours = torch.ops.accelgen_cpu_kernels.prompt_attention(query, key, value, seen if boolean_mask else mask, scale)
+    real = seen.any(-1, keepdim=True).expand(rows, heads, queries, size)  # [B, H, T, D]: queries that see a key
+    assert ours.shape == expected.shape and ours.dtype == dtype and int((~real).sum()) > 0
+    assert torch.allclose(ours[real].float(), expected[real].float(), atol=tolerance, rtol=tolerance)
+    assert bool((ours[~real] == 0).all())
+
+
 def test_models_whose_attention_goes_through_transformers_interface_decode_with_it(tiny_model_folder):
-    """Llama's attention modules do a decode step's attention in one operator (test_parity.py: the tokens are
-    Hugging Face's); a prefill runs theirs."""
+    """Llama's attention modules do a decode step's attention in one operator, and a prefill attends with the prompt
+    kernel, a call a layer (test_parity.py: the tokens are Hugging Face's)."""
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=4)
     assert generator.model.config._attn_implementation == NAME
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -117,6 +150,8 @@ def test_models_whose_attention_goes_through_transformers_interface_decode_with_
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = generator.model.config.num_hidden_layers
     assert calls.get("accelgen_cpu_kernels::decode_self_attention") == generator.stats.decode_steps * layers > 0
+    assert calls.get("accelgen_cpu_kernels::prompt_attention") == generator.stats.prefill_passes * layers > 0
+    assert "aten::scaled_dot_product_attention" not in calls
 
 
 def run_tiny_llama(folder, environment) -> subprocess.CompletedProcess:

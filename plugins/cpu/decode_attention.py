@@ -1,13 +1,15 @@
-"""Attention of one query per row (a decode step) on the CPU: the plugin's C++ kernel, which reads only the cache
+"""Attention on the CPU: of one query per row (a decode step), the plugin's C++ kernel, which reads only the cache
 positions each row sees (``kernels/decode_attention.cpp``), or where it could not be built, two batched matrix
-products and a softmax over whole cache rows.
+products and a softmax over whole cache rows; of a prompt's queries, the same kernel's loops, each query over the
+positions it sees (its prompt up to itself: no padding, no later position), where SDPA computes every query of the
+bucket over every position and masks.
 
 SDPA's flash kernel for the CPU works in blocks per (row, head), which at one query are tiny products that cost
 more to set up than to run: 670 us per layer for 16 rows x 8 heads over 256 cached positions, against about 450 us
 here (the step of benchmarks/cpu_compile.py's model: 7.6 -> 6.5 ms compiled, 10.7 -> 9.6 eager). The function is
 registered with transformers' ``AttentionInterface`` as :data:`NAME` and given to models whose attention goes through
-that interface and runs SDPA; prompts (several queries) and what it does not handle (soft-capping, attention sinks,
-no mask) go to transformers' own SDPA function. Either kernel is one operator, so that a compiled step calls it whole:
+that interface and runs SDPA; what it does not handle (soft-capping, attention sinks, no mask, prompts where the C++
+kernels were not built) goes to transformers' own SDPA function. Either kernel is one operator, so that a compiled step calls it whole:
 inductor otherwise rewrites the products as loops of its own, slower here.
 
 In a continuous-batching job a row sees from its prompt's first token to its newest one, a fraction of the static
@@ -53,27 +55,36 @@ def _(query, key, value, mask, scale):
 
 #: the kernel decode steps attend with: the C++ one once built (:func:`use_decode_attention`)
 _kernel = decode_attention
+#: the kernel prompts attend with: the C++ one once built; else (None) SDPA
+_prompt_kernel = None
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' attention-function signature: the output [B, 1, H, D] and no weights."""
-    own = (query.shape[2] == 1 and attention_mask is not None and attention_mask.shape[1] == attention_mask.shape[2] == 1
-           and query.shape[1] % key.shape[1] == 0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
-    if not own:
+    """transformers' attention-function signature: the output [B, T, H, D] and no weights. One query a row (a decode
+    step) takes the decode kernel; a prompt's queries the C++ prompt kernel where it is built (each query reads only
+    the positions it sees: none of the padding before a shorter prompt, none after itself); what neither handles goes
+    to transformers' SDPA function."""
+    ours = (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[2] == query.shape[2] and query.shape[1] % key.shape[1] == 0
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
+    kernel = _kernel if query.shape[2] == 1 else _prompt_kernel
+    if not ours or kernel is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = _kernel(query, key, value, attention_mask[..., : key.shape[2]], scale)
+    output = kernel(query, key, value, attention_mask[..., : key.shape[2]], scale)
     return output.transpose(1, 2).contiguous(), None
 
 
 def use_decode_attention(model: torch.nn.Module) -> bool:
     """Give ``model`` this attention for its decode steps when its attention goes through transformers'
     ``AttentionInterface`` and runs SDPA; True when it was given."""
-    global _kernel
+    global _kernel, _prompt_kernel
     if not getattr(model, "_supports_attention_backend", False) or model.config._attn_implementation != "sdpa":
         return False
-    _kernel = torch.ops.accelgen_cpu_kernels.decode_attention if native_kernels() else decode_attention
+    built = native_kernels()
+    _kernel = torch.ops.accelgen_cpu_kernels.decode_attention if built else decode_attention
+    _prompt_kernel = torch.ops.accelgen_cpu_kernels.prompt_attention if built else None
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
     return True

@@ -6,10 +6,16 @@
 // decode step the cache is most of the memory read. Here each (row, key/value head) reads the keys and values of
 // its row's span once, for all the query heads that share them.
 //
-// Values: what softmax(q k^T * scale + mask) v gives, in float32 arithmetic whatever the tensors' dtype. Positions
+// Values: what softmax(q k^T * scale + mask) v gives, in float32 arithmetic whatever the tensors' dtype, and rounded
+// where SDPA's CPU kernel rounds: each weight exp(score - max) rounded to the dtype before it multiplies its value, the
+// sum of the weights (unrounded) dividing the result. Positions
 // outside the span carry the mask's "unseen" value (at most half float32's lowest), whose softmax weight is exactly
 // zero in float32: skipping them changes nothing but the order of additions. A row that sees nothing attends to
 // all L positions evenly, as softmax over a row of equal minima does.
+//
+// prompt_attention is the same attention for a prompt's queries (several a row, each seeing the row's positions up
+// to its own): each (row, key/value head) reads its keys and values for every query of the row, and a query that
+// sees nothing (a padding position before a prompt) is skipped, its output 0, where a decode row's attends evenly.
 //
 // decode_self_attention does a decode step's whole attention between the products: the new token's keys and
 // queries rotated (rotary position embedding, as transformers' apply_rotary_pos_emb computes it, rounding as it
@@ -108,34 +114,35 @@ inline __m512 exp_of_nonpositive_lanes(__m512 value) {
 }
 #endif
 
-// scores [span] -> their softmax, in place; sixteen at a time where AVX-512 is (the scalar loops do not vectorize).
-inline void softmax_in_place(float* scores, int64_t span) {
+// scores [span] -> their softmax's weights before the division, exp(score - the largest), in place, rounded to T
+// (bfloat16: as SDPA's CPU kernel rounds the weights it multiplies the values by); returns the inverse of their sum,
+// taken before rounding. Sixteen at a time where AVX-512 is (the scalar loops do not vectorize).
+template <typename T>
+inline float exp_in_place(float* scores, int64_t span) {
 #if defined(__AVX512F__)
-  __m512 tops = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < span; j += 16)
-    tops = _mm512_mask_max_ps(tops, lanes_before(span - j), tops, _mm512_maskz_loadu_ps(lanes_before(span - j), scores + j));
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
-  __m512 totals = _mm512_setzero_ps();
-  for (int64_t j = 0; j < span; j += 16) {
-    const __mmask16 mask = lanes_before(span - j);
-    const __m512 weights = exp_of_nonpositive_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), top));
-    totals = _mm512_mask_add_ps(totals, mask, totals, weights);
-    _mm512_mask_storeu_ps(scores + j, mask, weights);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    __m512 tops = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < span; j += 16)
+      tops = _mm512_mask_max_ps(tops, lanes_before(span - j), tops, _mm512_maskz_loadu_ps(lanes_before(span - j), scores + j));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
+    __m512 totals = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 16) {
+      const __mmask16 mask = lanes_before(span - j);
+      const __m512 weights = exp_of_nonpositive_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), top));
+      totals = _mm512_mask_add_ps(totals, mask, totals, weights);
+      _mm512_mask_storeu_ps(scores + j, mask, rounded_to<T>(weights));
+    }
+    return 1.0f / _mm512_reduce_add_ps(totals);
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
-  for (int64_t j = 0; j < span; j += 16)
-    _mm512_mask_storeu_ps(scores + j, lanes_before(span - j),
-                          _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_before(span - j), scores + j), inverse));
-#else
+#endif
   const float top = *std::max_element(scores, scores + span);
   float total = 0;
   for (int64_t j = 0; j < span; ++j) {
-    scores[j] = exp_of_nonpositive(scores[j] - top);
-    total += scores[j];
+    const float weight = exp_of_nonpositive(scores[j] - top);
+    total += weight;
+    scores[j] = static_cast<float>(static_cast<T>(weight));
   }
-  const float inverse = 1.0f / total;
-  for (int64_t j = 0; j < span; ++j) scores[j] *= inverse;
-#endif
+  return 1.0f / total;
 }
 
 // The loops of span_kernels: scores of a span's positions, and the weighted sum of their values.
@@ -194,12 +201,12 @@ template <typename T>
 std::optional<SpanKernels<T>> span_kernels(int64_t) { return std::nullopt; }
 #endif
 
-// The first and one past the last position of ``mask`` [L] that a query sees; [0, L) when it sees none.
+// The first and one past the last position of ``mask`` [L] that a query sees; [L, L) when it sees none.
 inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) {
   const float unseen = std::numeric_limits<float>::lowest() / 2;
   int64_t first = 0, end = length;
   while (first < length && mask[first] <= unseen) ++first;
-  if (first == length) return {0, length};
+  if (first == length) return {length, length};
   while (mask[end - 1] <= unseen) --end;
   return {first, end};
 }
@@ -249,138 +256,180 @@ struct NewTokens {
   const int64_t* write_positions;
 };
 
-// Attention of query heads [B, H] (row b's head h at q + b * q_row + h * q_head) over the cache key, value
-// [B, K, L, D], written to output [B, H, .., D]; with ``tokens``, their keys and values written into the cache
-// and the queries rotated first.
+// Queries of a prompt per work item of attend.
+constexpr int64_t kQueryBlock = 64;
+
+// Where the queries are: row b's query t of head h at start + b * row + t * position + h * head (T of them a row),
+// and where their outputs go, likewise.
 template <typename T>
-void attend(const T* q, int64_t q_row, int64_t q_head, int64_t heads, const NewTokens<T>* tokens, at::Tensor& key,
-            at::Tensor& value, const at::Tensor& mask, double scale, at::Tensor& output) {
+struct QueryLayout {
+  T* start;
+  int64_t row, position, head;
+};
+
+// Attention of the queries of heads [B, H] (T a row) over the cache key, value [B, K, L, D] with mask [B, T, L]
+// (additive, float32), written to ``output``; with ``tokens`` (T = 1), their keys and values written into the cache
+// and the queries rotated first. A query that sees no position attends to all L evenly, or with ``skip_unseen``
+// is skipped: its output 0.
+template <typename T>
+void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTokens<T>* tokens, at::Tensor& key,
+            at::Tensor& value, const at::Tensor& mask, double scale, bool skip_unseen, QueryLayout<T> out) {
   const int64_t rows = key.size(0), size = key.size(3);
   const int64_t key_heads = key.size(1), length = key.size(2), groups = heads / key_heads;
   T* k = key.data_ptr<T>();
   T* v = value.data_ptr<T>();
   const float* m = mask.data_ptr<float>();
-  T* out = output.data_ptr<T>();
   const int64_t k_row = key.stride(0), k_head = key.stride(1), k_pos = key.stride(2);
   const int64_t v_row = value.stride(0), v_head = value.stride(1), v_pos = value.stride(2);
-  const int64_t o_row = output.stride(0), o_head = output.stride(1);
 
-  std::vector<std::pair<int64_t, int64_t>> spans(rows);  // each row's, shared by its heads
-  for (int64_t b = 0; b < rows; ++b) spans[b] = seen_span(m + b * length, length);
+  std::vector<std::pair<int64_t, int64_t>> spans(rows * queries);  // each query's, shared by its row's heads
+  for (int64_t i = 0; i < rows * queries; ++i) spans[i] = seen_span(m + i * length, length);
+  const bool prefetching = queries == 1;  // a decode step reads each row's span once, mostly from memory
+  // the work items: (row, key/value head, block of a prompt's queries), the blocks so that a long prompt's heads
+  // share out over more threads than there are heads
+  const int64_t blocks = (queries + kQueryBlock - 1) / kQueryBlock, items = rows * key_heads * blocks;
 
-  at::parallel_for(0, rows * key_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(groups * size), row(size), sums(groups * size), scores;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query_values(groups * size), row(size), sums(groups * size), inverses(groups), scores;
     std::vector<T> rotated(size);
     const std::optional<SpanKernels<T>> vectorized = span_kernels<T>(size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / key_heads, kh = item % key_heads;
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* query_g = q + b * q_row + (kh * groups + g) * q_head;
-        if (tokens) {
-          rotate(query_g, tokens->cos + b * tokens->cos_row, tokens->sin + b * tokens->sin_row, size, rotated.data());
-          query_g = rotated.data();
-        }
-        to_float(query_g, &queries[g * size], size);
-      }
+      const int64_t b = item / (key_heads * blocks), kh = item / blocks % key_heads, block = item % blocks;
       if (tokens) {  // the row's new key (rotated) and value at its write position
         const int64_t position = tokens->write_positions[b];
         rotate(tokens->key + b * tokens->key_row + kh * size, tokens->cos + b * tokens->cos_row,
                tokens->sin + b * tokens->sin_row, size, k + b * k_row + kh * k_head + position * k_pos);
         std::copy_n(tokens->value + b * tokens->value_row + kh * size, size, v + b * v_row + kh * v_head + position * v_pos);
       }
-      const float* row_mask = m + b * length;
-      const auto [first, last] = spans[b];
-      const int64_t span = last - first;
-      scores.resize(groups * span);
-      const T* keys = k + b * k_row + kh * k_head + first * k_pos;
-      const T* values = v + b * v_row + kh * v_head;
-      prefetch_positions(values + first * v_pos, v_pos, span, size);  // arriving while the scores are computed
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* query_g = &queries[g * size];
-        float* s = &scores[g * span];
-        int64_t j = 0;
+      for (int64_t t = block * kQueryBlock; t < std::min(queries, (block + 1) * kQueryBlock); ++t) {
+        auto [first, last] = spans[b * queries + t];
+        if (first == length) {
+          if (skip_unseen) {
+            for (int64_t g = 0; g < groups; ++g)
+              std::fill_n(out.start + b * out.row + t * out.position + (kh * groups + g) * out.head, size, T(0));
+            continue;
+          }
+          first = 0;
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const T* query_g = q.start + b * q.row + t * q.position + (kh * groups + g) * q.head;
+          if (tokens) {
+            rotate(query_g, tokens->cos + b * tokens->cos_row, tokens->sin + b * tokens->sin_row, size, rotated.data());
+            query_g = rotated.data();
+          }
+          to_float(query_g, &query_values[g * size], size);
+        }
+        const float* row_mask = m + (b * queries + t) * length;
+        const int64_t span = last - first;
+        scores.resize(groups * span);
+        const T* keys = k + b * k_row + kh * k_head + first * k_pos;
+        const T* values = v + b * v_row + kh * v_head;
+        if (prefetching) prefetch_positions(values + first * v_pos, v_pos, span, size);  // arriving with the scores
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* query_g = &query_values[g * size];
+          float* s = &scores[g * span];
+          int64_t j = 0;
+          if (vectorized) {
+            vectorized->scores(query_g, keys, k_pos, span, s);
+            j = span;
+          } else if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
+            for (; j + 4 <= span; j += 4) four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
+          }
+          for (; j < span; ++j) {
+            const float* key_j;
+            if constexpr (std::is_same_v<T, float>) {
+              key_j = keys + j * k_pos;
+            } else {
+              to_float(keys + j * k_pos, row.data(), size);
+              key_j = row.data();
+            }
+            s[j] = dot(query_g, key_j, size);
+          }
+          const float* row_mask_span = row_mask + first;
+          const float factor = static_cast<float>(scale);
+          for (int64_t i = 0; i < span; ++i) s[i] = s[i] * factor + row_mask_span[i];
+        }
+        for (int64_t g = 0; g < groups; ++g) inverses[g] = exp_in_place<T>(&scores[g * span], span);
+        if (prefetching && item + 1 < items) {  // the next item's keys, arriving while these values are summed
+          const int64_t next_b = (item + 1) / key_heads, next_kh = (item + 1) % key_heads;  // one block a row
+          const auto [next_first, next_last] = spans[next_b];
+          if (next_first < length)
+            prefetch_positions(k + next_b * k_row + next_kh * k_head + next_first * k_pos, k_pos, next_last - next_first, size);
+        }
+        std::fill(sums.begin(), sums.end(), 0.0f);
         if (vectorized) {
-          vectorized->scores(query_g, keys, k_pos, span, s);
-          j = span;
-        } else if constexpr (std::is_same_v<T, float>) {  // four positions at a time: their sums proceed side by side
-          for (; j + 4 <= span; j += 4) four_dots(query_g, keys + j * k_pos, k_pos, size, s + j);
-        }
-        for (; j < span; ++j) {
-          const float* key_j;
-          if constexpr (std::is_same_v<T, float>) {
-            key_j = keys + j * k_pos;
-          } else {
-            to_float(keys + j * k_pos, row.data(), size);
-            key_j = row.data();
-          }
-          s[j] = dot(query_g, key_j, size);
-        }
-        const float* row_mask_span = row_mask + first;
-        const float factor = static_cast<float>(scale);
-        for (int64_t i = 0; i < span; ++i) s[i] = s[i] * factor + row_mask_span[i];
-      }
-      for (int64_t g = 0; g < groups; ++g) softmax_in_place(&scores[g * span], span);
-      if (item + 1 < rows * key_heads) {  // the next item's keys, arriving while this one's values are summed
-        const int64_t next_b = (item + 1) / key_heads, next_kh = (item + 1) % key_heads;
-        const auto [next_first, next_last] = spans[next_b];
-        prefetch_positions(k + next_b * k_row + next_kh * k_head + next_first * k_pos, k_pos, next_last - next_first, size);
-      }
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      if (vectorized) {
-        for (int64_t g = 0; g < groups; ++g)
-          vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, &sums[g * size]);
-      } else {
-        for (int64_t j = 0; j < span; ++j) {
-          const T* value_j = values + (first + j) * v_pos;
-          const float* vf;
-          if constexpr (std::is_same_v<T, float>) {
-            vf = value_j;
-          } else {
-            to_float(value_j, row.data(), size);
-            vf = row.data();
-          }
-          for (int64_t g = 0; g < groups; ++g) {
-            const float weight = scores[g * span + j];
-            float* sum = &sums[g * size];
-            for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+          for (int64_t g = 0; g < groups; ++g)
+            vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, &sums[g * size]);
+        } else {
+          for (int64_t j = 0; j < span; ++j) {
+            const T* value_j = values + (first + j) * v_pos;
+            const float* vf;
+            if constexpr (std::is_same_v<T, float>) {
+              vf = value_j;
+            } else {
+              to_float(value_j, row.data(), size);
+              vf = row.data();
+            }
+            for (int64_t g = 0; g < groups; ++g) {
+              const float weight = scores[g * span + j];
+              float* sum = &sums[g * size];
+              for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+            }
           }
         }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        T* o = out + b * o_row + (kh * groups + g) * o_head;
-        for (int64_t d = 0; d < size; ++d) o[d] = static_cast<T>(sums[g * size + d]);
+        for (int64_t g = 0; g < groups; ++g) {
+          T* o = out.start + b * out.row + t * out.position + (kh * groups + g) * out.head;
+          for (int64_t d = 0; d < size; ++d) o[d] = static_cast<T>(sums[g * size + d] * inverses[g]);
+        }
       }
     }
   });
 }
 
-// A mask [B, 1, 1, L] or [B, L] (additive, or true where a key is seen) as additive float32 [B, L].
-at::Tensor additive_mask(const at::Tensor& mask, int64_t rows, int64_t length) {
-  at::Tensor flat = mask.reshape({rows, length});
+// A mask of ``queries`` rows of L per row ([B, 1, T, L], [B, T, L]; additive, or true where a key is seen) as
+// additive float32 [B, T, L].
+at::Tensor additive_mask(const at::Tensor& mask, int64_t rows, int64_t queries, int64_t length) {
+  at::Tensor flat = mask.reshape({rows, queries, length});
   return flat.scalar_type() == at::kBool
-      ? at::zeros({rows, length}, flat.options().dtype(at::kFloat))
+      ? at::zeros({rows, queries, length}, flat.options().dtype(at::kFloat))
             .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
       : flat.to(at::kFloat).contiguous();
 }
 
 at::Tensor last_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
-// query [B, H, 1, D]; key, value [B, K, L, D] (H a multiple of K); mask [B, 1, 1, L] or [B, L]: additive, or
-// true where a key is seen. -> [B, H, 1, D], query's dtype.
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& mask, double scale) {
-  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && key.dim() == 4 && value.sizes() == key.sizes(),
-              "decode_attention: query [B, H, 1, D], key and value [B, K, L, D]");
-  TORCH_CHECK(query.size(1) % key.size(1) == 0, "decode_attention: query heads a multiple of key heads");
+// query [B, H, T, D]; key, value [B, K, L, D] (H a multiple of K); mask [B, 1, T, L] (T = 1: or [B, L]): additive,
+// or true where a key is seen. -> [B, H, T, D], query's dtype and layout.
+at::Tensor queries_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const at::Tensor& mask, double scale, bool skip_unseen, const char* name) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && query.size(0) == key.size(0)
+                  && query.size(3) == key.size(3), name, ": query [B, H, T, D], key and value [B, K, L, D]");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, name, ": query heads a multiple of key heads");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-              "decode_attention: query, key and value of one dtype");
-  at::Tensor additive = additive_mask(mask, query.size(0), key.size(2));
+              name, ": query, key and value of one dtype");
+  const int64_t queries = query.size(2);
+  at::Tensor additive = additive_mask(mask, query.size(0), queries, key.size(2));
   at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
-  at::Tensor output = at::empty(query.sizes(), query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), q.size(1), nullptr, k, v, additive, scale, output);
+  at::Tensor output = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "queries_attention", [&] {
+    attend<scalar_t>({q.data_ptr<scalar_t>(), q.stride(0), q.stride(2), q.stride(1)}, q.size(1), queries, nullptr, k, v,
+                     additive, scale, skip_unseen,
+                     {output.data_ptr<scalar_t>(), output.stride(0), output.stride(2), output.stride(1)});
   });
   return output;
+}
+
+// query [B, H, 1, D]: one query a row (a decode step); a row that sees nothing attends evenly.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "decode_attention: query [B, H, 1, D]");
+  return queries_attention(query, key, value, mask, scale, false, "decode_attention");
+}
+
+// query [B, H, T, D]: a prompt's queries, each seeing what mask [B, 1, T, L] says; a query that sees nothing gets 0.
+at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& mask, double scale) {
+  return queries_attention(query, key, value, mask, scale, true, "prompt_attention");
 }
 
 // The new token's query [B, 1, H * D], key and value [B, 1, K * D] (last dimension contiguous), its rotary cos
@@ -402,7 +451,7 @@ at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key,
     TORCH_CHECK(t->scalar_type() == query.scalar_type(), "decode_self_attention: every tensor of one dtype");
   TORCH_CHECK(write_positions.scalar_type() == at::kLong && write_positions.numel() == rows,
               "decode_self_attention: write_positions [B], int64");
-  at::Tensor additive = additive_mask(mask, rows, keys.size(2));
+  at::Tensor additive = additive_mask(mask, rows, 1, keys.size(2));
   at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
   at::Tensor c = cos.reshape({rows, size}).contiguous(), s = sin.reshape({rows, size}).contiguous();
   at::Tensor positions = write_positions.contiguous();
@@ -413,15 +462,15 @@ at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key,
     const NewTokens<scalar_t> tokens{k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
                                      s.data_ptr<scalar_t>(), k.stride(0), v.stride(0), size, size,
                                      positions.data_ptr<int64_t>()};
-    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), size, heads, &tokens, keys, values, additive, scale,
-                     output_heads);
+    attend<scalar_t>({q.data_ptr<scalar_t>(), q.stride(0), 0, size}, heads, 1, &tokens, keys, values, additive, scale,
+                     false, {output_heads.data_ptr<scalar_t>(), output_heads.stride(0), 0, output_heads.stride(1)});
   });
   return output;
 }
 
-at::Tensor decode_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 double) {
-  return at::empty_like(query);
+at::Tensor queries_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  double) {
+  return at::empty_like(query.stride(-1) == 1 ? query : query.contiguous());
 }
 
 at::Tensor decode_self_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -434,6 +483,7 @@ at::Tensor decode_self_attention_meta(const at::Tensor& query, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
   library.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+  library.def("prompt_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   library.def(
       "decode_self_attention(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor(a!) keys, "
       "Tensor(b!) values, Tensor write_positions, Tensor mask, float scale) -> Tensor");
@@ -441,10 +491,12 @@ TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
 
 TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) {
   library.impl("decode_attention", &decode_attention);
+  library.impl("prompt_attention", &prompt_attention);
   library.impl("decode_self_attention", &decode_self_attention);
 }
 
 TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
-  library.impl("decode_attention", &decode_attention_meta);
+  library.impl("decode_attention", &queries_attention_meta);
+  library.impl("prompt_attention", &queries_attention_meta);
   library.impl("decode_self_attention", &decode_self_attention_meta);
 }
