@@ -104,9 +104,5 @@ class PrefixReuse:
 
     def _move(self, cache, moves: list[tuple[int, int, int]], into_cache: bool) -> None:
         """Copy whole blocks between (cache row, first position) and their place in the store."""
-        offsets = torch.arange(BLOCK_TOKENS)
-        rows = torch.tensor([slot for slot, _, _ in moves]).repeat_interleave(BLOCK_TOKENS)
-        positions = (torch.tensor([first for _, first, _ in moves])[:, None] + offsets).flatten()
-        places = torch.tensor([place for _, _, place in moves]).repeat_interleave(BLOCK_TOKENS)
-        self.pool.move(cache, *(index.to(self.device) for index in (rows, positions, places, offsets.repeat(len(moves)))),
-                       into_cache=into_cache)
+        slots, firsts, places = (torch.tensor(column, device=self.device) for column in zip(*moves))
+        self.pool.move(cache, slots, firsts, places, into_cache=into_cache)

@@ -198,17 +198,26 @@ class PrefixPool:
         return sum(tensor[0, :, :1].numel() * tensor.element_size() * block_tokens
                    for layer in cache.layers for tensor in (layer.keys, layer.values))
 
-    def move(self, cache: StaticCache, rows: torch.Tensor, positions: torch.Tensor, places: torch.Tensor,
-             offsets: torch.Tensor, into_cache: bool) -> None:
-        """Copy M tokens' keys and values between position ``positions[j]`` of cache row ``rows[j]`` and token
-        ``offsets[j]`` of block ``places[j]`` (each [M]): into the cache (a stored prefix given to a row), or
-        out of it (a prefilled prompt's blocks stored)."""
+    def move(self, cache: StaticCache, slots: torch.Tensor, firsts: torch.Tensor, places: torch.Tensor,
+             into_cache: bool) -> None:
+        """Copy m whole blocks between positions [``firsts[j]``, ``firsts[j]`` + T) of cache row ``slots[j]`` and
+        block ``places[j]`` (each [m]): into the cache (a stored prefix given to a row), or out of it (a prefilled
+        prompt's blocks stored). As copies of whole rows of two views (a block's values, the cache's positions of
+        each head), not an index over two dimensions, which copies value by value."""
+        indices: dict[tuple[int, ...], torch.Tensor] = {}
         for layer, stored_pair in zip(cache.layers, self.layers):
             for cached, stored in zip((layer.keys, layer.values), stored_pair):
+                rows, heads, length, size = cached.shape
+                if cached.shape not in indices:  # each block's T positions of each head, as rows of [B * heads * L, D]
+                    heads_of = torch.arange(heads, device=slots.device)[None, :, None]
+                    tokens = torch.arange(stored.shape[2], device=slots.device)
+                    indices[cached.shape] = ((slots[:, None, None] * heads + heads_of) * length
+                                             + firsts[:, None, None] + tokens).flatten()
+                index, positions, blocks = indices[cached.shape], cached.view(-1, size), stored.view(stored.shape[0], -1)
                 if into_cache:
-                    cached[rows, :, positions] = stored[places, :, offsets]
+                    positions.index_copy_(0, index, blocks.index_select(0, places).view(-1, size))
                 else:
-                    stored[places, :, offsets] = cached[rows, :, positions]
+                    blocks.index_copy_(0, places, positions.index_select(0, index).view(len(places), -1))
 
 
 def _give_memory(layer, key_states: torch.Tensor, value_states: torch.Tensor, batch_size: int) -> None:
