@@ -6,6 +6,7 @@ from conftest import ARCHITECTURES, PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
+from accelgen.model.architectures import architecture_of
 
 MAX_NEW_TOKENS = 24
 
@@ -56,13 +57,17 @@ def test_greedy_matches_hugging_face(tiny_model_folder, architecture, batch_size
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_an_eager_prefill_runs_the_prompts_not_their_buckets_padding(tiny_model_folder, architecture):
-    """On the CPU (prefills never captured) a prefill computes the last positions of its bucket that its longest
-    prompt needs, rounded up to 8, not the whole bucket: the same tokens, with a bucket far longer than the prompts."""
+    """On the CPU (prefills never captured) a prefill computes its prompts' own tokens, one after another in one row,
+    for a family whose tokens depend on their position ids alone (llama); for the others, the last positions of its
+    bucket that its longest prompt needs, rounded up to 8, not the whole bucket: Hugging Face's tokens either way,
+    with a bucket far longer than the prompts."""
     folder = tiny_model_folder(architecture)
     completions, generator = ours(folder, PROMPTS, batch_size=len(PROMPTS), buckets=(256,), graphs=False)
     assert completions == reference_completions(folder, PROMPTS)
-    longest = max(len(ids) for ids in AutoTokenizer.from_pretrained(folder)(PROMPTS).input_ids)
-    assert generator.stats.prefill_positions == len(PROMPTS) * -(-longest // 8) * 8
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(folder)(PROMPTS).input_ids]
+    packed = architecture_of(generator.model.config).packs_prompts
+    assert packed == (architecture == "llama")
+    assert generator.stats.prefill_positions == (sum(lengths) if packed else len(PROMPTS) * -(-max(lengths) // 8) * 8)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "bloom"])

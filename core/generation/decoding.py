@@ -30,6 +30,9 @@ from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logp
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: prompts packed in one row: (input_ids [1, N], prompt_of [N], position_ids [1, N], ends [k], token_positions [N])
+#: -> the logits [k, V] of each prompt's last token (``run_packed_prompts``)
+PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 PREFILL_POSITION_STEP = 8  # an eager prefill's positions are a multiple of this (see ``padded_length``)
 
@@ -186,15 +189,30 @@ def run_prompt_positions(forward: Forward, input_ids: torch.Tensor, prompt_mask:
                    torch.arange(start, end, device=input_ids.device))
 
 
+def run_packed_prompts(forward: PackedForward, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Run the padded prompts input_ids [k, P] (mask [k, P]) through ``forward`` one after another in one row, their
+    padding left out: each token with its prompt's number, its position id and its position in the bucket (where its
+    keys and values go in its prompt's cache row). The logits [k, V] of each prompt's last token."""
+    real = prompt_mask.bool()
+    rows, length = prompt_mask.shape
+    prompt_of = torch.arange(rows, device=input_ids.device)[:, None].expand(rows, length)[real]
+    token_positions = torch.arange(length, device=input_ids.device)[None, :].expand(rows, length)[real]
+    ends = prompt_mask.sum(-1).cumsum(0) - 1
+    return forward(input_ids[real][None], prompt_of, positions_from_mask(prompt_mask)[real][None], ends, token_positions)
+
+
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
             draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules,
-            start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            start: int = 0, packed: PackedForward | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the padded prompts input_ids [k, P] (mask [k, P]) from position ``start`` on through ``forward``, which
     writes their keys and values (the positions before ``start`` are in the cache rows already: a stored prefix, or
-    the chunks prefilled before), and draw m first tokens [m] (step 0 of each draw): draw j from prompt
-    ``draw_from[j]`` keyed by ``draw_keys[j]`` (one per prompt, or one per sample of it) with its own ``sampling``
-    [m]; with their log-probabilities [m] (zeros unless ``rules.logprobs``)."""
-    logits = run_prompt_positions(forward, input_ids, prompt_mask, start, input_ids.shape[1]).index_select(0, draw_from)
+    the chunks prefilled before), or whole and without their padding through ``packed`` (``run_packed_prompts``),
+    and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by ``draw_keys[j]``
+    (one per prompt, or one per sample of it) with its own ``sampling`` [m]; with their log-probabilities [m] (zeros
+    unless ``rules.logprobs``)."""
+    logits = (run_packed_prompts(packed, input_ids, prompt_mask) if packed is not None
+              else run_prompt_positions(forward, input_ids, prompt_mask, start, input_ids.shape[1]))
+    logits = logits.index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     uniform = uniform_draws(sampling.seed_keys, draw_keys, first_step)
     tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row)

@@ -33,11 +33,15 @@ from accelgen.model.transformers_adapter.static_cache import (
     copy_prompt_rows,
     needs_first_write,
     new_static_cache,
+    packed_rows,
     prompt_rows,
     write_each_row_at,
 )
 from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.plugin.contract import Accelerator
+
+#: The most prompt tokens a prefill packs in one row: its mask holds the square of their count.
+PACKED_MOST_TOKENS = 2048
 
 
 class PrefillShape:
@@ -60,6 +64,7 @@ class PrefillShape:
         self.limits = longs(draws)  # [m] each started row's maximum of new tokens
         self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
         self.step: Callable[..., object] | None = None
+        self.packed_step: Callable[..., object] | None = None  # the step with its prompts packed in one row
         #: the steps of the chunks before ``first_position``, by span [start, end) of positions, over ``passes_over``
         self.chunk_steps: dict[tuple[int, int], Callable[..., object]] = {}
 
@@ -100,6 +105,8 @@ class SlotRunner:
         self.model = model_forward.model
         #: a model that sizes its own masks from the cache position needs every row at one position
         self.rows_aligned = not model_forward.builds_4d_mask
+        #: whether prefills without a stored beginning run their prompts packed in one row, without padding
+        self.packs_prompts = accelerator.packs_prompts and model_forward.packs_prompts
         self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
         self._storage: CacheStorage | None = None
         self._shapes: dict[int, SlotShape] = {}  # by cache length
@@ -181,17 +188,21 @@ class SlotRunner:
         prompt_slots = [slot_of[id(draws[insertion.sources.index(place)])] for place in range(len(prompts))]
         window = insertion.bucket_length if self.prefixes is None else self.prefixes.reuse(
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
+        found_stored = window < insertion.bucket_length
         longest = max(len(row.prompt_ids) for row in prompts)
         if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
+        prompt_tokens = sum(len(row.prompt_ids) for row in prompts)
+        # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small
+        packed = self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
         rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.captures_prefill
                            else (len(prompts), len(draws)))
-        self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in prompts)
+        self.stats.prompt_tokens += prompt_tokens
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
-        self.stats.prefill_positions += rows * (spans[-1][1] - spans[0][0])
+        self.stats.prefill_positions += prompt_tokens if packed else rows * (spans[-1][1] - spans[0][0])
         key = (rows, insertion.bucket_length, draw_rows, spans[-1][0])
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
@@ -217,9 +228,15 @@ class SlotRunner:
                 prefill_shape.chunk_steps[span] = self._captured(
                     self._chunk_step(prefill_shape, *span), prefill_shape.passes_over, "prefill_captures")
             self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span)
-        if fresh:
-            prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape), "prefill_captures")
-        self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
+        if packed:
+            if prefill_shape.packed_step is None:
+                prefill_shape.packed_step = self._prefill_step(prefill_shape, packed=True)
+            self._prefill_pass(prefill_shape.packed_step, tuple(prefill_shape), spans[-1])
+        else:
+            if prefill_shape.step is None:
+                prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
+                                                    "prefill_captures")
+            self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
         self.stats.prefills += 1
         self.stats.prefill_rows += rows
         self.stats.slot_tokens += rows
@@ -336,9 +353,10 @@ class SlotRunner:
 
         shape.decode_step = self._captured(decode_step, tuple(shape.state), "graph_captures")
 
-    def _prefill_step(self, prefill_shape: PrefillShape) -> Callable[..., torch.Tensor]:
+    def _prefill_step(self, prefill_shape: PrefillShape, packed: bool = False) -> Callable[..., torch.Tensor]:
         """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
-        named by its ``slots``, each prompt's first token into its ``first_tokens``."""
+        named by its ``slots``, each prompt's first token into its ``first_tokens``; ``packed``: the prompts whole,
+        packed in one row (``decoding.run_packed_prompts``)."""
         rules, cache, start = self.rules, self.shape.cache, prefill_shape.first_position
         forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots, start)
 
@@ -346,8 +364,9 @@ class SlotRunner:
 
         def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
                          *sampling):
+            into_rows = functools.partial(self._packed_forward, cache, slots) if packed else None
             tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
-                                                RowSampling(*sampling), rules, start)
+                                                RowSampling(*sampling), rules, start, into_rows)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
                 copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)
@@ -365,6 +384,13 @@ class SlotRunner:
             return decoding.run_prompt_positions(forward, input_ids, prompt_mask, start, end)
 
         return chunk_step
+
+    def _packed_forward(self, cache, slots: torch.Tensor, input_ids: torch.Tensor, prompt_of: torch.Tensor,
+                        position_ids: torch.Tensor, ends: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """The model on prompts packed in one row (``decoding.PackedForward``), prompt i's keys and values into row
+        ``slots[i]`` of ``cache``."""
+        view = packed_rows(cache, slots.index_select(0, prompt_of), token_positions)
+        return self.forward.packed_logits(input_ids, prompt_of, position_ids, ends, view)
 
     def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0) -> decoding.Forward:
         """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache`` (from

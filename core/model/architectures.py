@@ -42,6 +42,10 @@ class Architecture:
     #: (relative to the decoder layer, a direct child with a leading dot). None: not checked for slicing.
     decoder_layer: str | None = None
     row_parallel: tuple[str, ...] = ()
+    #: A token's values depend on its position id and on the keys its mask lets it see, nothing else (rotary
+    #: embeddings; no position read off the mask): prompts may run one after another in one row, kept apart by the
+    #: mask, where a batch pads each to the longest (``ModelForward.packed_logits``).
+    packs_prompts: bool = False
 
 
 def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
@@ -60,7 +64,7 @@ ARCHITECTURES = {
                            count_key_value_heads=_falcon_key_value_heads),
     "gpt2": Architecture(takes_4d_mask=True),
     "llama": Architecture(takes_4d_mask=True, decoder_layer="LlamaDecoderLayer",
-                          row_parallel=("self_attn.o_proj", "mlp.down_proj")),
+                          row_parallel=("self_attn.o_proj", "mlp.down_proj"), packs_prompts=True),
     "opt": Architecture(takes_4d_mask=True, decoder_layer="OPTDecoderLayer", row_parallel=("self_attn.out_proj", ".fc2")),
 }
 

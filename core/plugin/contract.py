@@ -80,6 +80,11 @@ class Accelerator(abc.ABC):
     #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
     #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
     captures_prefill: bool = True
+    #: Whether an eager prefill (one not captured) runs its prompts one after another in one row, kept apart by the
+    #: mask, instead of padded to the longest: every padding position a pass computes is saved, where the model's
+    #: attention reads only the positions each query sees (a kernel of the device's own; a dense attention would
+    #: compute the square of the row). Where the model's family allows (``Architecture.packs_prompts``).
+    packs_prompts: bool = False
     #: In continuous batching, what one prefill pass costs beyond its prompts' own work (a pass's fixed overhead),
     #: in decode steps of the whole batch. Where it is more than nothing, slots freed while rows run wait for more to
     #: free, idle, until their idle slot-steps add up to that cost: one pass then starts several rows. 0: a freed

@@ -39,6 +39,7 @@ class CpuAccelerator(Accelerator):
     captures_by_default = True
     capture_pays_after_steps = 20_000
     captures_prefill = False
+    packs_prompts = True  # its attention reads only the positions each query sees (decode_attention.py)
     # An eager prefill pass costs about two decode steps beyond its prompts' work on a small model (a forward pass's
     # per-operation overhead), about one on a large one (every weight read, as a step reads it)
     prefill_pass_steps = 1.5

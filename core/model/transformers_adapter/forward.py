@@ -42,6 +42,9 @@ class ModelForward:
         # newer 5.x releases (5.24; not 5.17) renamed ``past_key_values`` to ``cache``: the old name warns
         self._cache_keyword = "cache" if forward_accepts(model, "cache") else "past_key_values"
         self._takes_logits_to_keep = forward_accepts(model, "logits_to_keep")
+        #: whether :meth:`packed_logits` can run this model
+        self.packs_prompts = (architecture.packs_prompts and self.builds_4d_mask and self._takes_position_ids
+                              and self._takes_logits_to_keep)
 
     def batching(self, asked: str) -> str:
         """The batching the model runs with when ``asked`` for one: fixed batches for a model whose masks Hugging
@@ -69,6 +72,33 @@ class ModelForward:
         if self._takes_logits_to_keep:
             arguments["logits_to_keep"] = 1
         return self.model(**arguments).logits[:, -1, :]
+
+
+    def packed_logits(self, input_ids, prompt_of, position_ids, ends, cache) -> torch.Tensor:
+        """The logits [k, V] of k prompts run one after another in one row (a model that ``packs_prompts``):
+        input_ids [1, N] their tokens, prompt_of [N] which prompt each token is of, position_ids [1, N] each token's
+        place in its prompt, ends [k] the index of each prompt's last token. Each token attends to its own prompt's
+        tokens up to itself (``block_causal_mask``); their keys and values go into ``cache``."""
+        arguments = dict(
+            input_ids=input_ids,
+            attention_mask=block_causal_mask(prompt_of, self.dtype),
+            **{self._cache_keyword: cache},
+            cache_position=torch.arange(input_ids.shape[1], device=input_ids.device),
+            use_cache=True,
+            position_ids=position_ids,
+            logits_to_keep=ends,
+        )
+        return self.model(**arguments).logits[0]
+
+
+def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D mask [1, 1, N, N] of prompts run one after another in one row (``prompt_of`` [N]: which prompt each
+    token is of): 0 where a token may attend (a token of its own prompt, at or before itself), the dtype's most
+    negative value elsewhere."""
+    positions = torch.arange(prompt_of.shape[0], device=prompt_of.device)
+    visible = (prompt_of[:, None] == prompt_of[None, :]) & (positions[None, :] <= positions[:, None])
+    mask = torch.zeros(visible.shape, dtype=dtype, device=prompt_of.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -173,6 +173,28 @@ def _prompt_rows_update(layer, slots: torch.Tensor, whole_rows: bool, batch_size
     return update
 
 
+def packed_rows(cache: StaticCache, token_slots: torch.Tensor, token_positions: torch.Tensor) -> StaticCache:
+    """A view of ``cache`` to run prompts packed in one row through (``ModelForward.packed_logits``): the keys and
+    values of token j [1, heads, N, dim] go to position ``token_positions[j]`` of row ``token_slots[j]`` (each [N]),
+    and the model attends over the tokens' own (its mask keeps each prompt to itself)."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for view_layer, layer in zip(view.layers, cache.layers):
+        view_layer.update = _packed_rows_update(layer, token_slots, token_positions, cache.accelgen_batch_size)
+    return view
+
+
+def _packed_rows_update(layer, token_slots: torch.Tensor, token_positions: torch.Tensor, batch_size: int):
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        _give_memory(layer, key_states, value_states, batch_size)
+        key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
+        layer.keys[token_slots, :, token_positions] = key_states[0].transpose(0, 1)
+        layer.values[token_slots, :, token_positions] = value_states[0].transpose(0, 1)
+        return key_states, value_states
+
+    return update
+
+
 def copy_prompt_rows(cache: StaticCache, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
     """Copy positions [0, ``length``) of rows ``sources`` [m] of every layer of ``cache`` to rows ``targets`` [m]:
     a prompt's keys and values, prefilled once, given to each of its samples' rows."""
