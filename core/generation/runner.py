@@ -105,7 +105,7 @@ class SlotRunner:
         self.model = model_forward.model
         #: a model that sizes its own masks from the cache position needs every row at one position
         self.rows_aligned = not model_forward.builds_4d_mask
-        #: whether prefills without a stored beginning run their prompts packed in one row, without padding
+        #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
         self.packs_prompts = accelerator.packs_prompts and model_forward.packs_prompts
         self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
         self._storage: CacheStorage | None = None
@@ -194,8 +194,10 @@ class SlotRunner:
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
         prompt_tokens = sum(len(row.prompt_ids) for row in prompts)
-        # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small
-        packed = self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
+        # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small,
+        # never captured (a captured step keeps one shape)
+        packed = (self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
+                  and not (self.run.use_graphs and self.accelerator.captures_prefill))
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
         rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.captures_prefill
