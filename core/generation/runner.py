@@ -5,7 +5,9 @@ checked against the device's free memory before it grows), and for each cache le
 for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the decode step's buffers
 (:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
 before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
-first time it is met. A later run of the same shapes replays what was captured. It never calls back up:
+first time it is met (where prefills are not captured and the model allows, prompts with nothing found stored
+run instead packed one after another in one row, none padded). A later run of the same shapes replays what was
+captured. It never calls back up:
 what it needs (the model called on a cache, the accelerator, the settings) it is given when made.
 """
 
