@@ -73,7 +73,6 @@ class ModelForward:
             arguments["logits_to_keep"] = 1
         return self.model(**arguments).logits[:, -1, :]
 
-
     def packed_logits(self, input_ids, prompt_of, position_ids, ends, cache) -> torch.Tensor:
         """The logits [k, V] of k prompts run one after another in one row (a model that ``packs_prompts``):
         input_ids [1, N] their tokens, prompt_of [N] which prompt each token is of, position_ids [1, N] each token's
@@ -97,8 +96,7 @@ def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     negative value elsewhere."""
     positions = torch.arange(prompt_of.shape[0], device=prompt_of.device)
     visible = (prompt_of[:, None] == prompt_of[None, :]) & (positions[None, :] <= positions[:, None])
-    mask = torch.zeros(visible.shape, dtype=dtype, device=prompt_of.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+    return _additive(visible, dtype)[None, None]
 
 
 def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,5 +109,11 @@ def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Ten
     key_positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
     causal = key_positions[None, :] <= cache_position[:, None]  # [T, L]
     visible = (attention_mask[:, None, None, :] != 0) & causal[None, None]  # [B, 1, T, L]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=attention_mask.device)
+    return _additive(visible, dtype)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of ``visible`` (True where a query may attend): 0 there, the dtype's most negative value
+    elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)

@@ -149,10 +149,16 @@ def prompt_rows(cache: StaticCache, slots: torch.Tensor, whole_rows: bool, start
 
     A layer that takes its memory on first use (transformers >= 4.56) takes it for the cache's B rows: run one
     prefill through a view before capturing anything over the cache (see :func:`needs_first_write`)."""
+    return _view_writing_by(cache, lambda layer: _prompt_rows_update(layer, slots, whole_rows, cache.accelgen_batch_size,
+                                                                     start))
+
+
+def _view_writing_by(cache: StaticCache, update_of) -> StaticCache:
+    """A view of ``cache`` (its layers' tensors shared) whose layer's ``update`` is ``update_of(layer)``."""
     view = copy.copy(cache)
     view.layers = [copy.copy(layer) for layer in cache.layers]
     for view_layer, layer in zip(view.layers, cache.layers):
-        view_layer.update = _prompt_rows_update(layer, slots, whole_rows, cache.accelgen_batch_size, start)
+        view_layer.update = update_of(layer)
     return view
 
 
@@ -177,11 +183,8 @@ def packed_rows(cache: StaticCache, token_slots: torch.Tensor, token_positions: 
     """A view of ``cache`` to run prompts packed in one row through (``ModelForward.packed_logits``): the keys and
     values of token j [1, heads, N, dim] go to position ``token_positions[j]`` of row ``token_slots[j]`` (each [N]),
     and the model attends over the tokens' own (its mask keeps each prompt to itself)."""
-    view = copy.copy(cache)
-    view.layers = [copy.copy(layer) for layer in cache.layers]
-    for view_layer, layer in zip(view.layers, cache.layers):
-        view_layer.update = _packed_rows_update(layer, token_slots, token_positions, cache.accelgen_batch_size)
-    return view
+    return _view_writing_by(cache, lambda layer: _packed_rows_update(layer, token_slots, token_positions,
+                                                                     cache.accelgen_batch_size))
 
 
 def _packed_rows_update(layer, token_slots: torch.Tensor, token_positions: torch.Tensor, batch_size: int):
@@ -229,7 +232,7 @@ class PrefixPool:
         indices: dict[tuple[int, ...], torch.Tensor] = {}
         for layer, stored_pair in zip(cache.layers, self.layers):
             for cached, stored in zip((layer.keys, layer.values), stored_pair):
-                rows, heads, length, size = cached.shape
+                _, heads, length, size = cached.shape
                 if cached.shape not in indices:  # each block's T positions of each head, as rows of [B * heads * L, D]
                     heads_of = torch.arange(heads, device=slots.device)[None, :, None]
                     tokens = torch.arange(stored.shape[2], device=slots.device)
