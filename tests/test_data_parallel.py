@@ -224,15 +224,20 @@ def test_two_nodes_on_one_machine_each_one_replica(tiny_model_folder, dataset, t
 
 
 def worker_of(environment, job_rank: int) -> int:
-    """The PID of the job's worker of rank ``job_rank`` (found by the job's marker and its RANK variable)."""
-    for pid in processes_of(environment):
-        try:
-            variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={job_rank}".encode() in variables and b"TORCHELASTIC_RUN_ID" in b"".join(variables):
-            return pid
-    raise AssertionError(f"no worker of rank {job_rank} found")
+    """The PID of the job's worker of rank ``job_rank`` (found by the job's marker and its RANK variable), looked for
+    until it is found or 30 seconds have passed."""
+    deadline = time.monotonic() + 30
+    while True:
+        for pid in processes_of(environment):
+            try:
+                variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={job_rank}".encode() in variables and b"TORCHELASTIC_RUN_ID" in b"".join(variables):
+                return pid
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no worker of rank {job_rank} found")
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
