@@ -151,3 +151,33 @@ def test_a_draw_at_the_ends_of_the_distribution_takes_a_token_of_weight():
     assert sampling.draw(weights, largest).tolist() == [130, 199, 127, 130]
     at_edge = torch.tensor([1 / 6, 0.5, 0.5, 0.5])  # marks on a token's end: the next token of weight
     assert sampling.draw(weights, at_edge).tolist() == [70, 199, 96, 0]
+
+
+@pytest.mark.parametrize("rows_aligned", [False, True])
+def test_a_decode_step_shows_a_finished_row_or_an_empty_slot_nothing(rows_aligned):
+    """Slot 0 runs, slot 1's row ends at this step (its last new token), slot 2 holds none: the mask the model gets
+    shows slot 0 its prompt and its own position, slot 1 (still running when the step starts) likewise, slot 2
+    nothing, so that an attention reading only what a row sees reads nothing for it; at the next step slot 1 sees
+    nothing either. A model that builds its masks from one position for the batch (``rows_aligned``) gets the
+    rows' masks as they were (slots at one position: its masks are its own)."""
+    state = decoding.DecodeState.allocate(3, 8, 4, torch.device("cpu"))
+    start = decoding.RowStart(torch.tensor([5, 6]), torch.zeros(2), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                              torch.tensor([0, 1]), torch.tensor([4, 2]),
+                              sampling.RowSampling(torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long)))
+    rules = decoding.TokenRules(SamplingSettings(), decoding.ending_table([2], torch.device("cpu")), 0, True)
+    decoding.insert_rows(state, torch.tensor([0, 1]), start, rules)
+    masks = []
+
+    def forward(input_ids, attention_mask, position_ids, cache_position):
+        masks.append(attention_mask.clone())
+        return torch.nn.functional.one_hot(torch.tensor([7, 7, 7]), 10).float()
+
+    for _ in range(2):
+        decoding.decode_one_token(forward, state, rules, rows_aligned)
+    assert state.finished.tolist() == [False, True, True]
+    assert masks[0][0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0] and masks[0][1].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert masks[1][0].tolist() == [0, 1, 1, 1, 1, 0, 0, 0]
+    if rows_aligned:
+        assert masks[1][1].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    else:
+        assert masks[0][2].sum() == 0 and masks[1][1].sum() == 0 and masks[1][2].sum() == 0

@@ -264,9 +264,12 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
 
     The model is told one cache position for the batch: with ``rows_aligned`` (every row inserted together,
     for a model that builds its masks from that position) the rows' common write position; otherwise the
-    last one, and the core's 4D mask alone says what each row sees."""
+    last one, and the core's 4D mask alone says what each row sees: nothing for a finished row (its output is never
+    read; the mask is additive, so an attention that computes it anyway attends evenly, never to NaN)."""
     cache_length = state.attention_mask.shape[1]
     state.attention_mask.scatter_(1, state.write_positions.unsqueeze(-1), 1)  # each token attends to itself
+    if not rows_aligned:  # a finished row, or a slot that holds none, sees nothing: an attention that reads only
+        state.attention_mask.masked_fill_(state.finished.unsqueeze(-1), 0)  # what each row sees reads nothing for it
     if rows_aligned:
         cache_position = state.write_positions[:1]
     else:

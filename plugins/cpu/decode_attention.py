@@ -35,16 +35,20 @@ NAME = "accelgen_cpu_decode"
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """query [B, H, 1, D], key and value [B, K, L, D], mask [B, 1, 1, L] (additive, or True where a key is seen)
-    -> [B, H, 1, D]. Grouped query heads share their key/value head without copying it."""
+    -> [B, H, 1, D]; 0 for a row that sees nothing (a finished row, an empty slot), as the C++ kernel gives. Grouped
+    query heads share their key/value head without copying it."""
     rows, heads, _, size = query.shape
     groups = heads // key.shape[1]
     grouped = query.reshape(rows, key.shape[1], groups, size)  # [B, K, G, D]: a group's queries side by side
     scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)  # [B, K, G, L]
     if mask.dtype == torch.bool:
+        seen = mask
         scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
     else:
+        seen = mask > torch.finfo(mask.dtype).min / 2
         scores.add_(mask)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights.masked_fill_(~seen.any(-1, keepdim=True), 0)
     return torch.matmul(weights, value).reshape(rows, heads, 1, size)
 
 

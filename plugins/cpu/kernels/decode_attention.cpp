@@ -10,12 +10,12 @@
 // where SDPA's CPU kernel rounds: each weight exp(score - max) rounded to the dtype before it multiplies its value, the
 // sum of the weights (unrounded) dividing the result. Positions
 // outside the span carry the mask's "unseen" value (at most half float32's lowest), whose softmax weight is exactly
-// zero in float32: skipping them changes nothing but the order of additions. A row that sees nothing attends to
-// all L positions evenly, as softmax over a row of equal minima does.
+// zero in float32: skipping them changes nothing but the order of additions. A query that sees nothing is skipped,
+// its output 0 (where softmax over a row of equal minima attends to all L positions evenly): a padding position
+// before a prompt, or a decode step's finished row or empty slot, whose mask the core's decode step clears.
 //
 // prompt_attention is the same attention for a prompt's queries (several a row, each seeing the row's positions up
-// to its own): each (row, key/value head) reads its keys and values for every query of the row, and a query that
-// sees nothing (a padding position before a prompt) is skipped, its output 0, where a decode row's attends evenly.
+// to its own): each (row, key/value head) reads its keys and values for every query of the row.
 //
 // decode_self_attention does a decode step's whole attention between the products: the new token's keys and
 // queries rotated (rotary position embedding, as transformers' apply_rotary_pos_emb computes it, rounding as it
@@ -269,11 +269,10 @@ struct QueryLayout {
 
 // Attention of the queries of heads [B, H] (T a row) over the cache key, value [B, K, L, D] with mask [B, T, L]
 // (additive, float32), written to ``output``; with ``tokens`` (T = 1), their keys and values written into the cache
-// and the queries rotated first. A query that sees no position attends to all L evenly, or with ``skip_unseen``
-// is skipped: its output 0.
+// and the queries rotated first. A query that sees no position is skipped: its output 0.
 template <typename T>
 void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTokens<T>* tokens, at::Tensor& key,
-            at::Tensor& value, const at::Tensor& mask, double scale, bool skip_unseen, QueryLayout<T> out) {
+            at::Tensor& value, const at::Tensor& mask, double scale, QueryLayout<T> out) {
   const int64_t rows = key.size(0), size = key.size(3);
   const int64_t key_heads = key.size(1), length = key.size(2), groups = heads / key_heads;
   T* k = key.data_ptr<T>();
@@ -302,14 +301,11 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
         std::copy_n(tokens->value + b * tokens->value_row + kh * size, size, v + b * v_row + kh * v_head + position * v_pos);
       }
       for (int64_t t = block * kQueryBlock; t < std::min(queries, (block + 1) * kQueryBlock); ++t) {
-        auto [first, last] = spans[b * queries + t];
-        if (first == length) {
-          if (skip_unseen) {
-            for (int64_t g = 0; g < groups; ++g)
-              std::fill_n(out.start + b * out.row + t * out.position + (kh * groups + g) * out.head, size, T(0));
-            continue;
-          }
-          first = 0;
+        const auto [first, last] = spans[b * queries + t];
+        if (first == length) {  // sees nothing
+          for (int64_t g = 0; g < groups; ++g)
+            std::fill_n(out.start + b * out.row + t * out.position + (kh * groups + g) * out.head, size, T(0));
+          continue;
         }
         for (int64_t g = 0; g < groups; ++g) {
           const T* query_g = q.start + b * q.row + t * q.position + (kh * groups + g) * q.head;
@@ -401,7 +397,7 @@ at::Tensor last_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t :
 // query [B, H, T, D]; key, value [B, K, L, D] (H a multiple of K); mask [B, 1, T, L] (T = 1: or [B, L]): additive,
 // or true where a key is seen. -> [B, H, T, D], query's dtype and layout.
 at::Tensor queries_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                             const at::Tensor& mask, double scale, bool skip_unseen, const char* name) {
+                             const at::Tensor& mask, double scale, const char* name) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && query.size(0) == key.size(0)
                   && query.size(3) == key.size(3), name, ": query [B, H, T, D], key and value [B, K, L, D]");
   TORCH_CHECK(query.size(1) % key.size(1) == 0, name, ": query heads a multiple of key heads");
@@ -413,23 +409,24 @@ at::Tensor queries_attention(const at::Tensor& query, const at::Tensor& key, con
   at::Tensor output = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "queries_attention", [&] {
     attend<scalar_t>({q.data_ptr<scalar_t>(), q.stride(0), q.stride(2), q.stride(1)}, q.size(1), queries, nullptr, k, v,
-                     additive, scale, skip_unseen,
+                     additive, scale,
                      {output.data_ptr<scalar_t>(), output.stride(0), output.stride(2), output.stride(1)});
   });
   return output;
 }
 
-// query [B, H, 1, D]: one query a row (a decode step); a row that sees nothing attends evenly.
+// query [B, H, 1, D]: one query a row (a decode step); a row that sees nothing (a finished row, or a slot that holds
+// none: the core's decode step clears their masks) gets 0 and costs nothing.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& mask, double scale) {
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "decode_attention: query [B, H, 1, D]");
-  return queries_attention(query, key, value, mask, scale, false, "decode_attention");
+  return queries_attention(query, key, value, mask, scale, "decode_attention");
 }
 
 // query [B, H, T, D]: a prompt's queries, each seeing what mask [B, 1, T, L] says; a query that sees nothing gets 0.
 at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& mask, double scale) {
-  return queries_attention(query, key, value, mask, scale, true, "prompt_attention");
+  return queries_attention(query, key, value, mask, scale, "prompt_attention");
 }
 
 // The new token's query [B, 1, H * D], key and value [B, 1, K * D] (last dimension contiguous), its rotary cos
@@ -463,7 +460,7 @@ at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key,
                                      s.data_ptr<scalar_t>(), k.stride(0), v.stride(0), size, size,
                                      positions.data_ptr<int64_t>()};
     attend<scalar_t>({q.data_ptr<scalar_t>(), q.stride(0), 0, size}, heads, 1, &tokens, keys, values, additive, scale,
-                     false, {output_heads.data_ptr<scalar_t>(), output_heads.stride(0), 0, output_heads.stride(1)});
+                     {output_heads.data_ptr<scalar_t>(), output_heads.stride(0), 0, output_heads.stride(1)});
   });
   return output;
 }
