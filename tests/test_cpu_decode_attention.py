@@ -9,8 +9,11 @@ import sys
 import pytest
 import torch
 from conftest import PROMPTS
+from transformers import DynamicCache
 
 import accelgen
+from accelgen.common.settings import World
+from accelgen.model.transformers_adapter.forward import ModelForward
 from accelgen_cpu.decode_attention import NAME, decode_attention
 from accelgen_cpu.native_kernels import native_kernels
 
@@ -157,6 +160,22 @@ def test_models_whose_attention_goes_through_transformers_interface_decode_with_
     assert calls.get("accelgen_cpu_kernels::decode_self_attention") == (generator.stats.decode_steps - steps_before) * layers > 0
     assert calls.get("accelgen_cpu_kernels::prompt_attention") == (generator.stats.prefill_passes - passes_before) * layers > 0
     assert "aten::scaled_dot_product_attention" not in calls
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_row_that_sees_nothing_runs_on_zeros_through_every_layer(tiny_model_folder, quantize):
+    """A decode step's finished row or empty slot (its mask marks nothing) runs on zeros with the CPU
+    (``skips_zero_rows``): Llama has no biases, so its logits come out 0 (every layer gave zeros, which the int8
+    products and the attention compute nothing for), and the other rows' logits are what they are without it."""
+    generator = accelgen.load(tiny_model_folder("llama"), device="cpu", quantize=quantize, max_new_tokens=2)
+    forward = ModelForward(generator.model, World(), generator.run.torch_dtype)
+    ids, mask = torch.tensor([[5], [6], [7]]), torch.tensor([[1], [0], [1]])
+    arguments = (ids, mask, torch.zeros(3, 1, dtype=torch.long), torch.tensor([0]))
+    with torch.no_grad():
+        plain = forward(*arguments, cache=DynamicCache())
+        zeroed = forward(*arguments, cache=DynamicCache(), zero_unseen_rows=True)
+    assert torch.equal(zeroed[[0, 2]], plain[[0, 2]])
+    assert bool((zeroed[1] == 0).all()) and bool((plain[1] != 0).any())
 
 
 def run_tiny_llama(folder, environment) -> subprocess.CompletedProcess:

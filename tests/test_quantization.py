@@ -201,6 +201,26 @@ def test_the_fused_kernel_gives_the_plain_products_values_to_the_last_bit(rows, 
         assert torch.equal(layer(x), sums.mul(scales.float()).mul(row_scales).to(dtype)), (inputs, outputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_of_zeros_gives_zeros_and_leaves_the_other_rows_as_they_were(kernel, dtype):
+    """A decode step's finished rows and empty slots run on zeros (ModelForward's zero_unseen_rows), which must stay
+    zeros through every layer: each kernel gives a row of zeros exactly 0 (the fused one computes nothing for it), and
+    the rows beside it the values they have alone."""
+    skip_unless_available(kernel)
+    torch.manual_seed(0)
+    values, scales = quantize_rows(torch.randn(40, 256))
+    layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
+    use_int8_kernel(layer, kernel)
+    x = torch.randn(19, 256).to(dtype)
+    dead = torch.tensor([0, 3, 4, 17, 18])
+    x[dead] = 0
+    product = layer(x)
+    assert bool((product[dead] == 0).all())
+    alive = torch.ones(19, dtype=torch.bool).index_fill_(0, dead, False)
+    assert torch.equal(product[alive], layer(x[alive]))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
     """Layers that take the same input in turn (query, key and value projections) quantize its rows once; an input

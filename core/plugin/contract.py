@@ -85,6 +85,10 @@ class Accelerator(abc.ABC):
     #: attention reads only the positions each query sees (a kernel of the device's own; a dense attention would
     #: compute the square of the row). Where the model's family allows (``Architecture.packs_prompts``).
     packs_prompts: bool = False
+    #: Whether its kernels compute nothing for a row of zeros (its output a row of zeros, as the product gives it): a
+    #: decode step's finished rows and empty slots, which see nothing, then run on zeros in place of their tokens'
+    #: embeddings (``ModelForward``), and in a model without biases cost nothing in its linear layers.
+    skips_zero_rows: bool = False
     #: In continuous batching, what one prefill pass costs beyond its prompts' own work (a pass's fixed overhead),
     #: in decode steps of the whole batch. Where it is more than nothing, slots freed while rows run wait for more to
     #: free, idle, until their idle slot-steps add up to that cost: one pass then starts several rows. 0: a freed

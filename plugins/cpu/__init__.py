@@ -40,6 +40,7 @@ class CpuAccelerator(Accelerator):
     capture_pays_after_steps = 20_000
     captures_prefill = False
     packs_prompts = True  # its attention reads only the positions each query sees (decode_attention.py)
+    skips_zero_rows = True  # its int8 products and its attention compute nothing for a row of zeros, or one that sees nothing
     # An eager prefill pass costs about two decode steps beyond its prompts' work on a small model (a forward pass's
     # per-operation overhead), about one on a large one (every weight read, as a step reads it)
     prefill_pass_steps = 1.5

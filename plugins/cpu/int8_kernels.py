@@ -35,7 +35,8 @@ from accelgen_cpu.packed_linear import find_packed, register_packed
 KERNELS = ("rows", "columns", "packed", "fused")
 #: oneDNN's unsigned rows: the int8 values plus this (the sign bit flipped)
 _ZERO_POINT = 128
-_TINY = torch.finfo(torch.float32).tiny
+# the smallest largest magnitude a row is quantized with: 127 over it is finite, so a row of zeros gives zeros
+_TINY = 2.0**-100
 
 
 def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,11 @@ class ModelForward:
 
     Call it as ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T],
     cache)``: the T tokens at cache positions ``cache_position`` attend to the keys marked 1 in
-    ``attention_mask`` up to their own position, and their keys and values go into ``cache``.
+    ``attention_mask`` up to their own position, and their keys and values go into ``cache``. With
+    ``zero_unseen_rows``, a row whose mask marks nothing (a finished row or an empty slot of a decode step: its output
+    is never read) runs on zeros in place of its tokens' embeddings: in a model without biases they stay zeros
+    through every layer, and a device whose kernels skip rows of zeros (``Accelerator.skips_zero_rows``) computes
+    nothing for it; the other rows' values are the same.
     """
 
     def __init__(self, model: torch.nn.Module, world: World, dtype: torch.dtype):
@@ -57,9 +61,9 @@ class ModelForward:
             stacklevel=3)
         return "static"
 
-    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache) -> torch.Tensor:
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
+                 zero_unseen_rows: bool = False) -> torch.Tensor:
         arguments = dict(
-            input_ids=input_ids,
             attention_mask=additive_causal_mask(attention_mask, cache_position, self.dtype)
             if self.builds_4d_mask
             else attention_mask,
@@ -67,6 +71,11 @@ class ModelForward:
             cache_position=cache_position,
             use_cache=True,
         )
+        if zero_unseen_rows:
+            embeddings = self.model.get_input_embeddings()(input_ids)  # [B, T, hidden]
+            arguments["inputs_embeds"] = embeddings * attention_mask.any(-1).to(embeddings.dtype)[:, None, None]
+        else:
+            arguments["input_ids"] = input_ids
         if self._takes_position_ids:
             arguments["position_ids"] = position_ids
         if self._takes_logits_to_keep:

@@ -10,7 +10,9 @@
 // 16 rows, four bytes of each row side by side, each broadcast to the 16 outputs. Since sum_k (w + 128) q =
 // sum_k w q + 128 sum_k q, each row's 128 sum_k q comes off its sums: the same int32 sums as _int_mm's. A tile's
 // rows share each load of a panel: up to 16 rows read the weight once (a decode step's bound is reading it from
-// memory), and one row takes eight panels at once so that its sums proceed side by side.
+// memory), and one row takes eight panels at once so that its sums proceed side by side. A row of zeros (a decode
+// step's finished row or empty slot: ModelForward's zero_unseen_rows) takes no place in a tile: its product is a row
+// of zeros, written as such.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,7 +22,6 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <utility>
 #include <vector>
 
@@ -32,28 +33,30 @@
 namespace {
 
 constexpr float kLimit = 127.0f;
+constexpr float kSmallest = 0x1p-100f;  // the smallest largest magnitude a row takes (int8_kernels._TINY)
 
 constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 sums per row
 constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
 constexpr int kSumRegisters = 16;  // registers of sums a tile's product holds at most (of AVX-512's 32)
 
-// ``count`` rows of x (K values each) quantized, signed, into a tile: [K4 / 4][kTileRows][4] bytes (K4: K rounded
-// up to 4), the rows past count and the values past K zero; each row's scale and 128 times the sum of its values.
+// ``count`` rows of x (K values each; row m at x + rows[m] * K) quantized, signed, into a tile: [K4 / 4][kTileRows][4]
+// bytes (K4: K rounded up to 4), the rows past count and the values past K zero; each row's scale and 128 times the
+// sum of its values.
 // Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (the
 // conversion's default rounding, as nearbyint's), narrowed to bytes and written four by four, 64 bytes apart.
 template <typename T>
-void quantize_tile(const T* x, int64_t size, int64_t padded, int64_t count, int8_t* tile, float* row_scales,
-                   int32_t* corrections) {
+void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded, int64_t count, int8_t* tile,
+                   float* row_scales, int32_t* corrections) {
   std::fill(tile, tile + padded * kTileRows, 0);
   const int64_t groups = padded / 4;
   for (int64_t m = 0; m < count; ++m) {
-    const T* row = x + m * size;
+    const T* row = x + rows[m] * size;
     __m512 largest_lanes = _mm512_setzero_ps();
     for (int64_t k = 0; k < size; k += 16) {
       const __mmask16 mask = lanes_before(size - k);
       largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(load_floats(row + k, mask)));
     }
-    const float largest = std::max(_mm512_reduce_max_ps(largest_lanes), std::numeric_limits<float>::min());
+    const float largest = std::max(_mm512_reduce_max_ps(largest_lanes), kSmallest);
     const __m512 inverse = _mm512_set1_ps(kLimit / largest);
     __m512i sums = _mm512_setzero_si512();
     for (int64_t k = 0; k < size; k += 16) {
@@ -113,16 +116,35 @@ constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequ
 constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 
+// Whether the ``size`` values of ``row`` are all zeros.
 template <typename T>
-void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panels, const float* scales,
+bool all_zeros(const T* row, int64_t size) {
+  __mmask16 nonzero = 0;
+  for (int64_t k = 0; k < size; k += 16)
+    nonzero |= _mm512_cmp_ps_mask(load_floats(row + k, lanes_before(size - k)), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  return nonzero == 0;
+}
+
+template <typename T>
+void panels_product(const T* x, int64_t all_rows, int64_t size, const uint8_t* panels, const float* scales,
                     int64_t outputs, T* out) {
+  std::vector<int64_t> computed;  // the rows with a value other than zero; the others' products are zeros
+  computed.reserve(all_rows);
+  for (int64_t r = 0; r < all_rows; ++r) {
+    if (all_zeros(x + r * size, size))
+      std::fill_n(out + r * outputs, outputs, T(0));
+    else
+      computed.push_back(r);
+  }
+  const int64_t rows = static_cast<int64_t>(computed.size());
+  if (rows == 0) return;
   const int64_t padded = (size + 3) / 4 * 4, panel_bytes = padded * kOutputs;
   const int64_t panel_count = (outputs + kOutputs - 1) / kOutputs, tiles = (rows + kTileRows - 1) / kTileRows;
   std::vector<int8_t> quantized(tiles * padded * kTileRows);
   std::vector<float> row_scales(tiles * kTileRows);
   std::vector<int32_t> corrections(tiles * kTileRows);
   for (int64_t t = 0; t < tiles; ++t)
-    quantize_tile(x + t * kTileRows * size, size, padded, std::min(kTileRows, rows - t * kTileRows),
+    quantize_tile(x, &computed[t * kTileRows], size, padded, std::min(kTileRows, rows - t * kTileRows),
                   &quantized[t * padded * kTileRows], &row_scales[t * kTileRows], &corrections[t * kTileRows]);
   const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
   const int64_t units = (panel_count + group - 1) / group;
@@ -139,9 +161,9 @@ void panels_product(const T* x, int64_t rows, int64_t size, const uint8_t* panel
           (take == wide ? kWide : kNarrow)[count - 1](tile, panels + (first_panel + p) * panel_bytes, panel_bytes,
                                                        padded, sums);
           for (int64_t m = 0; m < count; ++m) {
-            const int64_t row = t * kTileRows + m;
-            const __m512i correction = _mm512_set1_epi32(corrections[row]);
-            const __m512 row_scale = _mm512_set1_ps(row_scales[row]);
+            const int64_t index = t * kTileRows + m, row = computed[index];
+            const __m512i correction = _mm512_set1_epi32(corrections[index]);
+            const __m512 row_scale = _mm512_set1_ps(row_scales[index]);
             for (int q = 0; q < take; ++q) {
               const int64_t n = (first_panel + p + q) * kOutputs;
               const __mmask16 mask = lanes_before(outputs - n);
