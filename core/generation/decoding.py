@@ -268,11 +268,10 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
     read; the mask is additive, so an attention that computes it anyway attends evenly, never to NaN)."""
     cache_length = state.attention_mask.shape[1]
     state.attention_mask.scatter_(1, state.write_positions.unsqueeze(-1), 1)  # each token attends to itself
-    if not rows_aligned:  # a finished row, or a slot that holds none, sees nothing: an attention that reads only
-        state.attention_mask.masked_fill_(state.finished.unsqueeze(-1), 0)  # what each row sees reads nothing for it
     if rows_aligned:
         cache_position = state.write_positions[:1]
-    else:
+    else:  # a finished row, or a slot that holds none, sees nothing: an attention that reads only what each row sees
+        state.attention_mask.masked_fill_(state.finished.unsqueeze(-1), 0)  # reads nothing for it
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
     uniform = state.uniforms.gather(1, state.steps.unsqueeze(-1)).squeeze(-1)

@@ -336,8 +336,10 @@ class SlotRunner:
         self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
         state = decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device)
         write_each_row_at(cache, state.write_positions)
-        shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache,
-                                                          zero_unseen_rows=self.accelerator.skips_zero_rows and not self.rows_aligned))
+        # rows that see nothing (finished, or none) run on zeros where the kernels skip them; a model whose masks need
+        # rows at one position sees its rows' masks unchanged
+        zero_unseen_rows = self.accelerator.skips_zero_rows and not self.rows_aligned
+        shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache, zero_unseen_rows=zero_unseen_rows))
         if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
             one = torch.ones((1, 1), dtype=torch.long, device=self.device)
             first = torch.zeros(1, dtype=torch.long, device=self.device)
