@@ -94,7 +94,8 @@ class ClockedCpu(CapturingCpu):
 
         @functools.wraps(forward)
         def timed_forward(*args, **kwargs):
-            if kwargs["input_ids"].shape[1] > 1:  # a prompt: the prefill
+            tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            if tokens.shape[1] > 1:  # a prompt: the prefill (a decode step may give embeddings: zero_unseen_rows)
                 self.clock.now += 0.050
             return forward(*args, **kwargs)
 
