@@ -52,28 +52,31 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
     from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
     of the session compiles it here. The CPU plugin's C++ kernels likewise (copied, or built before any test)."""
-    from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
+    from accelgen_cpu.extension_lock import EXTENSION, deepspeed_build_folder, torch_extensions_root
     from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
 
-    usual = Path(extension_build_folder(EXTENSION))
+    usual_root, usual = Path(torch_extensions_root()), Path(deepspeed_build_folder())
     folder = tmp_path_factory.mktemp("torch_extensions")
-    if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
-        shutil.copytree(usual, folder / EXTENSION, ignore=shutil.ignore_patterns("lock"))
-    if (usual.parent / KERNELS_FOLDER).is_dir():
-        shutil.copytree(usual.parent / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
+        shutil.copytree(usual, deepspeed_build_folder(), ignore=shutil.ignore_patterns("lock"))
+    if (usual_root / KERNELS_FOLDER).is_dir():
+        shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
     native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
     return folder
 
 
 @pytest.fixture(scope="session")
 def built_extension(_private_extensions_folder) -> Path:
-    """The session's extensions folder with DeepSpeed's CPU all-reduce extension compiled in it (now, if no job has
-    compiled it yet): ``<folder>/deepspeed_shm_comm``."""
-    built = _private_extensions_folder / "deepspeed_shm_comm"
+    """This install's build folder of DeepSpeed's CPU all-reduce extension in the session's extensions folder, the
+    extension compiled in it (now, if no job has compiled it yet): ``<folder>/accelgen-deepspeed-<key>/deepspeed_shm_comm``."""
+    from accelgen_cpu.extension_lock import deepspeed_build_folder, deepspeed_extensions_root
+
+    built = Path(deepspeed_build_folder())
     if not (built / "deepspeed_shm_comm.so").is_file():
         subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
-                        "ShareMemCommBuilder().load()"], check=True, capture_output=True)
+                        "ShareMemCommBuilder().load()"], check=True, capture_output=True,
+                       env=dict(os.environ, TORCH_EXTENSIONS_DIR=deepspeed_extensions_root()))
     return built
 
 

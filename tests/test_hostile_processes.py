@@ -287,18 +287,19 @@ def test_an_unwritable_home_is_one_line_naming_the_folder_and_the_fix(tiny_model
 
 
 def extensions_folder_with_a_lock(tmp_path, built_extension: Path) -> Path:
-    """A TORCH_EXTENSIONS_DIR holding the compiled extension (no compile in the test's job) and a lock file in its
-    build folder."""
+    """A TORCH_EXTENSIONS_DIR holding this install's compiled extension (no compile in the test's job) and a lock
+    file in its build folder."""
     extensions = tmp_path / "extensions"
-    shutil.copytree(built_extension, extensions / built_extension.name, ignore=shutil.ignore_patterns("lock"))
-    (extensions / built_extension.name / "lock").touch()
+    install_folder = built_extension.relative_to(built_extension.parent.parent)  # accelgen-deepspeed-<key>/...
+    shutil.copytree(built_extension, extensions / install_folder, ignore=shutil.ignore_patterns("lock"))
+    (extensions / install_folder / "lock").touch()
     return extensions
 
 
 def test_a_stale_build_lock_is_not_blamed_on_a_shell_working_in_its_folder(tiny_model_folder, tmp_path, start_job,
                                                                            job_environment, built_extension):
     extensions = extensions_folder_with_a_lock(tmp_path, built_extension)
-    lock = next(extensions.glob("*/lock"))
+    lock = next(extensions.glob("*/*/lock"))
     os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left an hour ago by a stopped compile
     shell = subprocess.Popen(["sleep", "600"], cwd=lock.parent)  # someone's shell, not a compile
     try:
@@ -388,7 +389,7 @@ def test_a_wait_on_a_compile_names_the_process_holding_the_lock_and_repeats_with
 def test_a_job_waiting_on_a_compile_says_for_what_and_ctrl_c_ends_it(tiny_model_folder, tmp_path, start_job,
                                                                      job_environment, built_extension):
     extensions = extensions_folder_with_a_lock(tmp_path, built_extension)
-    lock = next(extensions.glob("*/lock"))
+    lock = next(extensions.glob("*/*/lock"))
     compile_at_work = start_a_compile_in(lock.parent, tmp_path)
     try:
         job = start_job(*run_arguments(tiny_model_folder("llama")),

@@ -150,6 +150,15 @@ class Accelerator(abc.ABC):
 
         raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
 
+    def check_shard(self, ranks: int) -> None:
+        """Raise ``accelgen.common.errors.UsageError`` when this machine cannot split a model over ``ranks`` ranks
+        with ``shard`` (a library it needs is not installed, say), in one line naming what to install. Called in the
+        launching process before any rank starts, only when ``ranks > 1`` (a replica's ranks, under data
+        parallelism). ``accelgen.parallel.deepspeed_adapter.require_deepspeed`` checks for DeepSpeed.
+        Default: refused where ``shard`` is not written (it refuses), else nothing."""
+        if type(self).shard is Accelerator.shard:
+            self.shard(None, None, None)  # raises its UsageError
+
     def quantize(
         self, model: "torch.nn.Module", scheme: str, run: "RunSettings", calibrate: Callable[["torch.nn.Module"], None]
     ) -> "torch.nn.Module":

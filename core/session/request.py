@@ -55,9 +55,12 @@ class Request:
 
     def check_world_size(self, world_size: int, data_parallel: int = 1) -> None:
         """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
-        (heads that do not split over a replica's ranks, a pre-sharded folder made for another split or dtype,
-        offloading): before any rank starts."""
-        self.model.check_runs_on(world_size // data_parallel, self.run.dtype, self.run.quantize)
+        (a library the device's sharding needs that is not installed, heads that do not split over a replica's ranks,
+        a pre-sharded folder made for another split or dtype, offloading): before any rank starts."""
+        replica_ranks = world_size // data_parallel
+        if replica_ranks > 1:
+            self.accelerator.check_shard(replica_ranks)
+        self.model.check_runs_on(replica_ranks, self.run.dtype, self.run.quantize)
         check_offload_world(self.run, world_size)
 
 

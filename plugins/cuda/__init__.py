@@ -88,6 +88,11 @@ class CudaAccelerator(Accelerator):
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
 
+    def check_shard(self, ranks: int) -> None:
+        from accelgen.parallel.deepspeed_adapter import require_deepspeed
+
+        require_deepspeed(ranks)
+
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
 
