@@ -1,9 +1,14 @@
+import contextlib
+import fcntl
+import functools
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -46,38 +51,109 @@ def _seeded_and_quiet(monkeypatch):
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+@contextlib.contextmanager
+def _one_process_at_a_time(lock: Path) -> Iterator[None]:
+    """Inside the block, no other test process of this run (pytest-xdist's workers) is inside a block of ``lock``."""
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _run_folder(tmp_path_factory) -> Path:
+    """The base temporary folder every test process of this run shares (the workers' own are inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+#: The user's own extensions folder (TORCH_EXTENSIONS_DIR as the run found it, else torch's default), where finished
+#: builds are copied from: the tests' jobs build and load in a folder of the run's own.
+_USUAL_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR")
+
+
+@contextlib.contextmanager
+def _extensions_dir(folder: str | None) -> Iterator[None]:
+    """Inside the block, TORCH_EXTENSIONS_DIR is ``folder`` (unset for None); put back after."""
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    if folder is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        if before is not None:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_extensions_folder(tmp_path_factory) -> Path:
-    """This session's own TORCH_EXTENSIONS_DIR, so that a compile of DeepSpeed's CPU all-reduce extension by another
-    job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
-    from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
-    of the session compiles it here. The CPU plugin's C++ kernels likewise (copied, or built before any test)."""
-    from accelgen_cpu.extension_lock import EXTENSION, deepspeed_build_folder, torch_extensions_root
+    """This run's own TORCH_EXTENSIONS_DIR, shared by its test processes, so that a compile of DeepSpeed's CPU
+    all-reduce extension by another job or test run on the machine (its lock, a half-built folder) never meets these
+    tests. The CPU plugin's C++ kernels are copied in from the user's folder where built there, else built before any
+    test, one test process at a time."""
     from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
 
-    usual_root, usual = Path(torch_extensions_root()), Path(deepspeed_build_folder())
-    folder = tmp_path_factory.mktemp("torch_extensions")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
-    if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
-        shutil.copytree(usual, deepspeed_build_folder(), ignore=shutil.ignore_patterns("lock"))
-    if (usual_root / KERNELS_FOLDER).is_dir():
-        shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
-    native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
+    with _extensions_dir(_USUAL_EXTENSIONS_DIR):
+        from accelgen_cpu.extension_lock import torch_extensions_root
+
+        usual_root = Path(torch_extensions_root())
+    run_folder = _run_folder(tmp_path_factory)
+    folder = run_folder / "torch_extensions"
+    with _one_process_at_a_time(run_folder / "torch_extensions.lock"):
+        copied = folder.is_dir()
+        folder.mkdir(exist_ok=True)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+        if not copied and (usual_root / KERNELS_FOLDER).is_dir():
+            shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
+        native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
     return folder
 
 
 @pytest.fixture(scope="session")
-def built_extension(_private_extensions_folder) -> Path:
-    """This install's build folder of DeepSpeed's CPU all-reduce extension in the session's extensions folder, the
-    extension compiled in it (now, if no job has compiled it yet): ``<folder>/accelgen-deepspeed-<key>/deepspeed_shm_comm``."""
-    from accelgen_cpu.extension_lock import deepspeed_build_folder, deepspeed_extensions_root
+def built_extension(_private_extensions_folder, tmp_path_factory) -> Path:
+    """This install's build folder of DeepSpeed's CPU all-reduce extension in the run's extensions folder, the
+    extension built in it: copied from this install's build in the user's folder, built there first where it is not
+    (once per install, as the user's first tensor-parallel job would; in the run's folder where the user's cannot be
+    written), one test process at a time: ``<folder>/accelgen-deepspeed-<key>/deepspeed_shm_comm``."""
+    from accelgen_cpu.extension_lock import EXTENSION, deepspeed_build_folder
 
     built = Path(deepspeed_build_folder())
-    if not (built / "deepspeed_shm_comm.so").is_file():
-        subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
-                        "ShareMemCommBuilder().load()"], check=True, capture_output=True,
-                       env=dict(os.environ, TORCH_EXTENSIONS_DIR=deepspeed_extensions_root()))
+    with _one_process_at_a_time(_run_folder(tmp_path_factory) / "torch_extensions.lock"):
+        if not (built / f"{EXTENSION}.so").is_file():
+            with _extensions_dir(_USUAL_EXTENSIONS_DIR):
+                usual = Path(deepspeed_build_folder())
+            if _build_extension_in(usual.parent) and not (usual / "lock").exists():
+                shutil.copytree(usual, built, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
+            else:
+                _build_extension_in(built.parent)
     return built
+
+
+def _build_extension_in(root: Path) -> bool:
+    """Build DeepSpeed's CPU all-reduce extension with ``root`` as torch's extensions folder (nothing when built there
+    already); whether it could."""
+    built = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+                            "ShareMemCommBuilder().load()"], capture_output=True,
+                           env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(root)))
+    return built.returncode == 0
+
+
+@functools.cache
+def _starts_ranks(module_file: str) -> bool:
+    """Whether tests of the module may start several ranks (it names --world-size)."""
+    return '"--world-size"' in Path(module_file).read_text()
+
+
+@pytest.fixture(autouse=True)
+def _extension_built_before_jobs_of_ranks(request):
+    """Tests that may start tensor-parallel jobs (slow ones, and any of a module naming --world-size) find DeepSpeed's
+    extension built: no test's job compiles it, or waits on another's compile, saying so in lines it would not expect."""
+    if importlib.util.find_spec("deepspeed") is not None and (
+            request.node.get_closest_marker("slow") is not None or _starts_ranks(str(request.node.path))):
+        request.getfixturevalue("built_extension")
 
 
 @pytest.fixture(scope="session")

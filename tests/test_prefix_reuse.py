@@ -36,6 +36,7 @@ def block_bytes(folder) -> int:
     return kv_cache_bytes_per_position(AutoConfig.from_pretrained(folder), "float32", 1) * BLOCK_TOKENS
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_a_row_has_the_same_tokens_with_and_without_reuse(tiny_model_folder, family, sampled):
@@ -53,6 +54,7 @@ def test_a_row_has_the_same_tokens_with_and_without_reuse(tiny_model_folder, fam
     assert warm.stats.prefilled_tokens <= prompt_tokens - warm.stats.reused_tokens + len(PROMPTS) * BLOCK_TOKENS
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("settings", [dict(batching="static"), dict(num_samples=3, do_sample=True, seed=2),
                                       dict(dtype="bfloat16", quantize="int8")], ids=["static", "samples", "int8"])
 def test_reuse_with_fixed_batches_several_samples_and_int8_weights(tiny_model_folder, settings):
@@ -70,6 +72,7 @@ def test_a_store_too_small_for_one_block_reuses_nothing_and_changes_nothing(tiny
     assert generator.stats.reused_tokens == 0 and generator.stats.prefilled_tokens == generator.stats.prompt_tokens
 
 
+@pytest.mark.transformers_release
 def test_a_store_holding_part_of_a_prefix_reuses_that_part(tiny_model_folder):
     folder = tiny_model_folder("llama")
     without, _ = token_ids(folder, prefix_cache=0, batch_size=1)
@@ -167,6 +170,7 @@ def test_a_bad_store_size_is_one_line(tiny_model_folder, capsys, value):
     assert status == 2 and "--prefix-cache" in one_error_line(capsys)
 
 
+@pytest.mark.transformers_release
 def test_conversations_share_their_system_prompt_as_a_prefix(tiny_model_folder, tmp_path, capsys):
     folder = tmp_path / "chat-llama"
     shutil.copytree(tiny_model_folder("llama"), folder)

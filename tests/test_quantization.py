@@ -82,6 +82,7 @@ def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
     assert sizes["int8"] <= 0.55 * sizes[None]
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
 def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architecture):
     """Rounding a weight to the nearest of 255 levels per row moves it by at most half a step, absmax / 254;
@@ -95,6 +96,7 @@ def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architect
     assert 0 < error < 0.05
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
 @pytest.mark.parametrize("one_token_per_pass, batch_size", [(True, 1), (False, 4)], ids=["one-row", "rows"])
 def test_int8_logits_of_quantized_rows_stay_within_the_rounding_bound(tiny_model_folder, architecture,
@@ -282,6 +284,7 @@ def test_a_compiled_bfloat16_product_rounds_as_the_eager_one_whichever_kernel_a_
         assert torch.equal(out, eager), kernel
 
 
+@pytest.mark.transformers_release
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):
     folder = str(tiny_model_folder("llama"))
     eager, _ = completions(folder, dtype="bfloat16", quantize="int8", batch_size=2, graphs=False)
