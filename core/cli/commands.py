@@ -350,12 +350,13 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
         if arguments.world_size not in (None, job_size):
             raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {job_size} ranks.")
     elif arguments.world_size not in (None, 1) or data_parallel > 1:
-        from accelgen.parallel.launcher import launch_job, plan_launch
+        from accelgen.parallel.launcher import check_node_devices, launch_job, plan_launch
 
         # restarted workers resume an output; without one they would print every completion again
         restarts = getattr(arguments, "max_restarts", 0) if getattr(arguments, "output", None) else 0
         plan = plan_launch(arguments.world_size or 1, arguments.nnodes, arguments.node_rank, arguments.master_addr,
                            arguments.master_port, data_parallel, restarts, arguments.node_wait)
+        check_node_devices(request.accelerator, plan)
         request.check_world_size(plan.world_size, data_parallel)
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)

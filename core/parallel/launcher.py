@@ -107,15 +107,20 @@ class JobEnd:
     line: str | None = None
 
 
-def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> JobEnd:
-    """Check that this node has the devices the job needs, then start this node's ranks, each running
-    ``accelgen <worker_argv>``; return how the job ended. (What the model needs of the world size is
-    checked by the caller, before: ``accelgen.session.request.Request.check_world_size``.)"""
+def check_node_devices(accelerator: Accelerator, plan: LaunchPlan) -> None:
+    """Raise UsageError when this node has fewer devices than the job's ranks on it need (a device that takes one
+    process per device)."""
     if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
         raise UsageError(
             f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
             f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
+
+
+def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> JobEnd:
+    """Start this node's ranks, each running ``accelgen <worker_argv>``; return how the job ended. (What the job
+    needs of the node and of the model is checked by the caller, before: :func:`check_node_devices`,
+    ``accelgen.session.request.Request.check_world_size``.)"""
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
     try:

@@ -16,7 +16,11 @@ from accelgen.common.errors import interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
-from accelgen_cpu.extension_lock import check_extension_build_lock, deepspeed_builds_in_its_folder
+from accelgen_cpu.extension_lock import (
+    check_extension_build_lock,
+    deepspeed_build_folder,
+    deepspeed_builds_in_its_folder,
+)
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
 from accelgen_cpu.native_kernels import native_kernels
 from accelgen_cpu.norms import use_fused_norms
@@ -96,9 +100,9 @@ class CpuAccelerator(Accelerator):
 
         require_deepspeed(world.size)
         shared_memory = prepare_shared_memory_all_reduce(world)
-        with deepspeed_builds_in_its_folder() as build_folder:  # this install's: another's is never rebuilt nor loaded
-            if shared_memory:
-                check_extension_build_lock(build_folder, world.local_rank)  # DeepSpeed compiles the kernel on first use
+        if shared_memory:  # DeepSpeed compiles the kernel on first use, in this install's folder
+            check_extension_build_lock(deepspeed_build_folder(), world.local_rank)
+        with deepspeed_builds_in_its_folder():  # this install's: another's build is never rebuilt, nor loaded
             try:
                 model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
             except BaseException:  # a model AutoTP cannot split, say: the job ends, its buffers must not stay behind

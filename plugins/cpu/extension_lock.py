@@ -45,15 +45,14 @@ WHAT = "DeepSpeed's CPU all-reduce extension"
 
 
 @contextlib.contextmanager
-def deepspeed_builds_in_its_folder() -> Iterator[str]:
+def deepspeed_builds_in_its_folder() -> Iterator[None]:
     """Inside the block, torch builds and loads DeepSpeed's extensions in this install's folder
-    (:func:`deepspeed_extensions_root`): TORCH_EXTENSIONS_DIR is set to it for this process, and put back after.
-    Yields the build folder of the CPU all-reduce extension there (:func:`deepspeed_build_folder`)."""
+    (:func:`deepspeed_extensions_root`): TORCH_EXTENSIONS_DIR is set to it for this process, and put back after."""
     root = deepspeed_extensions_root()
     before = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = root
     try:
-        yield os.path.join(root, EXTENSION)
+        yield
     finally:
         if before is None:
             os.environ.pop("TORCH_EXTENSIONS_DIR", None)
