@@ -180,6 +180,13 @@ def drop_a_field(output: Path) -> None:
     output.write_text(json.dumps(first) + "\n" + "".join(lines[1:]))
 
 
+def index_as_text(output: Path) -> None:
+    lines = output.read_text().splitlines(keepends=True)
+    third = json.loads(lines[2])
+    third["index"] = str(third["index"])
+    output.write_text("".join(lines[:2]) + json.dumps(third) + "\n" + "".join(lines[3:]))
+
+
 @pytest.mark.parametrize("damage, message", [
     (replace_run_record('{"model": '), "Run record '{record}' cannot be read: Expecting value: line 1 column 11 (char 10): "
                                        "it says which run wrote '{output}'; restore it, or pass --overwrite"),
@@ -190,6 +197,8 @@ def drop_a_field(output: Path) -> None:
     (drop_a_field, "--output '{output}' line 1 is not a completion written by accelgen run (its fields: index, prompt, "
                    "completion, completion_token_ids, prompt_token_count, finish_reason): the file is damaged; pass "
                    "--overwrite to start it again."),
+    (index_as_text, "--output '{output}' line 3 has index \"2\", not a whole row number (row 2 is expected there): the "
+                    "file is damaged; keep its first 2 lines (head -n 2) to resume after them, or pass --overwrite"),
 ])
 def test_a_damaged_output_or_run_record_is_refused_and_left_as_it_is(finished_output, capsys, damage, message):
     dataset, output = finished_output

@@ -66,8 +66,11 @@ class CompletionLines:
         """Why a written ``line`` (parsed) is not the completion of row ``index`` written by ``accelgen run``, or None."""
         if not isinstance(line, dict) or not set(LINE_FIELDS) <= set(line) <= {*LINE_FIELDS, *OPTIONAL_LINE_FIELDS}:
             return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
-        if line["index"] != index:
-            return f"is row {line['index']}, not row {index}"
+        written = line["index"]
+        if not isinstance(written, int) or isinstance(written, bool):
+            return f"has index {json.dumps(written)}, not a whole row number (row {index} is expected there)"
+        if written != index:
+            return f"is row {written}, not row {index}"
         return None
 
     @staticmethod
