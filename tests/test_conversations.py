@@ -158,6 +158,9 @@ def test_a_template_file_renders_instead_of_the_tokenizers_and_a_resume_with_ano
      "row 1, column 'messages', is a conversation with no text"),
     ([[{"role": "user", "content": "hi " * 40}]], ["--max-input-tokens", "8"],
      "row 0 (column 'messages') makes"),
+    ([[{"from": "human", "value": "hi"}], [{"from": "human", "value": "hi"}, {"from": "martian", "value": "ack"}]], [],
+     "row 1, column 'messages', message 1 is from 'martian', not one of ShareGPT's speakers (human, gpt, system, "
+     "user, assistant, tool, function_call, observation): fix it, or remove that row"),
 ])
 def test_bad_conversations_are_one_line_naming_the_row(chat_model, tmp_path, capsys, rows, arguments, message):
     dataset = write_rows(tmp_path / "chats.jsonl", rows)

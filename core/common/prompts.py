@@ -54,8 +54,11 @@ def as_conversation(value: object) -> tuple[Conversation | None, str | None]:
     messages = []
     for number, message in enumerate(value):
         if isinstance(message, dict) and "from" in message and "role" not in message:  # ShareGPT
-            role = SHAREGPT_ROLES.get(message.get("from"), message.get("from"))
-            message = {"role": role, "content": message.get("value")}
+            speaker = message.get("from")
+            if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+                return None, (f"message {number} is from {speaker!r}, not one of ShareGPT's speakers "
+                              f"({', '.join(SHAREGPT_ROLES)}): fix it, or remove that row")
+            message = {"role": SHAREGPT_ROLES[speaker], "content": message.get("value")}
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             return None, (f"message {number} is not {{role, content}} text (or ShareGPT's {{from, value}}): fix it, "
