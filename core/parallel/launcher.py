@@ -207,7 +207,7 @@ def _run_agent(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
                 StoppedWorkerWatch(_say), _quiet_agent(), restarts, meeting:
             torchrun.run(launcher_arguments)
     except NodesMissing as missing:
-        return JobEnd(1, f"error: {missing}")
+        return JobEnd(missing.status, f"error: {missing}")
     except ChildFailedError as failure:
         rank, process_failure = _first_cause(failure.failures)
         if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
