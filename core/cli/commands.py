@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import sys
 import warnings
@@ -28,7 +27,7 @@ from accelgen.cli.terminal import (
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
 from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
@@ -171,12 +170,12 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
 
 def _chat_template(path: str | None) -> str | None:
-    """The text of the ``--chat-template`` file, or None."""
+    """The text of the ``--chat-template`` file, checked, or None."""
     if path is None:
         return None
-    with user_errors(f"Cannot read --chat-template {path!r}", "pass a readable UTF-8 file holding a Jinja chat template"):
-        with open(os.path.expanduser(path), encoding="utf-8") as file:
-            return file.read()
+    from accelgen.jobs.chat_template import read_chat_template
+
+    return read_chat_template(path)
 
 
 def _replica_world(invocation: Invocation) -> World:

@@ -139,6 +139,11 @@ class PromptCodec:
                 list(conversation.messages), chat_template=template, tokenize=True, return_dict=True,
                 add_generation_prompt=not continues, continue_final_message=continues)
         except Exception as error:  # noqa: BLE001 - a template's own refusal (raise_exception) or a Jinja error
+            import jinja2
+
+            if isinstance(error, jinja2.TemplateSyntaxError):  # the template's fault, whatever the row
+                raise UsageError(f"The chat template line {error.lineno} is not valid Jinja ({error.message}): fix it, "
+                                 f"or pass another chat template.") from None
             raise PromptError(number, f": the chat template cannot render it ({first_line(error)}); fix the "
                                       f"conversation, or pass another --chat-template.") from None
         return list(encoded["input_ids"])

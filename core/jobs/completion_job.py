@@ -22,7 +22,8 @@ from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
-from accelgen.generation.text import NO_CHAT_TEMPLATE, Completion
+from accelgen.generation.text import Completion
+from accelgen.jobs.chat_template import chat_template_hash
 from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
@@ -224,15 +225,6 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
         if path == source or inside or (os.path.exists(path) and os.path.samefile(path, source)):
             raise UsageError(f"--output {output!r} would overwrite the dataset being read ({dataset_source!r}): "
                              f"write the completions to a file outside it.")
-
-
-def chat_template_hash(request: Request) -> str:
-    """The hash of the chat template conversations are rendered with (``--chat-template``, else the
-    tokenizer's), read before any model loads; a model without one is refused in one line."""
-    template = request.run.chat.template or request.model.tokenizer().chat_template
-    if template is None:
-        raise UsageError(NO_CHAT_TEMPLATE)
-    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
 
 
 def run_record(request: Request, source: dict) -> dict:
