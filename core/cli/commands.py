@@ -23,11 +23,12 @@ from accelgen.cli.terminal import (
     discard_output_to,
     flush_output,
     print_batch,
+    print_error_rows,
     print_summary,
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS, UsageError
 from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
@@ -49,7 +50,8 @@ class Invocation:
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
-    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
+    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 3 when every row of
+    the run's output is an error row (``--skip-bad-rows``), 141 when the
     reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -205,10 +207,12 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
     report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
                       show_progress=bool(arguments.dataset))
+    every_row_failed = False
     if is_main:
         print_summary(report)
+        every_row_failed = print_error_rows(*job.error_rows(report), job.output)
     leave_process_group()
-    return 0
+    return EVERY_ROW_FAILED_STATUS if every_row_failed else 0
 
 
 def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:

@@ -74,6 +74,11 @@ class CompletionLines:
         return None
 
     @staticmethod
+    def is_error(line: dict) -> bool:
+        """Whether a written line is an error row (``--skip-bad-rows``)."""
+        return line.get("finish_reason") == "error"
+
+    @staticmethod
     def row_key(line: dict) -> object:
         """What a written line says of the row it completes, to compare with the dataset's (:meth:`request_key`);
         None for a line whose prompt was edited (:class:`CompletionFile` names it)."""
@@ -114,6 +119,7 @@ class CompletionFile:
         self._lock = OutputLock(path) if lock else None
         if self._lock:
             self._lock.acquire()
+        self.error_rows = 0  # of the completed rows, those that are error rows
         try:
             self.completed_rows = 0 if overwrite else self._count_completed_rows()
         except BaseException:
@@ -148,6 +154,7 @@ class CompletionFile:
                         raise UsageError(f"--output {self.path!r} line {rows + 1} (row {rows}) {edit}: kept, it would "
                                          f"stand for a row that says otherwise; restore that line, {keep}pass "
                                          f"--overwrite to start it again.")
+                    self.error_rows += self.lines.is_error(written)
                     rows += 1
         return rows
 
@@ -181,6 +188,7 @@ class CompletionFile:
                     self._file = self._open_for_append()
                 _write_all(self._file, line)
             self.completed_rows += 1
+            self.error_rows += completion.finish_reason == "error"
 
     def _open_for_append(self) -> IO[bytes]:
         if self.completed_rows == 0:  # a new file, or one being overwritten

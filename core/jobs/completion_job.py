@@ -61,6 +61,13 @@ class CompletionJob:
     def finished(self) -> bool:
         return self.rows.total is not None and self.done >= self.rows.total
 
+    def error_rows(self, report: RunReport) -> tuple[int, int]:
+        """The error rows (``--skip-bad-rows``) of the job once ``report``'s run has ended, and its rows: its output's
+        (rows kept from a stopped run included), or this run's without an output. On the writer."""
+        if self.writer:
+            return self.writer.error_rows, self.writer.completed_rows
+        return report.error_rows, report.rows
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptFigures:

@@ -254,6 +254,8 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         return "mixed"
     if _is_conversation(feature):
         return "conversation"
+    if getattr(feature, "dtype", None) == "null":  # every row is null: each said so, or an error row (--skip-bad-rows)
+        return "text"
     if getattr(feature, "dtype", None) not in TEXT_TYPES:
         text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"

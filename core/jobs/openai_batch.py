@@ -224,6 +224,11 @@ class BatchOutputLines:
         return None
 
     @staticmethod
+    def is_error(line: dict) -> bool:
+        """Whether a written line is a request that could not be served."""
+        return line.get("error") is not None
+
+    @staticmethod
     def record_fields() -> dict:
         """What a new output's run record says of its lines: nothing (they hold OpenAI's fields only)."""
         return {}
