@@ -368,3 +368,12 @@ def test_prompt_bytes_that_are_not_utf8_are_refused(cli_environment):
 def test_prompts_that_are_not_text_are_refused_by_the_python_api():
     with pytest.raises(accelgen.UsageError, match="Prompt 1 holds int, not text"):
         accelgen.generate(["Hello", 5], device="cpu", max_new_tokens=2)
+
+
+def test_a_lone_surrogate_is_said_to_be_one_not_a_byte_that_is_not_utf8():
+    with pytest.raises(accelgen.UsageError, match=r"^Prompt 1 holds a lone surrogate \(U\+D800 at character 2, half of a "
+                                                  r"UTF-16 pair without its other half, which is no character\): remove "
+                                                  r"it, or give it its pair\.$"):
+        accelgen.generate(["Hello", "ab\ud800"], device="cpu", max_new_tokens=2)
+    with pytest.raises(accelgen.UsageError, match=r"^Prompt 0 message 0 holds a lone surrogate \(U\+DFFF at character 0"):
+        accelgen.generate([[{"role": "user", "content": "\udfff"}]], device="cpu", max_new_tokens=2)

@@ -68,8 +68,9 @@ def print_error_rows(error_rows: int, rows: int, output: str | None) -> bool:
     where = f" in {output}" if output else ""
     if error_rows == rows:
         fix = "fix them, then run again with --overwrite" if output else "fix them and run again"
-        print(f"accelgen: error: none of the {rows} rows could be completed: each was written as an error row{where} "
-              f"(finish_reason \"error\", the reason in \"error\"): {fix}.", file=sys.stderr)
+        none = f"none of the {rows} rows could be completed: each was" if rows > 1 else "the one row could not be completed: it was"
+        print(f"accelgen: error: {none} written as an error row{where} (finish_reason \"error\", the reason in \"error\"): "
+              f"{fix}.", file=sys.stderr)
         return True
     print(f"accelgen: {error_rows} of {rows} rows could not be completed and were written as error rows{where} "
           f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)

@@ -30,7 +30,8 @@ from accelgen.common.settings import RowSettings
 from accelgen.common.value_ranges import RANGES
 from accelgen.generation.text import Completion
 from accelgen.jobs.dataset_paths import check_local_path
-from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, first_bad_json_line
+from accelgen.jobs.dataset_rows import DatasetRequest, TextRows
+from accelgen.jobs.json_lines import first_bad_json_line
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 #: Body fields read as the row's settings, and the setting each one is.
