@@ -159,6 +159,11 @@ def test_a_template_file_renders_instead_of_the_tokenizers_and_a_resume_with_ano
      "row 1, column 'messages', is a conversation with no text"),
     ([[{"role": "user", "content": "hi " * 40}]], ["--max-input-tokens", "8"],
      "row 0 (column 'messages') makes"),
+    ([[{"role": "user", "content": "hi"}], "plain text in a column of conversations", [{"role": "user", "content": "yo"}]],
+     [], "row 1, column 'messages', is a text, not a conversation (a list of {role, content} messages): make it one, e.g. "
+         "[{\"role\": \"user\", \"content\": ...}], or remove that row"),
+    (["plain text first", [{"role": "user", "content": "hi"}]], ["--streaming"],
+     "row 0, column 'messages', is a text, not a conversation"),
     ([[{"from": "human", "value": "hi"}], [{"from": "human", "value": "hi"}, {"from": "martian", "value": "ack"}]], [],
      "row 1, column 'messages', message 1 is from 'martian', not one of ShareGPT's speakers (human, gpt, system, "
      "user, assistant, tool, function_call, observation): fix it, or remove that row"),
@@ -169,7 +174,7 @@ def test_bad_conversations_are_one_line_naming_the_row(chat_model, tmp_path, cap
                    "messages", "--max-new-tokens", "2", *arguments])
     line = one_error_line(capsys)
     assert status == 2 and message in line, line
-    if arguments:
+    if "--max-input-tokens" in arguments:
         assert "over --max-input-tokens 8: shorten the conversation, or raise --max-input-tokens" in line
 
 

@@ -108,13 +108,15 @@ def test_bad_conversations_become_error_rows(tiny_model_folder, tmp_path, capsys
         [{"role": "user", "content": TOO_LONG}],
         [{"role": "user", "content": "The quick brown fox"}],
         [{"from": "martian", "value": "ack"}],
+        "a text among conversations",
     ]
     dataset, output = write_rows(tmp_path / "chats.jsonl", conversations), tmp_path / "out.jsonl"
     status, error = run(capsys, "--model", folder, "--dataset", dataset, "--column", "messages", "--output", output,
                         "--skip-bad-rows")
     assert status == 0, error
     rows = rows_of(output)
-    assert [row["finish_reason"] == "error" for row in rows] == [False, True, True, True, False, True]
+    assert [row["finish_reason"] == "error" for row in rows] == [False, True, True, True, False, True, True]
+    assert rows[6]["error"] == "is a text, not a conversation (a list of {role, content} messages)"
     assert "no text" in rows[1]["error"] and "no tools here" in rows[2]["error"]
     assert rows[5]["error"].startswith("message 0 is from 'martian', not one of ShareGPT's speakers (human, gpt")
 

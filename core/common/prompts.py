@@ -49,6 +49,9 @@ class Conversation:
 def as_conversation(value: object) -> tuple[Conversation | None, str | None]:
     """``value`` (a list of ``{role, content}`` or ShareGPT ``{from, value}`` messages) as a conversation, or
     why it cannot be one, as a clause."""
+    if isinstance(value, str):
+        return None, ("is a text, not a conversation (a list of {role, content} messages): make it one, e.g. "
+                      "[{\"role\": \"user\", \"content\": ...}], or remove that row")
     if not isinstance(value, (list, tuple)) or not value:
         return None, "is not a conversation (a non-empty list of {role, content} messages): fix it, or remove that row"
     messages = []

@@ -63,24 +63,38 @@ def open_rows(request: DatasetRequest) -> TextRows:
     kind = _check_column(dataset, request)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
+    conversations = kind == "conversation" or (kind == "mixed" and _holds_conversations(dataset, request))
     if not request.streaming:
-        for _ in _row_texts(dataset, request, kind):
+        for _ in _row_texts(dataset, request, kind, conversations):
             pass
-    texts = _row_texts(dataset, request, kind)
+    texts = _row_texts(dataset, request, kind, conversations)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision, conversational=kind == "conversation")
+    return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations)
+
+
+def _holds_conversations(dataset, request: DatasetRequest) -> bool:
+    """Whether a column of values of several types is one of conversations: some row is a list of messages (its rows
+    that are not, a text among them, are then refused or error rows, never completed as text without the chat
+    template). A streamed split is judged by its first rows, as it cannot be read ahead."""
+    rows = dataset.select_columns([request.column])
+    with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, 0, ROWS_PER_READ, error)):
+        batches = rows.iter(batch_size=ROWS_PER_READ)
+        if request.streaming:
+            batches = itertools.islice(batches, 1)
+        return any(isinstance(value, list) for batch in batches for value in batch[request.column])
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Conversation | BadPrompt]:
-    """The column's prompts in dataset order (``kind``: see :func:`_check_column`); a row that cannot be read, or is
-    no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
+def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
+    """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
+    one); a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
+    --skip-bad-rows)."""
     rows = dataset.select_columns([request.column])
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
@@ -95,7 +109,7 @@ def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Co
         for text in batch[request.column]:
             if index in not_text:
                 text, problem = None, not_text[index]
-            elif kind == "conversation" or (kind == "mixed" and isinstance(text, list)):
+            elif conversations:
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
