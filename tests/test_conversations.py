@@ -279,3 +279,43 @@ def test_a_tokenizers_template_that_does_not_compile_is_named_before_the_model_l
                                       f"that compiles.\n")
     with pytest.raises(accelgen.UsageError, match=r"^The chat template line 3 is not valid Jinja \(unexpected 'end of statement block'\)"):
         accelgen.generate([CONVERSATIONS[0]], model=folder, device="cpu", max_new_tokens=2)  # not row 0's fault
+
+
+# -- a conversation too long: it is never cut, so --max-input-tokens is no fix -------------------------------------
+
+
+@pytest.mark.parametrize("rows, arguments, message", [
+    ([[{"role": "user" if number % 2 == 0 else "assistant", "content": f"turn {number}"} for number in range(10_000)]
+      + [{"role": "user", "content": "and now?"}]], [],
+     "A conversation makes {tokens} tokens, more than the largest bucket (2048): shorten the conversation (fewer or "
+     "shorter messages, a shorter --system-prompt or chat template), or pass a larger bucket with --buckets."),
+    ([[{"role": "user", "content": "hi"}]], ["--system-prompt", "Be brief. " * 10_000],
+     "A conversation makes {tokens} tokens, more than the largest bucket (2048): shorten the conversation"),
+    ([[{"role": "user", "content": "hi " * 100}]], ["--max-new-tokens", "200"],
+     "A conversation of {tokens} tokens plus 200 new tokens exceeds the model's context of 256 positions: shorten the "
+     "conversation (fewer or shorter messages, a shorter --system-prompt or chat template), or lower --max-new-tokens."),
+], ids=["10,000 messages", "a 100 KB system prompt", "past the context"])
+def test_a_conversation_too_long_is_told_what_shortens_a_conversation(chat_model, tmp_path, capsys, rows, arguments,
+                                                                      message):
+    dataset = write_rows(tmp_path / "chats.jsonl", rows)
+    status = main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--column",
+                   "messages", "--max-new-tokens", "2", *arguments])
+    line = one_error_line(capsys)
+    messages = list(rows[0])
+    if "--system-prompt" in arguments:
+        messages.insert(0, {"role": "system", "content": arguments[1]})
+    tokens = len(template_ids(chat_model, messages))
+    assert status == 2 and message.format(tokens=tokens) in line, line
+    assert "--max-input-tokens" not in line  # which refuses conversations
+
+
+def test_a_template_rendering_megabytes_is_told_what_shortens_a_conversation(chat_model, tmp_path, capsys):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for a in range(250) %}{% for b in range(1000) %}padding {% endfor %}{% endfor %}" + TEMPLATE)
+    status = main(["run", "--device", "cpu", "--model", str(chat_model), "--prompt", "hi", "--chat", "--chat-template",
+                   str(template), "--max-new-tokens", "2", "--skip-bad-rows", "--output", str(tmp_path / "out.jsonl")])
+    capsys.readouterr()
+    assert status == 3
+    [row] = rows_of(tmp_path / "out.jsonl")
+    assert row["error"].startswith("A conversation makes ") and "shorten the conversation" in row["error"]
+    assert "--max-input-tokens" not in row["error"]

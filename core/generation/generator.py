@@ -81,11 +81,12 @@ class Generator:
         texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
         samples: list[Completion] = []  # of the prompt being given out (its rows come out one after another)
 
-        def encoded() -> Iterator[tuple[int, list[int] | str, RowSettings | None]]:
+        def encoded() -> Iterator[tuple[int, list[int] | str, RowSettings | None, bool]]:
             for number, prompt in numbered_prompts:
                 ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
                 texts[number] = (prompt, truncated)
-                yield number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None
+                conversation = not isinstance(ids, str) and self.text.conversation(prompt) is not None
+                yield number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None, conversation
 
         for rows in self._run_rows(encoded()):
             completions = []
@@ -102,16 +103,17 @@ class Generator:
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
-        numbered = ((number, list(ids), None) for number, ids in enumerate(prompts, start=first_index))
+        numbered = ((number, list(ids), None, False) for number, ids in enumerate(prompts, start=first_index))
         rows = [row for ready in self._run_rows(numbered) for row in ready]
         return [self.ends.trim(row) for row in rows]
 
     # -- the engine -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str, RowSettings | None]]) -> Iterator[list[Row]]:
+    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str, RowSettings | None, bool]]) -> Iterator[list[Row]]:
         """Rows through the slots: read as the scheduler has room, run by the runner, given out in order. A row
-        comes with its own settings or None (the run's); given as a string it is an error row. One that cannot be
+        comes with its own settings or None (the run's), and whether it is a conversation (said in the fixes of a
+        conversation too long); given as a string it is an error row. One that cannot be
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
@@ -121,8 +123,11 @@ class Generator:
         while True:
             read = 0
             try:
-                for number, ids, own in itertools.islice(source, scheduler.room()):
-                    scheduler.add_error(number, ids) if isinstance(ids, str) else scheduler.add(number, ids, own)
+                for number, ids, own, conversation in itertools.islice(source, scheduler.room()):
+                    if isinstance(ids, str):
+                        scheduler.add_error(number, ids)
+                    else:
+                        scheduler.add(number, ids, own, conversation)
                     read += 1
             except Exception as error:  # noqa: BLE001 - raised once the rows before it are out
                 source, source_error = iter(()), error

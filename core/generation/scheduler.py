@@ -152,14 +152,14 @@ class Scheduler:
         """How many more rows to read now: what the free slots can start, less the rows already waiting."""
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
-    def add(self, number: int, prompt_ids: list[int], own: RowSettings | None = None) -> Row:
+    def add(self, number: int, prompt_ids: list[int], own: RowSettings | None = None, conversation: bool = False) -> Row:
         """A prompt's new waiting rows, with its ``own`` settings over the run's (one row per sample, consecutive,
-        each with its own draws; the first is returned). A prompt too long for every bucket or the model's context,
-        or whose own settings the run cannot take, is refused by number (or ends at once as an error row, with
-        ``bad_rows_end``)."""
+        each with its own draws; the first is returned). A prompt too long for every bucket or the model's context
+        (said with the fixes of a ``conversation`` when it is one), or whose own settings the run cannot take, is
+        refused by number (or ends at once as an error row, with ``bad_rows_end``)."""
         try:
             settings = self.run.row_settings(own)
-            bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
+            bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens, conversation)
         except UsageError as error:
             if not self.bad_rows_end:
                 raise PromptError(number, f": {error}") from None
