@@ -151,6 +151,9 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
         request = _request(arguments, plugin_manager, _replica_world(invocation),
                            chat_template=_chat_template(arguments.chat_template_file))
+        # before the output is opened: each rank of a replica holds a store of its share of the heads
+        request.check_prefix_store(request.world.size if invocation.worker
+                                   else max(1, (arguments.world_size or 1) // arguments.data_parallel))
         if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
