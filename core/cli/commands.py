@@ -206,10 +206,11 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         if is_main:
             print(f"accelgen: all {job.rows.total} rows are already in {job.output}; nothing to do.", file=sys.stderr)
         return 0
-    if job.done and is_main:
-        print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
+    if (job.done or job.samples_kept) and is_main:
+        samples = f", and {job.samples_kept} samples of row {job.done}" if job.samples_kept else ""
+        print(f"accelgen: resuming: {job.done} rows already in {job.output}{samples}", file=sys.stderr)
     report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
-                      show_progress=bool(arguments.dataset))
+                      show_progress=bool(arguments.dataset) or arguments.num_samples > 1)
     every_row_failed = False
     if is_main:
         print_summary(report)

@@ -20,7 +20,8 @@ from typing import IO, Callable, Iterator, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
-from accelgen.generation.text import OPTIONAL_FIELDS, Completion
+from accelgen.generation.text import OPTIONAL_FIELDS, Completion, SampleCompletion
+from accelgen.jobs.kept_samples import SAMPLES_SUFFIX, KeptSamples
 from accelgen.jobs.output_lock import OutputLock
 from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
 
@@ -89,9 +90,9 @@ class CompletionLines:
         return text
 
 
-#: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``): never an
-#: output themselves, with or without --overwrite.
-COMPANION_SUFFIXES = (".run.json", ".lock")
+#: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``; the samples
+#: of its next row, ``accelgen.jobs.kept_samples``): never an output themselves, with or without --overwrite.
+COMPANION_SUFFIXES = (".run.json", ".lock", SAMPLES_SUFFIX)
 
 
 class CompletionFile:
@@ -122,6 +123,8 @@ class CompletionFile:
         self.error_rows = 0  # of the completed rows, those that are error rows
         try:
             self.completed_rows = 0 if overwrite else self._count_completed_rows()
+            #: the finished samples of the next row (``--num-samples``), kept by a run stopped before its line
+            self.kept = KeptSamples(real_path(path), path, self.completed_rows, trusted=not overwrite and self._same_run())
         except BaseException:
             self.close()
             raise
@@ -158,6 +161,14 @@ class CompletionFile:
                     rows += 1
         return rows
 
+    def _same_run(self) -> bool:
+        """Whether the output's run record says this run wrote it (refused otherwise when the output holds rows)."""
+        try:
+            self._check_same_run(self._earlier_run_record())
+        except UsageError:
+            return False
+        return True
+
     def _earlier_run_record(self) -> dict:
         fix = f"it says which run wrote {self.path!r}; restore it, or pass --overwrite to start the output again"
         with user_errors(f"Run record {self.run_file!r} cannot be read", fix):
@@ -189,6 +200,18 @@ class CompletionFile:
                 _write_all(self._file, line)
             self.completed_rows += 1
             self.error_rows += completion.finish_reason == "error"
+        self.kept.moved_to(self.completed_rows)
+
+    def keep_samples(self, samples: Sequence[SampleCompletion]) -> None:
+        """Keep ``samples``, the next finished samples of the next row (``accelgen.jobs.kept_samples``), so that a stop
+        before its line loses none; the output is opened first (its run record written, as for its first line)."""
+        if not samples:
+            return
+        with user_errors(f"Cannot write the samples of --output {self.path!r}",
+                         f"{self.completed_rows} rows are kept; make room and run the same command again to resume"):
+            if self._file is None:
+                self._file = self._open_for_append()
+            self.kept.keep(samples)
 
     def _open_for_append(self) -> IO[bytes]:
         if self.completed_rows == 0:  # a new file, or one being overwritten
@@ -215,6 +238,8 @@ class CompletionFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if hasattr(self, "kept"):
+            self.kept.close()
         if self._lock:
             self._lock.release()
 

@@ -22,7 +22,7 @@ from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
-from accelgen.generation.text import Completion
+from accelgen.generation.text import Completion, PromptSamples, SampleCompletion
 from accelgen.jobs.chat_template import chat_template_hash
 from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
@@ -60,6 +60,11 @@ class CompletionJob:
     @property
     def finished(self) -> bool:
         return self.rows.total is not None and self.done >= self.rows.total
+
+    @property
+    def samples_kept(self) -> int:
+        """The finished samples of the next row that a stopped run kept (``--num-samples``)."""
+        return len(self.writer.kept.samples) if self.writer else 0
 
     def error_rows(self, report: RunReport) -> tuple[int, int]:
         """The error rows (``--skip-bad-rows``) of the job once ``report``'s run has ended, and its rows: its output's
@@ -257,8 +262,9 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
 
 
 def _row_samples_left(request: Request, job: CompletionJob) -> int:
-    """The completions the rows left take: each of their samples (a job whose rows number is known)."""
-    return (job.rows.total - job.done) * request.run.num_samples
+    """The completions the rows left take: each of their samples, but those kept by a stopped run (a job whose rows
+    number is known)."""
+    return (job.rows.total - job.done) * request.run.num_samples - job.samples_kept
 
 
 def _decode_steps_at_most(request: Request, job: CompletionJob) -> int | None:
@@ -286,21 +292,25 @@ def complete(
         started = time.perf_counter()
         generator = load_request(request)
         loaded = time.perf_counter()
-        progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
-        first_batch = job.done // request.run.batch_size + 1
+        samples_per_row = 1 if request.run.rows_choose else request.run.num_samples  # a batch file's rows choose theirs
+        progress = (Progress(job.rows.total, job.done, samples_per_row=samples_per_row,
+                             samples_done=job.done * samples_per_row + job.samples_kept) if show_progress and is_main else None)
+        number = job.done // request.run.batch_size + 1
         completed = False
         written = RowCount()
-        batches = (_replicas_batches(request.world, job, generator, written, loaded) if request.world.replicas > 1
-                   else _batches(job, generator, written))
+        looks = (_replicas_looks(request.world, job, generator, written, loaded) if request.world.replicas > 1
+                 else _looks(job, generator, written))
         try:
-            for number, completions in enumerate(batches, start=first_batch):
-                written.errors += sum(completion.finish_reason == "error" for completion in completions)
+            for look in looks:
+                written.errors += sum(completion.finish_reason == "error" for completion in look.completions)
                 if is_main and job.writer:
-                    job.writer.write(completions)
-                if is_main and on_batch:
-                    on_batch(number, completions)
+                    job.writer.write(look.completions)
+                    job.writer.keep_samples(look.open_samples)
+                if is_main and on_batch and look.completions:
+                    on_batch(number, look.completions)
+                    number += 1
                 if progress:
-                    progress.update(len(completions))
+                    progress.update(len(look.completions), look.samples)
             completed = True
         finally:
             if job.writer:
@@ -332,12 +342,35 @@ class RowCount:
         self.rows += len(completions)
 
 
-def _batches(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[list[Completion]]:
-    """The job's rows not yet written, completed by this process's model (split over the job's ranks)."""
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """What one look at the slots gave out: the rows completed, in order; the finished samples of the next row, whose
+    line is not written yet (kept beside the output: ``accelgen.jobs.kept_samples``); how many samples finished."""
+
+    completions: list[Completion]
+    open_samples: list[SampleCompletion]
+    samples: int
+
+
+def _looks(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[Look]:
+    """The job's rows not yet written, completed by this process's model (split over the job's ranks), sample by
+    sample: the next row's samples kept by a stopped run are not made again."""
     texts = itertools.islice(job.rows.texts, job.done, None)
-    for completions in generator.generate_batches(texts, job.done):
+    kept = job.writer.kept.samples if job.writer else []
+    prompts = PromptSamples(kept)
+    for samples in generator.generate_samples(enumerate(texts, start=job.done), {job.done: len(kept)}):
+        completions = [completion for sample in samples if (completion := prompts.add(sample)) is not None]
         count.add(completions)
-        yield completions
+        ends = [place for place, sample in enumerate(samples) if sample.ends_prompt]
+        yield Look(completions, samples[ends[-1] + 1 if ends else 0:], len(samples))
+
+
+def _replicas_looks(world: World, job: CompletionJob, generator: Generator, count: RowCount,
+                    started: float) -> Iterator[Look]:
+    """:func:`_replicas_batches`' rows, each look's: a replica's rows are handed in whole (their samples are not kept
+    before their line is written: a stopped run makes them again, identical)."""
+    for completions in _replicas_batches(world, job, generator, count, started):
+        yield Look(completions, [], sum(len(completion.completions or [completion]) for completion in completions))
 
 
 def _replicas_batches(world: World, job: CompletionJob, generator: Generator, count: RowCount,
