@@ -82,11 +82,14 @@ def test_a_killed_run_with_samples_resumes_to_the_uninterrupted_file(llama, tmp_
     assert all(len(json.loads(line)["completions"]) == 3 for line in whole.read_text().splitlines())
 
 
-@pytest.mark.parametrize("batch_size, batching", [(1, "continuous"), (4, "static")])
+@pytest.mark.parametrize("batch_size, batching, edited", [(1, "continuous", False), (4, "static", False),
+                                                         (1, "continuous", True)],
+                         ids=["one slot", "fixed batches", "the row edited before the resume"])
 def test_a_run_killed_inside_a_rows_samples_keeps_the_finished_ones_and_resumes_to_the_uninterrupted_file(
-        llama, tmp_path, cli_environment, batch_size, batching):
+        llama, tmp_path, cli_environment, batch_size, batching, edited):
     """Resume is by row, but a row of many samples is long: its finished samples are kept beside the output
-    (``<output>.samples``) as they come, and a resumed run makes only the others."""
+    (``<output>.samples``) as they come, and a resumed run makes only the others; a row edited meanwhile (it was not
+    written: it may be) is made anew."""
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text(json.dumps({"text": "Once upon a time"}) + "\n" + json.dumps({"text": "The sea"}) + "\n")
     command = [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(llama), "--dataset",
@@ -97,10 +100,14 @@ def test_a_run_killed_inside_a_rows_samples_keeps_the_finished_ones_and_resumes_
     assert kill_after_rows([*command, "--output", str(resumed)], resumed, cli_environment, rows=40, watched=kept) == 0
     samples_kept = kept.read_text().count("\n")  # row 0's first samples: its line is not written
     assert 40 <= samples_kept < 400
+    if edited:
+        dataset.write_text(json.dumps({"text": "Once upon a tide"}) + "\n" + json.dumps({"text": "The sea"}) + "\n")
     again = subprocess.run([*command, "--output", str(resumed)], env=cli_environment, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr
-    assert f"accelgen: resuming: 0 rows already in {resumed}, and {samples_kept} samples of row 0\n" in again.stderr
+    said = f"and {samples_kept} samples of row 0"
+    assert (said not in again.stderr) if edited else (
+        f"accelgen: resuming: 0 rows already in {resumed}, {said}\n" in again.stderr), again.stderr
     assert not kept.exists()  # gone once the row's line is written
     result = subprocess.run([*command, "--output", str(whole)], env=cli_environment, capture_output=True, text=True,
                             timeout=300)

@@ -121,9 +121,10 @@ class CompletionFile:
         if self._lock:
             self._lock.acquire()
         self.error_rows = 0  # of the completed rows, those that are error rows
+        #: the finished samples of the next row (``--num-samples``), kept by a run stopped before its line
+        self.kept: KeptSamples | None = None
         try:
             self.completed_rows = 0 if overwrite else self._count_completed_rows()
-            #: the finished samples of the next row (``--num-samples``), kept by a run stopped before its line
             self.kept = KeptSamples(real_path(path), path, self.completed_rows, trusted=not overwrite and self._same_run())
         except BaseException:
             self.close()
@@ -202,16 +203,17 @@ class CompletionFile:
             self.error_rows += completion.finish_reason == "error"
         self.kept.moved_to(self.completed_rows)
 
-    def keep_samples(self, samples: Sequence[SampleCompletion]) -> None:
-        """Keep ``samples``, the next finished samples of the next row (``accelgen.jobs.kept_samples``), so that a stop
-        before its line loses none; the output is opened first (its run record written, as for its first line)."""
+    def keep_samples(self, samples: Sequence[SampleCompletion], row_digest: str) -> None:
+        """Keep ``samples``, the next finished samples of the next row (``accelgen.jobs.kept_samples``; ``row_digest``:
+        that row's), so that a stop before its line loses none; the output is opened first (its run record written, as
+        for its first line)."""
         if not samples:
             return
         with user_errors(f"Cannot write the samples of --output {self.path!r}",
                          f"{self.completed_rows} rows are kept; make room and run the same command again to resume"):
             if self._file is None:
                 self._file = self._open_for_append()
-            self.kept.keep(samples)
+            self.kept.keep(samples, row_digest)
 
     def _open_for_append(self) -> IO[bytes]:
         if self.completed_rows == 0:  # a new file, or one being overwritten
@@ -238,7 +240,7 @@ class CompletionFile:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if hasattr(self, "kept"):
+        if self.kept is not None:
             self.kept.close()
         if self._lock:
             self._lock.release()

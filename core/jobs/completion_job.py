@@ -27,6 +27,7 @@ from accelgen.jobs.chat_template import chat_template_hash
 from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
+from accelgen.jobs.kept_samples import row_digest
 from accelgen.jobs.openai_batch import BatchOutputLines, is_batch_file, open_requests
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
@@ -195,6 +196,9 @@ def open_job(
     lock_output = request.world.is_main if lock_output is None else lock_output
     writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output, lines=lines,
                             dataset_keys=dataset_keys) if output else None
+    if writer and writer.kept.samples:  # taken only by the row they complete, which may have been edited since
+        rows_again = open_dataset(dataset).texts if dataset is not None else iter(prompts)
+        writer.kept.of_row(row_digest(next(itertools.islice(rows_again, writer.completed_rows, None), None)))
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
 
 
@@ -305,7 +309,7 @@ def complete(
                 written.errors += sum(completion.finish_reason == "error" for completion in look.completions)
                 if is_main and job.writer:
                     job.writer.write(look.completions)
-                    job.writer.keep_samples(look.open_samples)
+                    job.writer.keep_samples(look.open_samples, look.open_row_digest)
                 if is_main and on_batch and look.completions:
                     on_batch(number, look.completions)
                     number += 1
@@ -345,24 +349,36 @@ class RowCount:
 @dataclasses.dataclass(frozen=True)
 class Look:
     """What one look at the slots gave out: the rows completed, in order; the finished samples of the next row, whose
-    line is not written yet (kept beside the output: ``accelgen.jobs.kept_samples``); how many samples finished."""
+    line is not written yet (kept beside the output: ``accelgen.jobs.kept_samples``), and that row's digest; how many
+    samples finished."""
 
     completions: list[Completion]
     open_samples: list[SampleCompletion]
+    open_row_digest: str | None
     samples: int
 
 
 def _looks(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[Look]:
     """The job's rows not yet written, completed by this process's model (split over the job's ranks), sample by
     sample: the next row's samples kept by a stopped run are not made again."""
-    texts = itertools.islice(job.rows.texts, job.done, None)
     kept = job.writer.kept.samples if job.writer else []
     prompts = PromptSamples(kept)
-    for samples in generator.generate_samples(enumerate(texts, start=job.done), {job.done: len(kept)}):
+    in_flight: dict[int, object] = {}  # by number: the rows read and not yet complete
+
+    def numbered() -> Iterator[tuple[int, object]]:
+        for number, text in enumerate(itertools.islice(job.rows.texts, job.done, None), start=job.done):
+            in_flight[number] = text
+            yield number, text
+
+    for samples in generator.generate_samples(numbered(), {job.done: len(kept)}):
         completions = [completion for sample in samples if (completion := prompts.add(sample)) is not None]
         count.add(completions)
         ends = [place for place, sample in enumerate(samples) if sample.ends_prompt]
-        yield Look(completions, samples[ends[-1] + 1 if ends else 0:], len(samples))
+        for sample in samples[: ends[-1] + 1 if ends else 0]:
+            in_flight.pop(sample.completion.index, None)
+        open_samples = samples[ends[-1] + 1 if ends else 0:]
+        digest = row_digest(in_flight[open_samples[0].completion.index]) if open_samples else None
+        yield Look(completions, open_samples, digest, len(samples))
 
 
 def _replicas_looks(world: World, job: CompletionJob, generator: Generator, count: RowCount,
@@ -370,7 +386,7 @@ def _replicas_looks(world: World, job: CompletionJob, generator: Generator, coun
     """:func:`_replicas_batches`' rows, each look's: a replica's rows are handed in whole (their samples are not kept
     before their line is written: a stopped run makes them again, identical)."""
     for completions in _replicas_batches(world, job, generator, count, started):
-        yield Look(completions, [], sum(len(completion.completions or [completion]) for completion in completions))
+        yield Look(completions, [], None, sum(len(completion.completions or [completion]) for completion in completions))
 
 
 def _replicas_batches(world: World, job: CompletionJob, generator: Generator, count: RowCount,

@@ -1,14 +1,16 @@
 """The finished samples of a prompt whose line is not written yet (``--num-samples``), kept beside its output so that
 a stopped run loses none of them: ``<output>.samples``, one JSON line per sample of the output's next row (its
-completion's fields and its ``sample`` number), appended as each is done and removed once the row's line is written.
-A resumed run takes them and makes only the samples after them; each sample's draws depend only on the seed, its
-prompt's number, its own number and the step, so the row's line is the one the uninterrupted run writes.
+completion's fields, its ``sample`` number and the digest of the row it completes), appended as each is done and
+removed once the row's line is written. A resumed run takes them, when that row is still the dataset's (a row not yet
+written may be edited between two runs), and makes only the samples after them; each sample's draws depend only on the
+seed, its prompt's number, its own number and the step, so the row's line is the one the uninterrupted run writes.
 
 Like the run record, the file is the output's own: never written through a link (a link or a hard link planted at its
 name is refused), read only when the output's run record is this run's, and left as it is by a run refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import IO, Sequence
@@ -19,6 +21,14 @@ from accelgen.generation.text import Completion, SampleCompletion
 
 #: The ending of the file beside an output (``<output>.samples``).
 SAMPLES_SUFFIX = ".samples"
+#: The field of a kept line naming the row its sample completes (:func:`row_digest`).
+ROW_FIELD = "row_sha256"
+
+
+def row_digest(row: object) -> str:
+    """A digest of a row as the job reads it (a text, a conversation, a batch request and its settings): the samples
+    kept for a row are taken only by that row."""
+    return hashlib.sha256(repr(row).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class KeptSamples:
@@ -37,6 +47,7 @@ class KeptSamples:
                                  f"wrote ({'a folder or device' if not os.path.isfile(self.path) else 'a hard link'}): "
                                  f"move it away.")
         self.samples: list[Completion] = []  # of row ``row``, from its sample 0 on
+        self.row_digest: str | None = None  # of the row they complete (:func:`row_digest`)
         self._kept_bytes = 0  # the bytes of the file that hold them: anything after (a torn line) goes
         if trusted:
             self._read()
@@ -53,21 +64,34 @@ class KeptSamples:
             for line in file:
                 try:
                     data = json.loads(line) if line.endswith(b"\n") else None
-                    kept = (isinstance(data, dict) and data.get("index") == self.row
-                            and data.pop("sample", None) == len(self.samples) and Completion(**data))
+                    digest = data.pop(ROW_FIELD, None) if isinstance(data, dict) else None
+                    kept = (isinstance(digest, str) and digest == (self.row_digest or digest)
+                            and data.get("index") == self.row and data.pop("sample", None) == len(self.samples)
+                            and Completion(**data))
                 except (ValueError, TypeError):
                     kept = None
                 if not kept:
                     return
                 self.samples.append(kept)
+                self.row_digest = digest
                 self._kept_bytes += len(line)
 
-    def keep(self, samples: Sequence[SampleCompletion]) -> None:
-        """Append ``samples`` (row ``row``'s next ones, in order), each line in one write."""
+    def of_row(self, digest: str) -> list[Completion]:
+        """The samples kept, when the row they complete is still the one whose digest is ``digest``; else none (they
+        go when this run keeps its own)."""
+        if digest != self.row_digest:
+            self.samples, self.row_digest, self._kept_bytes = [], None, 0
+        return self.samples
+
+    def keep(self, samples: Sequence[SampleCompletion], digest: str) -> None:
+        """Append ``samples`` (row ``row``'s next ones, in order; ``digest``: the row's :func:`row_digest`), each line in
+        one write."""
         if self._file is None:
             self._file = self._open()
+        self.row_digest = digest
         for sample in samples:
-            line = json.dumps({**sample.completion.as_row(), "sample": sample.sample}, ensure_ascii=False) + "\n"
+            line = json.dumps({**sample.completion.as_row(), "sample": sample.sample, ROW_FIELD: digest},
+                              ensure_ascii=False) + "\n"
             data = line.encode()
             written = 0
             while written < len(data):
@@ -91,7 +115,7 @@ class KeptSamples:
         if row == self.row:
             return
         self.close()
-        self.row, self.samples, self._kept_bytes = row, [], 0
+        self.row, self.samples, self.row_digest, self._kept_bytes = row, [], None, 0
         if os.path.isfile(self.path) and not os.path.islink(self.path):
             os.remove(self.path)
 
