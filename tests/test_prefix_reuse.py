@@ -64,12 +64,26 @@ def test_reuse_with_fixed_batches_several_samples_and_int8_weights(tiny_model_fo
     assert with_reuse == without and generator.stats.prefix_hits > 0
 
 
-def test_a_store_too_small_for_one_block_reuses_nothing_and_changes_nothing(tiny_model_folder):
+@pytest.mark.parametrize("size", ["1.5", "1KiB"])
+def test_a_store_too_small_for_one_block_is_one_line_naming_the_smallest_size(tiny_model_folder, capsys, monkeypatch,
+                                                                              size):
+    """Such a store would hold nothing: reuse off, the summary saying "store 0 MiB"."""
+    import accelgen.jobs.completion_job
+
     folder = tiny_model_folder("opt")
-    without, _ = token_ids(folder, prefix_cache=0, batch_size=2)
-    with_reuse, generator = token_ids(folder, prefix_cache=block_bytes(folder) - 1, batch_size=2)
-    assert with_reuse == without
-    assert generator.stats.reused_tokens == 0 and generator.stats.prefilled_tokens == generator.stats.prompt_tokens
+    block = block_bytes(folder)
+    capsys.readouterr()
+    monkeypatch.setattr(accelgen.jobs.completion_job, "load_request", lambda request: pytest.fail("the model was loaded"))
+    status = main(["run", "--device", "cpu", "--model", str(folder), "--prompt", "Hello", "--prefix-cache", size])
+    asked = {"1.5": 1, "1KiB": 1024}[size]
+    assert status == 2 and one_error_line(capsys) == (
+        f"accelgen: error: --prefix-cache {asked:,} bytes holds no block of prompt keys and values: one block (16 "
+        f"positions over every layer, in float32) takes {block:,} bytes of this model; pass at least "
+        f"{-(-block // 1024)}KiB (a store holds many blocks), or 0 to turn prefix reuse off.\n")
+    monkeypatch.undo()
+    with pytest.raises(accelgen.UsageError, match="holds no block of prompt keys and values"):
+        accelgen.load(folder, device="cpu", prefix_cache=block - 1)
+    assert token_ids(folder, prefix_cache=block)[1].stats.prefix_store_bytes == block  # one block: reuse on
 
 
 @pytest.mark.transformers_release
@@ -160,6 +174,14 @@ def test_the_memory_advice_counts_the_store_beside_the_kv_cache(tiny_model_folde
     line = one_error_line(capsys)
     assert status == 2 and "The KV cache and prefill activations for --batch-size 1" in line
     assert "of the prefix store (--prefix-cache SIZE, or 0):" in line
+
+
+def test_a_store_larger_than_any_machine_is_parsed_and_refused_in_a_true_sentence(tiny_model_folder, capsys):
+    folder = str(tiny_model_folder("llama"))
+    capsys.readouterr()
+    status = main(["run", "--device", "cpu", "--model", folder, "--prompt", "Hello", "--prefix-cache", "1PiB"])
+    line = one_error_line(capsys)  # not "is not a memory size"
+    assert status == 2 and "--prefix-cache 1,048,576.00 GiB is more than the" in line and "free on the device" in line
 
 
 @pytest.mark.parametrize("value", ["lots", "-1GiB"])

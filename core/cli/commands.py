@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import sys
 import warnings
@@ -24,11 +23,12 @@ from accelgen.cli.terminal import (
     discard_output_to,
     flush_output,
     print_batch,
+    print_error_rows,
     print_summary,
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS, UsageError
 from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
@@ -50,7 +50,8 @@ class Invocation:
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
-    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
+    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 3 when every row of
+    the run's output is an error row (``--skip-bad-rows``), 141 when the
     reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -150,6 +151,9 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
         request = _request(arguments, plugin_manager, _replica_world(invocation),
                            chat_template=_chat_template(arguments.chat_template_file))
+        # before the output is opened: each rank of a replica holds a store of its share of the heads
+        request.check_prefix_store(request.world.size if invocation.worker
+                                   else max(1, (arguments.world_size or 1) // arguments.data_parallel))
         if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
@@ -171,12 +175,12 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
 
 def _chat_template(path: str | None) -> str | None:
-    """The text of the ``--chat-template`` file, or None."""
+    """The text of the ``--chat-template`` file, checked, or None."""
     if path is None:
         return None
-    with user_errors(f"Cannot read --chat-template {path!r}", "pass a readable UTF-8 file holding a Jinja chat template"):
-        with open(os.path.expanduser(path), encoding="utf-8") as file:
-            return file.read()
+    from accelgen.jobs.chat_template import read_chat_template
+
+    return read_chat_template(path)
 
 
 def _replica_world(invocation: Invocation) -> World:
@@ -202,14 +206,17 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         if is_main:
             print(f"accelgen: all {job.rows.total} rows are already in {job.output}; nothing to do.", file=sys.stderr)
         return 0
-    if job.done and is_main:
-        print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
+    if (job.done or job.samples_kept) and is_main:
+        samples = f", and {job.samples_kept} samples of row {job.done}" if job.samples_kept else ""
+        print(f"accelgen: resuming: {job.done} rows already in {job.output}{samples}", file=sys.stderr)
     report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
-                      show_progress=bool(arguments.dataset))
+                      show_progress=bool(arguments.dataset) or arguments.num_samples > 1)
+    every_row_failed = False
     if is_main:
         print_summary(report)
+        every_row_failed = print_error_rows(*job.error_rows(report), job.output)
     leave_process_group()
-    return 0
+    return EVERY_ROW_FAILED_STATUS if every_row_failed else 0
 
 
 def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:

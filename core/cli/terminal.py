@@ -60,6 +60,23 @@ def describe_plugin(accelerator: Accelerator) -> str:
     return f"{module} from {package}" if package else module
 
 
+def print_error_rows(error_rows: int, rows: int, output: str | None) -> bool:
+    """Say on stderr how many of the job's ``rows`` are error rows (``--skip-bad-rows``), if any; when every one is, as
+    an error line. Whether every row is one (the run then exits with ``EVERY_ROW_FAILED_STATUS``)."""
+    if not error_rows:
+        return False
+    where = f" in {output}" if output else ""
+    if error_rows == rows:
+        fix = "fix them, then run again with --overwrite" if output else "fix them and run again"
+        none = f"none of the {rows} rows could be completed: each was" if rows > 1 else "the one row could not be completed: it was"
+        print(f"accelgen: error: {none} written as an error row{where} (finish_reason \"error\", the reason in \"error\"): "
+              f"{fix}.", file=sys.stderr)
+        return True
+    print(f"accelgen: {error_rows} of {rows} rows could not be completed and were written as error rows{where} "
+          f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
+    return False
+
+
 def print_summary(report: "RunReport") -> None:
     """On stderr: one line of tokens, speed, load time, device, dtype, world size and graph captures; one of
     each replica's rows and tokens and the job's rows/s, with --data-parallel; one of where offloaded weights
@@ -83,9 +100,6 @@ def print_summary(report: "RunReport") -> None:
             f"replica {replica.replica}: {replica.rows} rows, {replica.new_tokens} kept tokens in {replica.seconds:.2f} s"
             for replica in report.replicas) + f"; the job: {report.rows} rows in {report.generate_seconds:.2f} s "
             f"({report.rows_per_second:.2f} rows/s)" + _held_back(report.replicas), file=sys.stderr)
-    if report.error_rows:
-        print(f"accelgen: {report.error_rows} row(s) could not be completed and were written as error rows "
-              f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
     if report.offload is not None:
         print(f"accelgen: {report.offload}", file=sys.stderr)
     print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)

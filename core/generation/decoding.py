@@ -118,22 +118,29 @@ class RowStart(NamedTuple):
     sampling: RowSampling
 
 
-def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int) -> int:
-    """The smallest bucket that holds the longest prompt, shrunk to fit the model's context if needed."""
+#: What shortens a conversation: it is never cut (``--max-input-tokens`` refuses it: cutting it would cut its
+#: generation prompt), so the fix is the user's.
+SHORTEN_CONVERSATION = "shorten the conversation (fewer or shorter messages, a shorter --system-prompt or chat template)"
+
+
+def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int,
+                  conversation: bool = False) -> int:
+    """The smallest bucket that holds the longest prompt, shrunk to fit the model's context if needed. A prompt too
+    long is refused with the fixes that apply to it (``conversation``: a conversation's, which is never cut)."""
+    what = "A conversation makes" if conversation else "A prompt has"
     fitting = [bucket for bucket in sorted(buckets) if bucket >= longest_prompt]
     if not fitting:
-        raise UsageError(
-            f"A prompt has {longest_prompt} tokens, more than the largest bucket ({max(buckets)}): "
-            f"pass --max-input-tokens N to keep its first N tokens, or a larger bucket with --buckets."
-        )
+        fix = SHORTEN_CONVERSATION if conversation else "pass --max-input-tokens N to keep its first N tokens"
+        raise UsageError(f"{what} {longest_prompt} tokens, more than the largest bucket ({max(buckets)}): {fix}, or "
+                         f"pass a larger bucket with --buckets.")
     bucket = fitting[0]
     if context_limit is not None and bucket + new_tokens > context_limit:
         bucket = context_limit - new_tokens
         if bucket < longest_prompt:
-            raise UsageError(
-                f"A prompt of {longest_prompt} tokens plus {new_tokens} new tokens exceeds the model's "
-                f"context of {context_limit} positions: lower --max-new-tokens or pass --max-input-tokens."
-            )
+            fix = f"{SHORTEN_CONVERSATION}, or" if conversation else "pass --max-input-tokens, or"
+            subject = "A conversation" if conversation else "A prompt"
+            raise UsageError(f"{subject} of {longest_prompt} tokens plus {new_tokens} new tokens exceeds the model's "
+                             f"context of {context_limit} positions: {fix} lower --max-new-tokens.")
     return bucket
 
 

@@ -59,6 +59,37 @@ class Completion:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class SampleCompletion:
+    """One sample's completion of its prompt, given out as its row ends: sample ``sample`` of the prompt's ``samples``
+    (a prompt without ``--num-samples`` is sample 0 of 1)."""
+
+    completion: Completion
+    sample: int
+    samples: int
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.sample == self.samples - 1
+
+
+class PromptSamples:
+    """Samples, given out in order, gathered into their prompts' completions (:meth:`Completion.of_samples`); the
+    first prompt's first samples may be ``kept`` ones (a stopped run's), the others then following them."""
+
+    def __init__(self, kept: Sequence[Completion] = ()):
+        self.gathered: list[Completion] = list(kept)  # of the prompt whose samples are coming out
+
+    def add(self, sample: SampleCompletion) -> Completion | None:
+        """Gather ``sample``; its prompt's completion once it is the prompt's last sample, else None."""
+        del self.gathered[sample.sample:]  # the samples before it, and only those
+        self.gathered.append(sample.completion)
+        if not sample.ends_prompt:
+            return None
+        completion, self.gathered = Completion.of_samples(self.gathered), []
+        return completion
+
+
 NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conversations with: pass --chat-template "
                     "FILE (a Jinja template), or complete text prompts without --chat.")
 
@@ -139,6 +170,11 @@ class PromptCodec:
                 list(conversation.messages), chat_template=template, tokenize=True, return_dict=True,
                 add_generation_prompt=not continues, continue_final_message=continues)
         except Exception as error:  # noqa: BLE001 - a template's own refusal (raise_exception) or a Jinja error
+            import jinja2
+
+            if isinstance(error, jinja2.TemplateSyntaxError):  # the template's fault, whatever the row
+                raise UsageError(f"The chat template line {error.lineno} is not valid Jinja ({error.message}): fix it, "
+                                 f"or pass another chat template.") from None
             raise PromptError(number, f": the chat template cannot render it ({first_line(error)}); fix the "
                                       f"conversation, or pass another --chat-template.") from None
         return list(encoded["input_ids"])

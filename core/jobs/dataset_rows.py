@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, 
 from accelgen.common.prompts import BadPrompt, Conversation, as_conversation, prompt_problem
 from accelgen.common.value_ranges import check_settings
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
+from accelgen.jobs.json_lines import first_bad_json_line, lone_surrogate_rows
 
 TEXT_TYPES = ("string", "large_string")
 #: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
@@ -63,27 +63,43 @@ def open_rows(request: DatasetRequest) -> TextRows:
     kind = _check_column(dataset, request)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
+    conversations = kind == "conversation" or (kind == "mixed" and _holds_conversations(dataset, request))
     if not request.streaming:
-        for _ in _row_texts(dataset, request, kind):
+        for _ in _row_texts(dataset, request, kind, conversations):
             pass
-    texts = _row_texts(dataset, request, kind)
+    texts = _row_texts(dataset, request, kind, conversations)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision, conversational=kind == "conversation")
+    return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations)
+
+
+def _holds_conversations(dataset, request: DatasetRequest) -> bool:
+    """Whether a column of values of several types is one of conversations: some row is a list of messages (its rows
+    that are not, a text among them, are then refused or error rows, never completed as text without the chat
+    template). A streamed split is judged by its first rows, as it cannot be read ahead."""
+    rows = dataset.select_columns([request.column])
+    with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, 0, ROWS_PER_READ, error)):
+        batches = rows.iter(batch_size=ROWS_PER_READ)
+        if request.streaming:
+            batches = itertools.islice(batches, 1)
+        return any(isinstance(value, list) for batch in batches for value in batch[request.column])
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Conversation | BadPrompt]:
-    """The column's prompts in dataset order (``kind``: see :func:`_check_column`); a row that cannot be read, or is
-    no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
+def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
+    """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
+    one); a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
+    --skip-bad-rows)."""
     rows = dataset.select_columns([request.column])
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
+    # in a column of mixed types, datasets drops a lone surrogate without a word: the file's own lines say where
+    not_text = lone_surrogate_rows(_json_lines_file(request), request.column) if kind == "mixed" and _json_lines_file(request) else {}
     index = 0
     while True:
         with user_errors("", "", explain=lambda error, index=index: _unreadable_row(rows, request, index, rows_per_read, error)):
@@ -91,7 +107,9 @@ def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Co
         if batch is None:
             return
         for text in batch[request.column]:
-            if kind == "conversation" or (kind == "mixed" and isinstance(text, list)):
+            if index in not_text:
+                text, problem = None, not_text[index]
+            elif conversations:
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
@@ -198,32 +216,28 @@ def _unwritable_cache(error: BaseException) -> str | None:
     return None
 
 
-def _bad_json_line(request: DatasetRequest) -> str | None:
-    """The message naming the first line of a local JSON-lines dataset that does not parse, if there is one."""
+def _json_lines_file(request: DatasetRequest) -> str | None:
+    """The path of the dataset when it is a local JSON or JSON-lines file, else None."""
     source = os.path.expanduser(request.source)
-    if not (os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json"):
+    if os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json":
+        return source
+    return None
+
+
+def _bad_json_line(request: DatasetRequest) -> str | None:
+    """The message naming the first line of a local JSON-lines dataset that does not parse, or the first row whose
+    column holds a lone surrogate (which datasets cannot read, whatever the flags), if there is one."""
+    source = _json_lines_file(request)
+    if source is None:
         return None
     bad_line = first_bad_json_line(source)
-    return bad_line and f"Dataset {request.source!r} {bad_line}."
-
-
-def first_bad_json_line(path: str) -> str | None:
-    """Where a JSON-lines file first fails to parse, and the fix ("line 3 (row 2) is not valid JSON (...): fix or
-    remove that line"), or None when every line parses (or the file is one JSON document over several lines)."""
-    with open(path, "rb") as file:
-        lines = [(number, line) for number, line in enumerate(file, start=1) if line.strip()]
-    for row, (number, line) in enumerate(lines):
-        try:
-            json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
-        except UnicodeDecodeError as error:
-            return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
-                    f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
-        except ValueError as error:
-            if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
-                return None  # one JSON document over several lines, not JSON lines
-            last_unended = row == len(lines) - 1 and not line.endswith(b"\n")
-            torn = " (a torn last line: the file is still being written, or was cut short)" if last_unended else ""
-            return f"line {number} (row {row}) is not valid JSON{torn} ({first_line(error)}): fix or remove that line"
+    if bad_line:
+        return f"Dataset {request.source!r} {bad_line}."
+    not_text = lone_surrogate_rows(source, request.column)
+    if not_text:
+        row, problem = min(not_text.items())
+        return (f"Dataset {request.source!r} row {row}, column {request.column!r}, {problem} (the datasets library cannot "
+                f"read the file while it holds one, whatever the flags).")
     return None
 
 
@@ -254,6 +268,8 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         return "mixed"
     if _is_conversation(feature):
         return "conversation"
+    if getattr(feature, "dtype", None) == "null":  # every row is null: each said so, or an error row (--skip-bad-rows)
+        return "text"
     if getattr(feature, "dtype", None) not in TEXT_TYPES:
         text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"

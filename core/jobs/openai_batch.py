@@ -30,7 +30,8 @@ from accelgen.common.settings import RowSettings
 from accelgen.common.value_ranges import RANGES
 from accelgen.generation.text import Completion
 from accelgen.jobs.dataset_paths import check_local_path
-from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, first_bad_json_line
+from accelgen.jobs.dataset_rows import DatasetRequest, TextRows
+from accelgen.jobs.json_lines import first_bad_json_line
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 #: Body fields read as the row's settings, and the setting each one is.
@@ -74,23 +75,39 @@ def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...]) -> Text
     bad_line = first_bad_json_line(path)
     if bad_line:
         raise UsageError(f"Batch file {dataset.source!r} {bad_line}.")
+    _check_ids_apart(dataset.source, path)
     total, chat = 0, False
-    for data in _request_lines(path, dataset.limit):
+    for _, data in _request_lines(path, dataset.limit):
         total += 1
         chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
-    rows = (request_row(data, model_names) for data in _request_lines(path, dataset.limit))
+    rows = (request_row(data, model_names) for _, data in _request_lines(path, dataset.limit))
     return TextRows(rows, total, conversational=chat, rows_choose=True)
 
 
-def _request_lines(path: str, limit: int | None) -> Iterator[object]:
-    """The file's non-empty lines, parsed (the first ``limit``)."""
+def _check_ids_apart(source: str, path: str) -> None:
+    """Raise UsageError naming the first two lines of the batch file that share a ``custom_id``: OpenAI refuses such
+    a file, and their output lines could not be told apart (a custom_id is what a result is matched by)."""
+    first_line_of: dict[str, int] = {}
+    for number, data in _request_lines(path, None):
+        custom_id = data.get("custom_id") if isinstance(data, dict) else None
+        if not isinstance(custom_id, str):
+            continue  # not a request: its own error row
+        if custom_id in first_line_of:
+            raise UsageError(f"Batch file {source!r} has custom_id {custom_id!r} on line {first_line_of[custom_id]} and "
+                             f"again on line {number}: each request needs its own custom_id (its result is found by it); "
+                             f"rename one of them.")
+        first_line_of[custom_id] = number
+
+
+def _request_lines(path: str, limit: int | None) -> Iterator[tuple[int, object]]:
+    """The file's non-empty lines, parsed, with their line numbers (the first ``limit``)."""
     with user_errors(f"Cannot read batch file {path!r}", "make it readable, or pass another --dataset"):
         with open(path, encoding="utf-8-sig") as file:
             count = 0
-            for line in file:
+            for number, line in enumerate(file, start=1):
                 if line.strip() and (limit is None or count < limit):
                     count += 1
-                    yield json.loads(line)
+                    yield number, json.loads(line)
 
 
 def request_row(data: object, model_names: tuple[str, ...]) -> PromptRequest:
@@ -206,6 +223,11 @@ class BatchOutputLines:
         if line["id"] != f"batch_req_{index}":
             return f"is {line['id']!r}, not batch_req_{index}"
         return None
+
+    @staticmethod
+    def is_error(line: dict) -> bool:
+        """Whether a written line is a request that could not be served."""
+        return line.get("error") is not None
 
     @staticmethod
     def record_fields() -> dict:

@@ -37,6 +37,7 @@ def load_request(request: Request) -> Generator:
     """Set the device up, load the model (this rank's part of it under tensor parallelism; what fits the
     memory cap with --offload), prepare it for the device: a Generator."""
     accelerator, run, world = request.accelerator, request.run, request.world
+    request.check_prefix_store(world.size)
     device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
     shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None

@@ -27,8 +27,10 @@ from accelgen.common.settings import (
     World,
 )
 from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.generation.prefix_store import BLOCK_TOKENS
 from accelgen.loading.model_source import ModelSource
 from accelgen.loading.offload import check_offload_world
+from accelgen.model.memory import kv_cache_bytes_per_position
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import PluginManager, get_plugin_manager
 from accelgen.plugin.registry import AUTO_DEVICE, check_dtype, select_accelerator
@@ -52,6 +54,21 @@ class Request:
             return self
         pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after_steps
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
+
+    def check_prefix_store(self, ranks: int) -> None:
+        """Raise UsageError when ``--prefix-cache`` asks for a store smaller than one block of prompt keys and values
+        on each of a replica's ``ranks`` (16 positions over every layer, its share of the heads): it would hold
+        nothing, and reuse would be off without a word. Read from the model's config, before the model loads."""
+        asked = self.run.prefix_cache
+        if not asked:
+            return
+        block = kv_cache_bytes_per_position(self.model.config(), self.run.dtype, ranks) * BLOCK_TOKENS
+        if asked < block:
+            smallest = f"{-(-block // 2**20)}MiB" if block >= 2**20 else f"{-(-block // 2**10)}KiB"
+            raise UsageError(f"--prefix-cache {asked:,} bytes holds no block of prompt keys and values: one block "
+                             f"({BLOCK_TOKENS} positions over every layer, in {self.run.dtype}) takes {block:,} bytes "
+                             f"{'on each rank ' if ranks > 1 else ''}of this model; pass at least {smallest} (a store "
+                             f"holds many blocks), or 0 to turn prefix reuse off.")
 
     def check_world_size(self, world_size: int, data_parallel: int = 1) -> None:
         """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
