@@ -44,6 +44,13 @@ BATCH = 16
 PEAK_LR = 3e-3
 WARMUP_FRACTION = 0.03  # of the time budget
 PROMPT = "In the beginning"
+#: A plain role-tagged chat template (Zephyr's layout), so that conversations (``--column messages``, ``--chat``, chat
+#: batch requests) run on the built-in model: each message as ``<|role|>``, its text and ``</s>``; the generation
+#: prompt opens the assistant's turn. The model was not trained on it: its replies read like the rest of its text.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 class TextMissing(Exception):
@@ -220,6 +227,9 @@ with little meaning.
 - Tokenizer: byte-level BPE trained on the same text, {vocab_size} tokens; special tokens
   `<pad>`, `<s>`, `</s>`, `<unk>`. No special tokens are added automatically; `</s>` ends
   each chapter in the training data.
+- Chat template: each message as `<|role|>`, a new line, its text and `</s>`; the generation
+  prompt is `<|assistant|>` and a new line. The model was not trained on conversations: the
+  template lets `--chat`, `--column messages` and chat batch requests run, not converse.
 - Training text: the King James Version of the Bible (1611), which is in the public domain,
   from Debian's `bible-kjv-text` package, with verse numbers and book headers removed
   (one paragraph per chapter; {tokens:,} tokens).
@@ -240,6 +250,9 @@ def save(model, tokenizer, output: Path, stats: dict) -> None:
     tokenizer_config = output / "tokenizer_config.json"
     settings = json.loads(tokenizer_config.read_text(encoding="utf-8"))
     settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # the chat template in tokenizer_config.json, where every transformers release since 4.43 reads it
+    settings["chat_template"] = CHAT_TEMPLATE
+    (output / "chat_template.jinja").unlink(missing_ok=True)
     tokenizer_config.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     card = MODEL_CARD.format(**model.config.to_dict(), parameters=model.num_parameters(), **stats)
     (output / "README.md").write_text(card, encoding="utf-8")

@@ -69,16 +69,29 @@ class Table:
 
 
 def load_measurements(paths: list[str]) -> list[Measurement]:
-    """Every measurement in ``paths``; one-line UsageError for a file that is missing or not a result."""
+    """Every measurement in ``paths``; one-line UsageError for a file that is missing or not a result. Measurements of
+    one hardware label share its column, unless two of them measure the same rows: then each measurement of that
+    label has a column of its own, named by its file (:func:`_told_apart`)."""
     measurements: list[Measurement] = []
     for path in paths:
         document = _read_result_file(path)
         for record in document["measurements"]:
-            label = record["label"]
-            if any(measurement.label == label and _row_keys(measurement.record) & _row_keys(record)
-                   for measurement in measurements):
-                label = f"{label} ({Path(path).stem})"  # two runs of the same rows on one hardware: keep both
-            measurements.append(Measurement(label, path, document.get("source", "measured"), record))
+            measurements.append(Measurement(record["label"], path, document.get("source", "measured"), record))
+    return _told_apart(measurements)
+
+
+def _told_apart(measurements: list[Measurement]) -> list[Measurement]:
+    """``measurements`` with the label of each that shares its label with another of the same rows (two runs of one
+    hardware) followed by its file's name, or its path where two files share a name: ``cpu (run1.json)``."""
+    clashing = {first.label for number, first in enumerate(measurements) for second in measurements[number + 1:]
+                if first.label == second.label and _row_keys(first.record) & _row_keys(second.record)}
+    for label in clashing:
+        files = [measurement.file for measurement in measurements if measurement.label == label]
+        names = [Path(file).name for file in files]
+        for measurement in measurements:
+            if measurement.label == label:
+                name = Path(measurement.file).name
+                measurement.label = f"{label} ({name if names.count(name) == 1 else measurement.file})"
     return measurements
 
 
@@ -166,9 +179,7 @@ def shape_problem(value: Any, shape: Any, where: str = "") -> str | None:
 def comparison_table(measurements: list[Measurement], metric: Metric, baseline: str | None = None) -> Table:
     """The table of ``metric`` for ``measurements``, relative to the ``baseline`` label (default: first)."""
     columns = list(dict.fromkeys(measurement.label for measurement in measurements))
-    baseline = baseline or columns[0]
-    if baseline not in columns:
-        raise UsageError(f"--baseline {baseline!r} is not among the hardware labels: {', '.join(columns)}.")
+    baseline = _baseline_column(columns, measurements, baseline)
     reference = next(measurement for measurement in measurements if measurement.label == baseline)
     cells: dict[tuple[str, int, int], dict[str, float | str]] = {}
     flagged: dict[str, str] = {}
@@ -188,7 +199,23 @@ def comparison_table(measurements: list[Measurement], metric: Metric, baseline: 
             published.setdefault(_reference_of(measurement.record), []).append(measurement.label)
     notes += [(False, f"{', '.join(labels)}: published figures ({reference}), not measured by accelgen.")
               for reference, labels in published.items()]
+    shared: dict[str, list[str]] = {}
+    for measurement in measurements:
+        if measurement.label != measurement.record["label"]:
+            shared.setdefault(measurement.record["label"], []).append(measurement.label)
+    notes += [(False, f"{', '.join(dict.fromkeys(labels))}: files of one label, {label!r}, measuring the same rows, told "
+                      f"apart by their files (accelgen bench --label names a run).") for label, labels in shared.items()]
     return Table(metric, columns, baseline, sorted(cells.items()), flagged, notes)
+
+
+def _baseline_column(columns: list[str], measurements: list[Measurement], asked: str | None) -> str:
+    """The column ``--baseline`` names (default: the first); a label its files share must be told apart."""
+    if asked is None or asked in columns:
+        return asked or columns[0]
+    named = list(dict.fromkeys(measurement.label for measurement in measurements if measurement.record["label"] == asked))
+    if named:
+        raise UsageError(f"--baseline {asked!r} labels {len(named)} columns ({', '.join(named)}): pass one of them.")
+    raise UsageError(f"--baseline {asked!r} is not among the hardware labels: {', '.join(columns)}.")
 
 
 def _protocol_difference(record: dict, reference: dict) -> str:

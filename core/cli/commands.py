@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import signal
 import sys
 import warnings
@@ -167,7 +168,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     job = open_job(request, prompts=arguments.prompt, dataset=dataset, output=arguments.output,
                    # a restarted worker resumes what the job wrote (an output from before it is still replaced)
                    overwrite=arguments.overwrite and not (restarts_so_far() and written_by_this_job(arguments.output)),
-                   lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0)
+                   lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0,
+                   served_model_names=arguments.served_model_name)
     try:
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
@@ -209,12 +211,13 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
     if (job.done or job.samples_kept) and is_main:
         samples = f", and {job.samples_kept} samples of row {job.done}" if job.samples_kept else ""
         print(f"accelgen: resuming: {job.done} rows already in {job.output}{samples}", file=sys.stderr)
-    report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
+    report = complete(request, job, on_batch=None if arguments.quiet else functools.partial(print_batch, error_of=job.lines.error_of),
                       show_progress=bool(arguments.dataset) or arguments.num_samples > 1)
     every_row_failed = False
     if is_main:
-        print_summary(report)
-        every_row_failed = print_error_rows(*job.error_rows(report), job.output)
+        job.record_last_run(report)
+        print_summary(report, job, details=arguments.details)
+        every_row_failed = print_error_rows(*job.error_rows(report), report, job)
     leave_process_group()
     return EVERY_ROW_FAILED_STATUS if every_row_failed else 0
 

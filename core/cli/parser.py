@@ -45,8 +45,37 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+class _VersionAction(argparse.Action):
+    """``accelgen --version``: accelgen's release and those of the libraries that decide what it runs, in one line
+    (read from the installed distributions: nothing is imported)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **options):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print accelgen's version and those of torch, transformers and DeepSpeed, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """``accelgen 0.1.0 (torch 2.13.0+cpu, transformers 5.24.0, deepspeed not installed, Python 3.11.9)``."""
+    import platform
+    from importlib import metadata
+
+    def version(distribution: str) -> str:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libraries = ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "deepspeed"))
+    return f"accelgen {version('accelgen')} ({libraries}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accelgen", description="Static-shape LLM text generation on any accelerator.")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="generate completions for prompts")
@@ -64,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--skip-bad-rows", action="store_true",
                       help="write a row that cannot be completed (empty, not a prompt, too long, refused by the chat "
                            "template) as an error row (finish_reason error, error: why) and go on, instead of stopping")
+    data.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                      help="with an OpenAI batch file: a name its requests' model may give to be served by this run's "
+                           "model, as vLLM's run-batch takes it (e.g. gpt-4o-mini); the first is written into the "
+                           "responses; repeat for several (default: the --model as given)")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
     chat = run.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
     chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
@@ -92,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logprobs", action="store_true",
                      help="write each new token's log-probability (logprobs) under the model's own distribution: "
                           "log_softmax of its logits, before --temperature, --top-k and --top-p")
-    run.add_argument("--stop", action="append", default=[], metavar="TEXT",
+    run.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text,
                      help="end a completion at the first occurrence of TEXT (not kept; finish_reason stop), on top of "
-                          "the model's end tokens; repeat for several")
+                          "the model's end tokens; repeat for several. In TEXT, \\n is a new line, \\t a tab and "
+                          "\\\\ a backslash: --stop '\\n\\n' stops at a blank line")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     sampling = SamplingSettings()
     _add_number(run, "--temperature", sampling.temperature, "default {default}")
@@ -103,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_number(run, "--seed", sampling.seed, "decides the sampled draws of every row (default {default})")
     run.add_argument("--output", help="write one JSON line per prompt to this file")
     run.add_argument("--quiet", action="store_true", help="print no completions, only the summary")
+    run.add_argument("--details", action="store_true",
+                     help="after the summary, print what the run ran on and how: device and threads, dtype, world size, "
+                          "decode ms/step, graph captures, batching and slot occupancy, prompt tokens prefilled and "
+                          "reused, offloaded weights, each replica's rows, each rank's parameter bytes and peak memory "
+                          "(the run record beside --output keeps them too, as last_run)")
     _add_offload_arguments(run)
     parallel = _add_parallel_arguments(run)
     parallel.add_argument("--data-parallel", type=_number("data_parallel"), default=1, metavar="R",
@@ -208,6 +247,25 @@ def _add_number(parser, flag: str, default, help_text: str) -> None:
 def _number(setting: str):
     """The argparse ``type`` of a numeric option: parsed and checked against its range."""
     return RANGES[setting].parse
+
+
+#: The escapes ``--stop`` reads, as a shell cannot type a new line inside quotes.
+STOP_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def stop_text(value: str) -> str:
+    """The argparse ``type`` of ``--stop``: ``\\n``, ``\\t`` and ``\\\\`` read as a new line, a tab and a backslash; any
+    other backslash is itself."""
+    text, position = [], 0
+    while position < len(value):
+        escaped = value[position + 1: position + 2]
+        if value[position] == "\\" and escaped in STOP_ESCAPES:
+            text.append(STOP_ESCAPES[escaped])
+            position += 2
+        else:
+            text.append(value[position])
+            position += 1
+    return "".join(text)
 
 
 def _shard_scheme(value: str) -> str:

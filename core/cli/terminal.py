@@ -7,7 +7,7 @@ import os
 import select
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from accelgen.common.errors import AccelgenWarning
 from accelgen.parallel.worker_processes import restarts_so_far
@@ -16,16 +16,23 @@ from accelgen.plugin.manager import package_of
 
 if TYPE_CHECKING:  # not imported at run time: `accelgen --help` and `accelgen compare` import no torch
     from accelgen.generation.text import Completion
-    from accelgen.jobs.completion_job import RunReport
+    from accelgen.jobs.completion_job import CompletionJob, RunReport
 
 
 
-def print_batch(batch_number: int, completions: Sequence["Completion"]) -> None:
-    """Print a batch the way the published text-generation examples do."""
+def print_batch(batch_number: int, completions: Sequence["Completion"], error_of: Callable[["Completion"], str]) -> None:
+    """Print a batch the way the published text-generation examples do: each prompt, then its output (each sample's,
+    with ``--num-samples``); an error row as the row it is and why (``error_of``)."""
     print(f"Batch n°{batch_number}")
     for completion in completions:
+        if completion.finish_reason == "error":
+            print(f"Error: {error_of(completion)}")
+            continue
         print(f"Input: {completion.prompt!r}")
-        print(f"Output: {completion.prompt + completion.completion!r}")
+        samples = completion.completions or [{"completion": completion.completion}]
+        for number, sample in enumerate(samples, start=1):
+            label = f"Output (sample {number}/{len(samples)})" if len(samples) > 1 else "Output"
+            print(f"{label}: {completion.prompt + sample['completion']!r}")
     print(flush=True)
 
 
@@ -60,34 +67,44 @@ def describe_plugin(accelerator: Accelerator) -> str:
     return f"{module} from {package}" if package else module
 
 
-def print_error_rows(error_rows: int, rows: int, output: str | None) -> bool:
-    """Say on stderr how many of the job's ``rows`` are error rows (``--skip-bad-rows``), if any; when every one is, as
-    an error line. Whether every row is one (the run then exits with ``EVERY_ROW_FAILED_STATUS``)."""
+def print_error_rows(error_rows: int, rows: int, report: "RunReport", job: "CompletionJob") -> bool:
+    """Say on stderr how many of the job's ``rows`` are error rows (``--skip-bad-rows``; a batch file's requests that
+    could not be served), if any, in the job's terms; when every one is, as an error line naming the first and why.
+    Whether every row is one (the run then exits with ``EVERY_ROW_FAILED_STATUS``)."""
     if not error_rows:
         return False
-    where = f" in {output}" if output else ""
-    if error_rows == rows:
-        fix = "fix them, then run again with --overwrite" if output else "fix them and run again"
-        none = f"none of the {rows} rows could be completed: each was" if rows > 1 else "the one row could not be completed: it was"
-        print(f"accelgen: error: {none} written as an error row{where} (finish_reason \"error\", the reason in \"error\"): "
-              f"{fix}.", file=sys.stderr)
-        return True
-    print(f"accelgen: {error_rows} of {rows} rows could not be completed and were written as error rows{where} "
-          f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
-    return False
+    where = f" in {job.output}" if job.output else ""
+    if error_rows < rows:
+        print(f"accelgen: {job.lines.error_rows_line(error_rows, rows, where)}", file=sys.stderr)
+        return False
+    first = f"; the first, {report.first_error}" if report.first_error else ""
+    fix = "fix them, then run again with --overwrite" if job.output else "fix them and run again"
+    print(f"accelgen: error: {job.lines.every_row_failed_line(rows, where)}{first}. {fix[0].upper()}{fix[1:]}.",
+          file=sys.stderr)
+    return True
 
 
-def print_summary(report: "RunReport") -> None:
-    """On stderr: one line of tokens, speed, load time, device, dtype, world size and graph captures; one of
-    each replica's rows and tokens and the job's rows/s, with --data-parallel; one of where offloaded weights
+def print_summary(report: "RunReport", job: "CompletionJob", details: bool = False) -> None:
+    """On stderr, one line: the rows completed, the new tokens and their rate, the load time, where the output is. With
+    ``details``, then what the run ran on and how (``print_details``)."""
+    noun = job.noun if report.rows == 1 else f"{job.noun}s"
+    print(f"accelgen: {report.rows:,} {noun}, {report.new_tokens:,} new tokens in {report.generate_seconds:.2f} s "
+          f"({report.tokens_per_second:,.1f} tokens/s); model loaded in {report.load_seconds:.2f} s{_restarts()}"
+          + (f"; written to {job.output}" if job.output else ""), file=sys.stderr)
+    if details:
+        print_details(report)
+
+
+def print_details(report: "RunReport") -> None:
+    """On stderr: one line of the device, dtype, world size, decode step, graph captures, batching and prompts' prefill;
+    one of each replica's rows and tokens and the job's rows/s, with --data-parallel; one of where offloaded weights
     sat, when they were; one of each rank's parameter bytes and memory (the writer's replica's ranks)."""
     print(
-        f"accelgen: {report.new_tokens} new tokens in {report.generate_seconds:.2f} s "
-        f"({report.tokens_per_second:.1f} tokens/s, decode {report.ms_per_decode_step:.2f} ms/step), "
-        f"model loaded in {report.load_seconds:.2f} s, device {report.device}"
+        f"accelgen: device {report.device}"
         + ("" if report.device_settings is None else f" ({report.device_settings})") + f", dtype {report.dtype}"
         + ("" if report.quantize is None else f" ({report.quantize} weights)") + ", "
-        f"world size {_world_size(report)}{_restarts()}, graph captures: {report.graph_captures}"
+        f"world size {_world_size(report)}, decode {report.ms_per_decode_step:.2f} ms/step, "
+        f"graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"

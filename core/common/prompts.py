@@ -130,6 +130,10 @@ def text_problem(text: str) -> str | None:
     return None
 
 
+#: What a line refusing a dataset's row adds: the flag that makes it an error row instead.
+SKIP_BAD_ROWS = "or pass --skip-bad-rows to write such rows as error rows and go on"
+
+
 class PromptError(UsageError):
     """A numbered prompt that cannot be completed: "Prompt {number}{rest}". A dataset job names the row and the
     dataset instead (:meth:`in_dataset`), since its prompts are the dataset's rows."""
@@ -144,8 +148,10 @@ class PromptError(UsageError):
         return self.rest.lstrip(" :").removesuffix(".")
 
     def in_dataset(self, source: str, column: str) -> UsageError:
-        """The same problem, said of row ``number`` of the dataset ``source``."""
-        return UsageError(f"Dataset {source!r} row {self.number} (column {column!r}){self.rest}")
+        """The same problem, said of row ``number`` of the dataset ``source`` (which ``--skip-bad-rows`` would write
+        as an error row)."""
+        return UsageError(f"Dataset {source!r} row {self.number} (column {column!r}){self.rest.removesuffix('.')}, "
+                          f"{SKIP_BAD_ROWS}.")
 
 
 def check_prompts(prompts: Sequence[object], first_index: int = 0) -> None:

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, PromptRequest, as_conversation, check_prompts
-from accelgen.common.settings import RunSettings
+from accelgen.common.settings import ChatSettings, RunSettings
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
@@ -90,8 +90,12 @@ class PromptSamples:
         return completion
 
 
-NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conversations with: pass --chat-template "
-                    "FILE (a Jinja template), or complete text prompts without --chat.")
+def no_chat_template(chat: ChatSettings) -> str:
+    """The line refusing conversations on a model whose tokenizer has no chat template: what to pass, and with
+    ``--chat`` given (``chat.text_as_user``), that text prompts run without it."""
+    instead = "or complete the text prompts without --chat" if chat.text_as_user else "or complete a column of text"
+    return (f"This model's tokenizer has no chat template to render conversations with: pass --chat-template FILE "
+            f"(a Jinja template), {instead}.")
 
 
 class PromptCodec:
@@ -163,7 +167,7 @@ class PromptCodec:
         """The ids of ``conversation`` rendered by the chat template (``--chat-template``, else the tokenizer's)."""
         template = self.chat.template or self.tokenizer.chat_template
         if template is None:
-            raise UsageError(NO_CHAT_TEMPLATE)
+            raise UsageError(no_chat_template(self.chat))
         continues = conversation.continues_reply
         try:
             encoded = self.tokenizer.apply_chat_template(

@@ -9,7 +9,7 @@ import json
 
 from accelgen.common.errors import UsageError
 from accelgen.common.input_files import read_small_text_file
-from accelgen.generation.text import NO_CHAT_TEMPLATE
+from accelgen.generation.text import no_chat_template
 from accelgen.model.transformers_adapter.chat_templates import template_syntax_problem
 from accelgen.session.request import Request
 
@@ -36,7 +36,7 @@ def chat_template_hash(request: Request) -> str:
     if template is None:
         template = request.model.tokenizer().chat_template
         if template is None:
-            raise UsageError(NO_CHAT_TEMPLATE)
+            raise UsageError(no_chat_template(request.run.chat))
         problem = isinstance(template, str) and template_syntax_problem(template)
         if problem:
             raise UsageError(f"The chat template of the tokenizer of model {request.model.name or 'built-in'!r} {problem}: "

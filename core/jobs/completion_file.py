@@ -16,19 +16,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import IO, Callable, Iterator, Sequence
 
-from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.common.errors import AccelgenWarning, UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
 from accelgen.generation.text import OPTIONAL_FIELDS, Completion, SampleCompletion
 from accelgen.jobs.kept_samples import SAMPLES_SUFFIX, KeptSamples
 from accelgen.jobs.output_lock import OutputLock
 from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
 
+#: The run record's field of what the last run on the output did (its figures: ``accelgen run --details`` prints them).
+LAST_RUN_FIELD = "last_run"
 #: Run record fields not compared with a resumed run's: the model as named, for people (the same model by another
-#: path resumes; what decides is ``model_identity``, its content), and what the lines carry (an output resumes in
-#: the form it was started in).
-UNCOMPARED_FIELDS = ("model", RECORD_FIELD)
+#: path resumes; what decides is ``model_identity``, its content), what the lines carry (an output resumes in
+#: the form it was started in), and what the last run did.
+UNCOMPARED_FIELDS = ("model", RECORD_FIELD, LAST_RUN_FIELD)
 
 #: The fields a line may hold besides :data:`LINE_FIELDS` (lines written before the digest have none).
 OPTIONAL_LINE_FIELDS = (*OPTIONAL_FIELDS, DIGEST_FIELD)
@@ -74,10 +77,30 @@ class CompletionLines:
             return f"is row {written}, not row {index}"
         return None
 
+    #: What the output's rows are called where a run speaks of them.
+    noun = "row"
+
     @staticmethod
     def is_error(line: dict) -> bool:
         """Whether a written line is an error row (``--skip-bad-rows``)."""
         return line.get("finish_reason") == "error"
+
+    @staticmethod
+    def error_of(completion: Completion) -> str:
+        """Which row an error row is, and why: ``row 3: is empty``."""
+        return f"row {completion.index}: {completion.error}"
+
+    @staticmethod
+    def error_rows_line(error_rows: int, rows: int, where: str) -> str:
+        """What a run says of its ``error_rows`` of ``rows`` (``where``: " in FILE", or nothing)."""
+        return (f"{error_rows} of {rows} rows could not be completed and were written as error rows{where} "
+                f"(finish_reason \"error\", with the reason in \"error\")")
+
+    @staticmethod
+    def every_row_failed_line(rows: int, where: str) -> str:
+        """The start of the error line of a run none of whose ``rows`` could be completed."""
+        none = f"none of the {rows} rows could be completed: each was" if rows > 1 else "the one row could not be completed: it was"
+        return f"{none} written as an error row{where} (finish_reason \"error\", the reason in \"error\")"
 
     @staticmethod
     def row_key(line: dict) -> object:
@@ -202,6 +225,18 @@ class CompletionFile:
             self.completed_rows += 1
             self.error_rows += completion.finish_reason == "error"
         self.kept.moved_to(self.completed_rows)
+
+    def record_last_run(self, figures: dict) -> None:
+        """Add ``figures``, what the run that just ended did, to the output's run record (``last_run``; a resumed run
+        replaces them). Where the record cannot be written (a full disk), one warning: the rows are kept."""
+        if not os.path.isfile(self.run_file):
+            return  # no row written, no record
+        self.run_record = {**self.run_record, LAST_RUN_FIELD: figures}
+        try:
+            replace_whole(self.run_file, self._write_run_record)
+        except OSError as error:
+            warnings.warn(AccelgenWarning(f"the run's figures were not added to {self.run_file!r} ({reason(error)}); "
+                                          f"its rows are kept in {self.path!r}"), stacklevel=2)
 
     def keep_samples(self, samples: Sequence[SampleCompletion], row_digest: str) -> None:
         """Keep ``samples``, the next finished samples of the next row (``accelgen.jobs.kept_samples``; ``row_digest``:

@@ -28,7 +28,7 @@ from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_r
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
 from accelgen.jobs.kept_samples import row_digest
-from accelgen.jobs.openai_batch import BatchOutputLines, is_batch_file, open_requests
+from accelgen.jobs.openai_batch import BatchOutputLines, ServedNames, is_batch_file, open_requests
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
 from accelgen.loading.model_files import BUILT_IN_NAME
@@ -48,6 +48,12 @@ class CompletionJob:
     writer: CompletionFile | None
     done: int
     dataset: DatasetRequest | None = None  # where the rows come from, when they are a dataset's
+    lines: CompletionLines | BatchOutputLines = CompletionLines()  # what the output's lines hold
+
+    @property
+    def noun(self) -> str:
+        """What the job's rows are called where a run speaks of them: prompts, a dataset's rows, a batch's requests."""
+        return "prompt" if self.dataset is None else self.lines.noun
 
     @property
     def output(self) -> str | None:
@@ -73,6 +79,11 @@ class CompletionJob:
         if self.writer:
             return self.writer.error_rows, self.writer.completed_rows
         return report.error_rows, report.rows
+
+    def record_last_run(self, report: RunReport) -> None:
+        """Keep ``report``'s figures in the output's run record (``last_run``), where there is an output. On the writer."""
+        if self.writer:
+            self.writer.record_last_run(report.figures())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +133,7 @@ class RunReport:
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
+    first_error: str | None = None  # which row was this run's first error row, and why (on the writer)
 
     @property
     def rows_per_second(self) -> float:
@@ -135,9 +147,14 @@ class RunReport:
     def ms_per_decode_step(self) -> float:
         return 1000 * self.decode_seconds / max(self.decode_steps, 1)
 
+    def figures(self) -> dict:
+        """Every figure of the report, as JSON values (what the run record keeps as ``last_run``)."""
+        return {**dataclasses.asdict(self), "tokens_per_second": self.tokens_per_second,
+                "rows_per_second": self.rows_per_second, "ms_per_decode_step": self.ms_per_decode_step}
+
 
 def run_report(generator: Generator, load_seconds: float, generate_seconds: float, rows: int,
-               replicas: list[ReplicaReport] | None = None, error_rows: int = 0) -> RunReport:
+               replicas: list[ReplicaReport] | None = None, error_rows: int = 0, first_error: str | None = None) -> RunReport:
     """The report of a run by ``generator`` that completed ``rows`` (every rank of a replica must call this:
     the ranks' memory figures are gathered). ``replicas``: each replica's figures, which then make the job's."""
     stats = generator.stats
@@ -157,27 +174,36 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
+        first_error=first_error,
     )
 
 
 def open_job(
     request: Request, *, prompts: Sequence[str] = (), dataset: DatasetRequest | None = None, output: str | None = None,
-    overwrite: bool = False, lock_output: bool | None = None,
+    overwrite: bool = False, lock_output: bool | None = None, served_model_names: Sequence[str] = (),
 ) -> CompletionJob:
     """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
     a stopped run's completed rows found; nothing loaded or written yet. The output is locked against other
-    writers until the job closes when ``lock_output`` (default: on rank 0, the writer)."""
+    writers until the job closes when ``lock_output`` (default: on rank 0, the writer). ``served_model_names``: the
+    names an OpenAI batch file's requests may give as their ``model`` to be served by this run (the first is written
+    into the responses); by default the model's own name."""
     lines = CompletionLines()
+    batch = dataset is not None and is_batch_file(dataset.source)
+    if served_model_names and not batch:
+        raise UsageError("--served-model-name names the model an OpenAI batch file's requests ask for: it goes with "
+                         "--dataset requests.jsonl (a file of batch requests); drop it for other prompts.")
     if dataset is not None:
         if output:
             check_not_dataset(output, dataset.source)
-        batch = is_batch_file(dataset.source)
         if batch:
-            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=_model_names(request))
+            names = _served_names(request, served_model_names)
+            lines, open_dataset = _batch_lines(request, names), functools.partial(open_requests, model_names=names)
         else:
             open_dataset = open_rows
         rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+        if served_model_names:  # written into every response: a resume must write the same
+            source["served_model_names"] = list(served_model_names)
 
         def dataset_keys() -> Iterator[object]:  # the rows read again, where a resume compares them with the output's
             return map(lines.request_key, open_dataset(dataset).texts)
@@ -199,21 +225,25 @@ def open_job(
     if writer and writer.kept.samples:  # taken only by the row they complete, which may have been edited since
         rows_again = open_dataset(dataset).texts if dataset is not None else iter(prompts)
         writer.kept.of_row(row_digest(next(itertools.islice(rows_again, writer.completed_rows, None), None)))
-    return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
+    return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset, lines)
 
 
-def _model_names(request: Request) -> tuple[str, ...]:
-    """What a batch request's ``model`` may say to be served by this run: the model as named, or its last part."""
-    name = request.model.name or BUILT_IN_NAME
-    return (name, os.path.basename(os.path.normpath(name)))
+def _served_names(request: Request, given: Sequence[str]) -> ServedNames:
+    """What a batch request's ``model`` may say to be served by this run: one of the ``given`` names, or without
+    any, the model as named or its last part."""
+    for name in given:
+        if not name.strip():
+            raise UsageError("--served-model-name needs a name (the model the batch file's requests ask for), "
+                             "not an empty text.")
+    return ServedNames(request.model.name or BUILT_IN_NAME, tuple(dict.fromkeys(given)))
 
 
-def _batch_lines(request: Request) -> BatchOutputLines:
+def _batch_lines(request: Request, names: ServedNames) -> BatchOutputLines:
     """The output lines of a batch file's run (refusing what they cannot hold)."""
     if request.run.logprobs:
         raise UsageError("--logprobs is not written into OpenAI batch output lines: drop --logprobs for a batch file, "
                          "or complete a text or messages column to have them.")
-    return BatchOutputLines(_model_names(request)[0])
+    return BatchOutputLines(names.written)
 
 
 def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
@@ -299,6 +329,9 @@ def complete(
         samples_per_row = 1 if request.run.rows_choose else request.run.num_samples  # a batch file's rows choose theirs
         progress = (Progress(job.rows.total, job.done, samples_per_row=samples_per_row,
                              samples_done=job.done * samples_per_row + job.samples_kept) if show_progress and is_main else None)
+        if progress and request.run.use_graphs and request.accelerator.capture_pays_after_steps:
+            progress.announce("compiling the decode step before the first rows (seconds to minutes the first time, "
+                              "less once the compiler's cache holds it)")
         number = job.done // request.run.batch_size + 1
         completed = False
         written = RowCount()
@@ -306,7 +339,7 @@ def complete(
                  else _looks(job, generator, written))
         try:
             for look in looks:
-                written.errors += sum(completion.finish_reason == "error" for completion in look.completions)
+                written.count_errors(look.completions, job.lines)
                 if is_main and job.writer:
                     job.writer.write(look.completions)
                     job.writer.keep_samples(look.open_samples, look.open_row_digest)
@@ -314,7 +347,7 @@ def complete(
                     on_batch(number, look.completions)
                     number += 1
                 if progress:
-                    progress.update(len(look.completions), look.samples)
+                    progress.update(len(look.completions), look.samples, paused_seconds=generator.stats.capture_seconds)
             completed = True
         finally:
             if job.writer:
@@ -330,7 +363,7 @@ def complete(
             raise UsageError(out_of_memory_line(request, generator, job.output)) from None
         raise
     return run_report(generator, loaded - started, time.perf_counter() - loaded, written.rows, written.replicas,
-                      written.errors)
+                      written.errors, written.first_error)
 
 
 @dataclasses.dataclass
@@ -341,9 +374,16 @@ class RowCount:
     rows: int = 0
     replicas: list[ReplicaReport] | None = None
     errors: int = 0  # error rows among those the writer wrote
+    first_error: str | None = None  # the first of them, and why (``lines.error_of``)
 
     def add(self, completions: list[Completion]) -> None:
         self.rows += len(completions)
+
+    def count_errors(self, completions: list[Completion], lines: CompletionLines | BatchOutputLines) -> None:
+        for completion in completions:
+            if completion.finish_reason == "error":
+                self.errors += 1
+                self.first_error = self.first_error or lines.error_of(completion)
 
 
 @dataclasses.dataclass(frozen=True)

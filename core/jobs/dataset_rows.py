@@ -16,7 +16,7 @@ import re
 from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
-from accelgen.common.prompts import BadPrompt, Conversation, as_conversation, prompt_problem
+from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, as_conversation, prompt_problem
 from accelgen.common.value_ranges import check_settings
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 from accelgen.jobs.json_lines import first_bad_json_line, lone_surrogate_rows
@@ -116,8 +116,8 @@ def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool)
             if problem and request.skip_bad_rows:
                 text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
             elif problem:
-                raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem} "
-                                 f"(rows count from 0, as the output's \"index\").")
+                raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem}, "
+                                 f"{SKIP_BAD_ROWS} (rows count from 0, as the output's \"index\").")
             yield text
             index += 1
 

@@ -5,8 +5,9 @@ A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`
 (``body.messages``) or ``/v1/completions`` (``body.prompt``). Its sampling fields (``max_tokens`` or
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) become the row's own settings;
 a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
-``--do-sample``). ``body.model`` is recorded, not obeyed: one model serves a run, and a request naming another
-is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
+``--do-sample``). ``body.model`` must name the run's model: its path or folder name, or one of the names
+``--served-model-name`` gives it (vLLM's run-batch convention, for files written for another service); a request
+naming another model is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
 neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch API, one
 request's problem is its own line's ``error``, never the batch's.
 
@@ -19,6 +20,7 @@ was written).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -63,7 +65,7 @@ def is_batch_file(source: str) -> bool:
     return isinstance(data, dict) and {"custom_id", "body"} <= set(data)
 
 
-def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...]) -> TextRows:
+def open_requests(dataset: DatasetRequest, model_names: "ServedNames") -> TextRows:
     """The requests of the batch file ``dataset.source`` as rows (:class:`PromptRequest`, in file order, the first
     ``dataset.limit``), read as they are needed once every line is checked to be JSON. ``model_names``: what a
     request's ``model`` may say (others are error rows)."""
@@ -110,7 +112,7 @@ def _request_lines(path: str, limit: int | None) -> Iterator[tuple[int, object]]
                     yield number, json.loads(line)
 
 
-def request_row(data: object, model_names: tuple[str, ...]) -> PromptRequest:
+def request_row(data: object, model_names: "ServedNames") -> PromptRequest:
     """One request line as a row: its prompt and own settings, or (a BadPrompt) why it cannot be served."""
     fields = {"custom_id": data.get("custom_id"), "url": data.get("url")} if isinstance(data, dict) else {}
     try:
@@ -120,7 +122,7 @@ def request_row(data: object, model_names: tuple[str, ...]) -> PromptRequest:
     return PromptRequest(prompt, settings, fields)
 
 
-def _read_request(data: object, model_names: tuple[str, ...]) -> tuple[str | Conversation, RowSettings]:
+def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conversation, RowSettings]:
     """The request's prompt and settings; ValueError saying what is wrong with it."""
     if not isinstance(data, dict) or not isinstance(data.get("custom_id"), str) or not isinstance(data.get("body"), dict):
         raise ValueError("is not an OpenAI batch request (a custom_id text and a body object)")
@@ -129,8 +131,8 @@ def _read_request(data: object, model_names: tuple[str, ...]) -> tuple[str | Con
                          f"{CHAT_URL} or {COMPLETIONS_URL}")
     body = data["body"]
     model = body.get("model")
-    if model is not None and model not in model_names:
-        raise ValueError(f"asks for model {model!r}, and this run serves {model_names[0]!r}")
+    if model is not None and model not in model_names.accepted:
+        raise ValueError(model_names.refusal(model))
     for name, value in body.items():
         if name not in SETTING_FIELDS and name not in IGNORED_FIELDS and value is not None \
                 and value not in NEUTRAL_VALUES.get(name, ()):
@@ -188,6 +190,32 @@ def _setting(name: str, value: object) -> object:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedNames:
+    """The names a batch request's ``model`` may give to be served by the run: ``given`` (``--served-model-name``,
+    the first one written into each response) or, without any, the run's ``model`` as named and its folder's name."""
+
+    model: str
+    given: tuple[str, ...] = ()
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        return self.given or (self.model, os.path.basename(os.path.normpath(self.model)))
+
+    @property
+    def written(self) -> str:
+        """The ``model`` of every response body."""
+        return self.accepted[0]
+
+    def refusal(self, asked: str) -> str:
+        """Why a request asking for model ``asked`` is not served, and what serves it."""
+        if self.given:
+            return (f"asks for model {asked!r}, and this run serves {', '.join(map(repr, self.given))} "
+                    f"(--served-model-name): add --served-model-name {asked!r} to serve it")
+        return (f"asks for model {asked!r}, and this run serves {self.model!r}: pass --served-model-name {asked!r} to "
+                f"serve it with this model")
+
+
 class BatchOutputLines:
     """OpenAI batch output lines for the completions of a batch file's requests, by ``model``."""
 
@@ -224,10 +252,32 @@ class BatchOutputLines:
             return f"is {line['id']!r}, not batch_req_{index}"
         return None
 
+    #: What the output's rows are called where a run speaks of them.
+    noun = "request"
+
     @staticmethod
     def is_error(line: dict) -> bool:
         """Whether a written line is a request that could not be served."""
         return line.get("error") is not None
+
+    @staticmethod
+    def error_of(completion: Completion) -> str:
+        """Which request could not be served, and why: ``request 'r1' (line 2): asks for model ...``."""
+        custom_id = (completion.request or {}).get("custom_id")
+        name = f"request {custom_id!r}" if isinstance(custom_id, str) else f"request {completion.index}"
+        return f"{name}: {completion.error}"
+
+    @staticmethod
+    def error_rows_line(error_rows: int, rows: int, where: str) -> str:
+        """What a run says of its ``error_rows`` requests of ``rows`` that could not be served."""
+        return (f"{error_rows} of {rows} requests could not be served: their output lines{where} hold the error "
+                f"(response null, error.message says why)")
+
+    @staticmethod
+    def every_row_failed_line(rows: int, where: str) -> str:
+        """The start of the error line of a run none of whose ``rows`` requests could be served."""
+        none = f"none of the {rows} requests could be served" if rows > 1 else "the one request could not be served"
+        return f"{none}: each output line{where} holds its error (response null, error.message says why)"
 
     @staticmethod
     def record_fields() -> dict:

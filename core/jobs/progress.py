@@ -25,6 +25,7 @@ class Progress:
         self._started = self._last_line = time.monotonic()
         self._resumed_at = self._counted()
         self._printed: int | None = None  # what was counted when the last line was printed
+        self._paused = 0.0  # seconds left out of the rate so far
         self._bar = None
         if stream.isatty():
             from tqdm import tqdm
@@ -42,15 +43,38 @@ class Progress:
     def _total_counted(self) -> int | None:
         return None if self.total is None else self.total * (self.samples_per_row if self.samples_per_row > 1 else 1)
 
-    def update(self, rows: int, samples: int | None = None) -> None:
-        """``rows`` more rows done, and ``samples`` more samples (default: those of the rows)."""
+    def announce(self, doing: str) -> None:
+        """Say that ``doing`` (compiling the decode step) comes before the first rows: on the bar, as its description
+        until rows come; else as a line. Its time is left out of the rate (``update``'s ``paused_seconds``)."""
+        if self._bar is not None:
+            self._bar.set_description_str(doing)
+        else:
+            print(f"accelgen: {doing}", file=self.stream, flush=True)
+
+    def update(self, rows: int, samples: int | None = None, paused_seconds: float = 0.0) -> None:
+        """``rows`` more rows done, and ``samples`` more samples (default: those of the rows). ``paused_seconds``: the
+        time spent so far on what is no row's work (compiling the decode step), left out of the rate and the time
+        left, which would otherwise promise a job as slow as its compile."""
+        self._leave_out(paused_seconds - self._paused)
         before = self._counted()
         self.done += rows
         self.samples_done += rows * self.samples_per_row if samples is None else samples
         if self._bar is not None:
+            if rows:
+                self._bar.set_description_str("", refresh=False)
             self._bar.update(self._counted() - before)
         elif time.monotonic() - self._last_line >= self.every_seconds:
             self._print_line()
+
+    def _leave_out(self, seconds: float) -> None:
+        """Move the clocks the rate is measured by ``seconds`` later, as if that time had not passed."""
+        if seconds <= 0:
+            return
+        self._paused += seconds
+        self._started += seconds
+        if self._bar is not None:
+            self._bar.start_t += seconds
+            self._bar.last_print_t += seconds
 
     def close(self, final_line: bool = True) -> None:
         """End the bar, or print the last progress line when ``final_line`` (unless the last line printed says it)."""

@@ -15,7 +15,10 @@ given to DeepSpeed as its injection policy, so the split it makes is the one the
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import re
 import sys
 from typing import Callable, Iterator
 
@@ -28,14 +31,58 @@ from accelgen.model.empty_model import is_empty
 from accelgen.model.shape import check_shardable
 from accelgen.parallel.vocab_parallel import split_vocabulary
 
+#: What DeepSpeed says on its own that a user of accelgen has no use for (DeepSpeed 0.16 to 0.19): its logger's lines
+#: below ERROR (``[2026-11-27 14:07:37,008] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to
+#: CPU...`` from every rank at import, AutoTP's notes) and its kernels' builds (``DeepSpeed
+#: deepspeed.ops.comm.deepspeed_shm_comm_op built successfully``).
+DEEPSPEED_CHATTER = re.compile(r"\[[^\]]*\] \[(DEBUG|INFO|WARNING)\] |DeepSpeed \S+ built successfully$")
+#: The name of DeepSpeed's logger (``deepspeed.utils.logging``).
+DEEPSPEED_LOGGER = "DeepSpeed"
+
+
+class _WithoutChatter(io.TextIOBase):
+    """A text stream that passes what it is given to standard error, line by line, less DeepSpeed's chatter."""
+
+    def __init__(self):
+        super().__init__()
+        self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._pass_on(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._pass_on(self._partial)
+            self._partial = ""
+        sys.stderr.flush()
+
+    @staticmethod
+    def _pass_on(line: str) -> None:
+        if not DEEPSPEED_CHATTER.match(line):
+            sys.stderr.write(line)
+
 
 @contextlib.contextmanager
-def deepspeed_prints_to_stderr() -> Iterator[None]:
-    """Inside the block, what DeepSpeed writes to the standard output goes to standard error: its logger's handler,
-    made when it is first imported, keeps the standard output of that moment, and it prints its kernels' builds,
-    where ``accelgen run`` writes completions (``accelgen run > file`` must capture completions alone)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+def deepspeed_quiet() -> Iterator[None]:
+    """Inside the block (DeepSpeed's import, its sharding), what DeepSpeed says on its own (:data:`DEEPSPEED_CHATTER`)
+    is dropped and the rest of what it writes to the standard output goes to standard error: a run shows only what
+    accelgen says, ``accelgen run > file`` captures completions alone, and DeepSpeed's errors still show. Its logger's
+    handler, made at its first import, keeps the standard output of that moment (this block's stream); from then on
+    the logger passes on errors only."""
+    stream = _WithoutChatter()
+    try:
+        with contextlib.redirect_stdout(stream):
+            yield
+    finally:
+        stream.flush()
+        if "deepspeed.utils.logging" in sys.modules:
+            logging.getLogger(DEEPSPEED_LOGGER).setLevel(logging.ERROR)
 
 
 def require_deepspeed(ranks: int, install: str = 'pip install "accelgen[deepspeed]"') -> None:
@@ -58,7 +105,7 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, ho
     ``inference_options`` go to ``init_inference`` (e.g. ``replace_with_kernel_inject=True``).
     """
     require_deepspeed(world.size)
-    with deepspeed_prints_to_stderr():
+    with deepspeed_quiet():
         import deepspeed
     check_shardable(model.config, world.size)
     # Our vocabulary-parallel embedding and head, put in before DeepSpeed, which leaves them alone: AutoTP
@@ -68,7 +115,7 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, ho
     if host_ranks is not None:
         os.environ["LOCAL_SIZE"] = str(host_ranks)
     try:
-        with deepspeed_prints_to_stderr():
+        with deepspeed_quiet():
             engine = deepspeed.init_inference(
                 model, tensor_parallel={"tp_size": world.size}, dtype=torch_dtype(dtype), **options
             )

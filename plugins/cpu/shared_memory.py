@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from accelgen.common.settings import LaunchPlan, World
-from accelgen.parallel.deepspeed_adapter import deepspeed_prints_to_stderr
+from accelgen.parallel.deepspeed_adapter import deepspeed_quiet
 from accelgen.parallel.process_groups import wait_for_every_rank
 
 
@@ -18,7 +18,7 @@ def prepare_shared_memory_all_reduce(world: World) -> bool:
     a machine: then ``shard_with_deepspeed`` must be told how many (``host_ranks``), or the kernel runs
     uninitialised and the rank dies with SIGSEGV. Across nodes the kernel is turned off, and gloo's all-reduce
     is used instead."""
-    with deepspeed_prints_to_stderr():  # the first import of DeepSpeed: its logger's handler is made now
+    with deepspeed_quiet():  # the first import of DeepSpeed: its logger's handler is made now
         import deepspeed.ops
 
     if world.local_size == world.size:
