@@ -17,6 +17,7 @@ BLOOM of hidden size 64, and taken off to give the part of each figure that the 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -61,6 +62,17 @@ def read_once_seconds(folder: Path, cold: bool) -> float:
     return time.perf_counter() - started
 
 
+@functools.cache
+def _run_help(pythonpath: str | None) -> str:
+    return subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--help"], capture_output=True, text=True,
+                          env=dict(os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {}))).stdout
+
+
+def details_flag(environment: dict) -> list[str]:
+    """``--details`` where the accelgen of ``environment`` takes it (an earlier one prints its figures without it)."""
+    return ["--details"] if "--details" in _run_help(environment.get("PYTHONPATH")) else []
+
+
 def run_once(folder: Path, world_size: int, environment: dict, cold: bool) -> dict:
     """Wall time of the whole command, the load time it reports, and each rank's peak host memory."""
     if cold:
@@ -68,7 +80,7 @@ def run_once(folder: Path, world_size: int, environment: dict, cold: bool) -> di
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", str(world_size),
-         "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "1", "--quiet"],
+         "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "1", "--quiet", *details_flag(environment)],
         capture_output=True, text=True, env=environment,
     )
     wall = time.perf_counter() - started

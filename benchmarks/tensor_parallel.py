@@ -34,7 +34,8 @@ def save_model(folder: Path, arguments) -> None:
 def run_once(folder: Path, world_size: int, new_tokens: int) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", str(world_size),
-         "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(new_tokens), "--ignore-eos", "--quiet"],
+         "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(new_tokens), "--ignore-eos", "--quiet",
+         "--details"],
         capture_output=True, text=True, check=True,
     )
     summary = result.stderr

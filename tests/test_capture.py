@@ -142,7 +142,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_after_one_warning_line(tiny
     output = tmp_path / "out.jsonl"
     UncapturableCpu.attempts = 0
     status = main(["run", "--device", "cpu", "--model", folder, "--max-new-tokens", str(NEW_TOKENS), "--buckets", "8,64",
-                   "--quiet", "--output", str(output), *[argument for prompt in prompts for argument in ("--prompt", prompt)]],
+                   "--quiet", "--details", "--output", str(output), *[argument for prompt in prompts for argument in ("--prompt", prompt)]],
                   plugin_manager=plugin_manager_with(UncapturableCpu()))
     assert status == 0
     errors = capsys.readouterr().err.splitlines()
@@ -177,7 +177,7 @@ def test_a_device_whose_capture_pays_only_for_long_jobs_captures_the_decode_step
     texts = [f"{PROMPTS[number % len(PROMPTS)]} {number}" for number in range(prompts)]
     output = tmp_path / "out.jsonl"
     status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens",
-                   str(NEW_TOKENS), "--batch-size", "2", "--quiet", "--output", str(output), *([flag] if flag else []),
+                   str(NEW_TOKENS), "--batch-size", "2", "--quiet", "--details", "--output", str(output), *([flag] if flag else []),
                    *[argument for text in texts for argument in ("--prompt", text)]],
                   plugin_manager=plugin_manager_with(CompilingCpu()))
     assert status == 0
@@ -188,7 +188,7 @@ def test_a_device_whose_capture_pays_only_for_long_jobs_captures_the_decode_step
 
 def test_the_cpu_compiles_no_step_of_a_short_job_by_default(tiny_model_folder, capsys):
     assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens", "4",
-                 "--quiet", "--prompt", PROMPTS[0]]) == 0
+                 "--quiet", "--details", "--prompt", PROMPTS[0]]) == 0
     assert "graph captures: 0" in capsys.readouterr().err
 
 

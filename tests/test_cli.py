@@ -21,7 +21,7 @@ def test_run_prints_completions_and_writes_json_lines(tiny_model_folder, tmp_pat
     output = tmp_path / "out.jsonl"
     folder = str(tiny_model_folder("bloom"))
     status = run_cli("--device", "cpu", "--model", folder, "--prompt", "Hello", "--prompt", "DeepSpeed is",
-                     "--max-new-tokens", "5", "--batch-size", "2", "--ignore-eos", "--output", str(output))
+                     "--max-new-tokens", "5", "--batch-size", "2", "--ignore-eos", "--output", str(output), "--details")
     assert status == 0
     shown = capsys.readouterr()
     rows = [json.loads(line) for line in output.read_text().splitlines()]

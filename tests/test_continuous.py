@@ -74,7 +74,7 @@ def ending_model(tiny_model_folder, tmp_path_factory):
 
 def cli_rows(capsys, *arguments):
     output = Path(arguments[arguments.index("--output") + 1])
-    assert main(["run", "--device", "cpu", "--quiet", *arguments]) == 0, capsys.readouterr().err
+    assert main(["run", "--device", "cpu", "--quiet", "--details", *arguments]) == 0, capsys.readouterr().err
     return [json.loads(line) for line in output.read_text().splitlines()], capsys.readouterr().err
 
 

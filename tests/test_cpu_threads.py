@@ -27,12 +27,12 @@ def two_cores() -> set[int]:
 def run_pinned(cores: set[int], environment: dict, *arguments: str) -> subprocess.CompletedProcess:
     """``accelgen run ARGUMENTS`` on ``cores`` only (its CPU affinity, as ``taskset`` sets it)."""
     return subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--prompt", "Hello",
-                           "--max-new-tokens", "3", *arguments], env=environment, capture_output=True, text=True,
+                           "--max-new-tokens", "3", "--details", *arguments], env=environment, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT, preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
 def device_phrase(stderr: str) -> str:
-    [phrase] = re.findall(r", device cpu \((.*?)\), dtype ", stderr)
+    [phrase] = re.findall(r"device cpu \((.*?)\), dtype ", stderr)
     return phrase
 
 

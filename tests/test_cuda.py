@@ -359,7 +359,7 @@ def test_two_gpus_generate_what_one_generates(tiny_model_folder, tmp_path, cli_e
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "cuda", "--dtype", "float32", "--world-size", "2",
          "--model", folder, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS),
-         "--output", str(output)],
+         "--output", str(output), "--details"],
         env=cli_environment, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr

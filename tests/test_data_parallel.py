@@ -145,7 +145,7 @@ def test_the_replica_holding_the_first_unwritten_row_is_never_held(monkeypatch):
 
 
 def test_the_summary_says_which_replicas_a_slower_one_held_back(capsys):
-    from accelgen.cli.terminal import print_summary
+    from accelgen.cli.terminal import print_details
     from accelgen.jobs.completion_job import RunReport
 
     replicas = [ReplicaReport(0, 5, 50, 2.0), ReplicaReport(1, 7, 70, 2.0, waited_seconds=1.25)]
@@ -154,7 +154,7 @@ def test_the_summary_says_which_replicas_a_slower_one_held_back(capsys):
                        world_size=1, graph_captures=0, capture_seconds=0.0, capture_failure=None, batching="continuous", slot_occupancy=0.9,
                        offload=None, unsharded_parameter_bytes=100, rank_memory=[{"parameter_bytes": 100}],
                        replicas=replicas)
-    print_summary(report)
+    print_details(report)
     stderr = capsys.readouterr().err
     assert "held back by a slower replica's row: replica 1 waited 1.25 s" in stderr
     assert replica_rows(stderr) == {0: 5, 1: 7}
@@ -183,7 +183,7 @@ def test_two_single_rank_replicas_write_what_one_process_writes(tiny_model_folde
         ["--dtype", "bfloat16", "--quantize", "int8"] if settings.get("quantize") else [])
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--data-parallel", "2", "--model", folder,
                      "--dataset", str(dataset), "--batch-size", "3", "--max-new-tokens", str(MAX_NEW_TOKENS), *options,
-                     "--output", str(output), "--quiet")
+                     "--output", str(output), "--quiet", "--details")
     assert result.returncode == 0, result.stderr
     assert token_ids(output) == one_process_token_ids(folder, batch_size=3, **settings)
     assert [row["index"] for row in rows_of(output)] == list(range(len(ROWS)))
@@ -199,7 +199,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_write_what_one_process_writes
     output = tmp_path / "out.jsonl"
     result = run_job(job_environment, "--device", "cpu", "--world-size", "4", "--data-parallel", "2", "--model", folder,
                      "--dataset", str(dataset), "--batch-size", "3", "--max-new-tokens", str(MAX_NEW_TOKENS),
-                     "--do-sample", "--seed", "3", "--output", str(output), "--quiet")
+                     "--do-sample", "--seed", "3", "--output", str(output), "--quiet", "--details")
     assert result.returncode == 0, result.stderr
     assert token_ids(output) == one_process_token_ids(folder, batch_size=3, do_sample=True, seed=3)
     assert "world size 4 (2 replicas of 2)" in result.stderr

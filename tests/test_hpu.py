@@ -242,7 +242,8 @@ def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generat
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--dtype", "float32",
-         "--model", model, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output)],
+         "--model", model, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output),
+         "--details"],
         env=environment, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -279,7 +280,7 @@ def test_two_replicas_started_by_deepspeeds_launcher_write_what_one_rank_writes(
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--data-parallel", "2",
          "--dtype", "float32", "--model", folder, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10",
-         "--output", str(output)],
+         "--output", str(output), "--details"],
         env=environment, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -380,7 +381,7 @@ def test_fp8_runs_through_the_command_line(tiny_model_folder, inc_double, tmp_pa
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--quantize", "fp8", "--model",
          str(tiny_model_folder("llama")), "--prompt", "Hello", "--prompt", "World", "--max-new-tokens", "4",
-         "--output", str(output)],
+         "--output", str(output), "--details"],
         env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

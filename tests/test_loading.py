@@ -80,7 +80,7 @@ def test_a_pre_sharded_model_generates_what_hugging_face_generates(sharded_for_t
     output = tmp_path / "out.jsonl"
     result = accelgen_script(cli_environment, "run", "--device", "cpu", "--world-size", "2", "--model", str(folder),
                              *prompt_arguments(), "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS),
-                             "--output", str(output))
+                             "--output", str(output), "--details")
     assert result.returncode == 0, result.stderr
     original = str(tiny_model_folder(architecture))
     expected = [completion.completion_token_ids for completion in
@@ -136,7 +136,7 @@ def test_no_rank_holds_the_whole_model_while_loading(tiny_model_folder, tmp_path
 
     def added(folder):
         result = accelgen_script(cli_environment, "run", "--device", "cpu", "--world-size", "2", "--model", str(folder),
-                                 "--prompt", "Hello", "--max-new-tokens", "2")
+                                 "--prompt", "Hello", "--max-new-tokens", "2", "--details")
         assert result.returncode == 0, result.stderr
         return host_bytes_added_while_loading(result.stderr)
 

@@ -136,7 +136,7 @@ def test_the_summary_says_where_the_weights_are_and_what_moved(four_layer_model,
     model = four_layer_model("bloom")
     result = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(model.folder),
                              "--prompt", "Hello", "--max-new-tokens", "4", "--offload", "disk", "--max-device-memory",
-                             "640KiB", "--quiet"], env=cli_environment, capture_output=True, text=True)
+                             "640KiB", "--quiet", "--details"], env=cli_environment, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     line = re.search(r"accelgen: offload disk: ([\d.]+) GiB of weights on the device, ([\d.]+) GiB on disk, "
                      r"([\d.]+) GiB moved to the device per forward pass; decode steps not captured", result.stderr)

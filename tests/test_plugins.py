@@ -161,7 +161,7 @@ def test_third_party_plugin_package_runs_the_whole_pipeline(tmp_path, tiny_model
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "fake", "--model", str(tiny_model_folder("gpt2")),
          "--prompt", "Hello", "--prompt", "DeepSpeed is", "--batch-size", "2", "--max-new-tokens", "6",
-         "--output", str(output)],
+         "--output", str(output), "--details"],
         env=environment, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr

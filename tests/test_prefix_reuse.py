@@ -121,7 +121,8 @@ def test_least_recently_used_blocks_make_room(tiny_model_folder):
 
 
 def summary_line(stderr: str) -> str:
-    return next(line for line in stderr.splitlines() if " new tokens in " in line)
+    """The line of ``--details`` that says how the run batched its rows and prefilled their prompts."""
+    return next(line for line in stderr.splitlines() if " batching" in line)
 
 
 def dataset_of(path, prompts) -> str:
@@ -136,7 +137,7 @@ def test_the_summary_line_counts_prompt_tokens_prefilled_and_reused(tiny_model_f
     for number, option in enumerate([[], ["--prefix-cache", "0"]]):
         outputs.append(tmp_path / f"out{number}.jsonl")
         status = main(["run", "--device", "cpu", "--model", folder, "--dataset", dataset, "--max-new-tokens", "6",
-                       "--batch-size", "2", "--output", str(outputs[-1]), *option])
+                       "--batch-size", "2", "--output", str(outputs[-1]), "--details", *option])
         assert status == 0
         summary = summary_line(capsys.readouterr().err)
         if option:
@@ -207,7 +208,7 @@ def test_conversations_share_their_system_prompt_as_a_prefix(tiny_model_folder, 
         outputs.append(tmp_path / f"out{number}.jsonl")
         status = main(["run", "--device", "cpu", "--model", str(folder), "--dataset", str(rows), "--column", "messages", "--system-prompt", SHARED,
                        "--max-new-tokens", "6", "--batch-size", "2", "--do-sample", "--seed", "4", "--num-samples", "2",
-                       "--output", str(outputs[-1]), *option])
+                       "--output", str(outputs[-1]), "--details", *option])
         assert status == 0
         summaries.append(summary_line(capsys.readouterr().err))
     assert outputs[0].read_text() == outputs[1].read_text()
@@ -234,7 +235,7 @@ def test_reuse_under_two_ranks_writes_what_no_reuse_writes(tiny_model_folder, tm
         outputs.append(tmp_path / f"out{number}.jsonl")
         result = run_job(job_environment, "--device", "cpu", *parallel, "--model", str(tiny_model_folder("bloom")),
                          "--dataset", dataset, "--batch-size", "2", "--max-new-tokens", "8", "--do-sample", "--seed", "6",
-                         "--output", str(outputs[-1]), "--quiet", *option)
+                         "--output", str(outputs[-1]), "--quiet", "--details", *option)
         assert result.returncode == 0, result.stderr
         assert ("prefix reuse off" in result.stderr) == bool(option)
         assert bool(option) or " from the prefix store (" in result.stderr

@@ -44,7 +44,7 @@ def test_int8_runs_through_the_command_line(tiny_model_folder, tmp_path, capsys,
     folder = tiny_model_folder(architecture)
     output = tmp_path / "out.jsonl"
     arguments = ["run", "--device", "cpu", "--dtype", "bfloat16", "--model", str(folder), "--max-new-tokens",
-                 str(MAX_NEW_TOKENS), "--output", str(output), "--quiet"]
+                 str(MAX_NEW_TOKENS), "--output", str(output), "--quiet", "--details"]
     assert main([*arguments, *(argument for prompt in PROMPTS for argument in ("--prompt", prompt)),
                  "--quantize", "int8"]) == 0
     summary = capsys.readouterr().err

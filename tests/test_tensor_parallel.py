@@ -70,7 +70,7 @@ def test_two_ranks_generate_what_one_process_generates(
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
                      "--batch-size", str(batch_size), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output),
-                     "--master-port", str(port))
+                     "--master-port", str(port), "--details")
     assert result.returncode == 0, result.stderr
     # DeepSpeed's shared-memory all-reduce buffers are not left behind in /dev/shm
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
@@ -101,7 +101,7 @@ def test_two_ranks_compile_their_decode_step_and_generate_what_one_process_gener
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
                      "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--graphs", "--output", str(output),
-                     "--master-port", str(free_port()))
+                     "--master-port", str(free_port()), "--details")
     assert result.returncode == 0, result.stderr
     assert "graph captures: 1" in result.stderr and "cannot capture" not in result.stderr, result.stderr
     expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=2, max_new_tokens=MAX_NEW_TOKENS)
