@@ -109,8 +109,8 @@ def test_a_damaged_checkpoint_stops_a_tensor_parallel_job_before_any_rank_starts
     ("garbage.jsonl", jsonl(ROWS[:1]) + "garbage\n" + jsonl(ROWS[1:]),
      "Dataset '{path}' line 2 (row 1) is not valid JSON (Expecting value: line 1 column 1 (char 0)): fix or remove that line."),
     ("null.jsonl", jsonl(ROWS[:2] + [{"text": None}] + ROWS[2:]),
-     "Dataset '{path}' row 2, column 'text', is null (no text): fill it in, or remove that row (rows count from 0, "
-     "as the output's \"index\")."),
+     "Dataset '{path}' row 2, column 'text', is null (no text): fill it in, or remove that row, or pass --skip-bad-rows "
+     "to write such rows as error rows and go on (rows count from 0, as the output's \"index\")."),
     ("blank.jsonl", jsonl(ROWS[:1] + [{"text": "  "}]),
      "Dataset '{path}' row 1, column 'text', is empty: give it some text, or remove it"),
     ("ragged.csv", "text,n\na,1\nb,2,3\nc,4\n",

@@ -325,9 +325,20 @@ def test_files_of_one_hardware_share_a_column_unless_they_measure_the_same_rows(
     document["measurements"][0]["model"]["name"] = "another model"
     (tmp_path / "other-model.json").write_text(json.dumps(document))
     (tmp_path / "again.json").write_text(bench_file.read_text())
-    assert main(["compare", str(bench_file), str(tmp_path / "other-model.json"), str(tmp_path / "again.json")]) == 0
+    assert main(["compare", str(bench_file), str(tmp_path / "other-model.json")]) == 0
     header = capsys.readouterr().out.splitlines()[1]
-    assert header.split() == ["model", "world", "size", "batch", "laptop", "laptop", "(again)"]
+    assert header.split() == ["model", "world", "size", "batch", "laptop"]  # one column: they fill different rows
+    assert main(["compare", str(bench_file), str(tmp_path / "other-model.json"), str(tmp_path / "again.json")]) == 0
+    terminal = capsys.readouterr().out
+    header = terminal.splitlines()[1]
+    # two runs of the same rows on one label: every file of that label named, none left to be told apart by its absence
+    names = [f"laptop ({bench_file.name})", "laptop (other-model.json)", "laptop (again.json)"]
+    assert all(name in header for name in names), header
+    assert (f"{', '.join(names)}: files of one label, 'laptop', measuring the same rows, told apart by their files "
+            f"(accelgen bench --label names a run).") in terminal
+    assert main(["compare", str(bench_file), str(tmp_path / "again.json"), "--baseline", "laptop"]) == 2
+    assert (f"--baseline 'laptop' labels 2 columns (laptop ({bench_file.name}), laptop (again.json)): pass one of "
+            f"them.") in capsys.readouterr().err
 
 
 def test_compare_flags_files_of_another_protocol(bench_file, tmp_path, capsys):

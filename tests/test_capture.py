@@ -186,6 +186,17 @@ def test_a_device_whose_capture_pays_only_for_long_jobs_captures_the_decode_step
     assert written == eager_token_ids(tiny_model_folder("llama"), texts, batch_size=2)
 
 
+def test_a_dataset_job_whose_device_compiles_its_step_says_so_before_its_first_rows(tiny_model_folder, tmp_path, capsys):
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"text": f"{PROMPTS[0]} {number}"}) + "\n" for number in range(3)))
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--dataset", str(dataset),
+                   "--max-new-tokens", "4", "--quiet", "--graphs"], plugin_manager=plugin_manager_with(CompilingCpu()))
+    assert status == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("accelgen: compiling the decode step before the first rows (seconds to minutes the first time, "
+                        "less once the compiler's cache holds it)")
+
+
 def test_the_cpu_compiles_no_step_of_a_short_job_by_default(tiny_model_folder, capsys):
     assert main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--max-new-tokens", "4",
                  "--quiet", "--details", "--prompt", PROMPTS[0]]) == 0

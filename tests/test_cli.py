@@ -201,3 +201,46 @@ def test_help_names_the_built_in_models_folder(capsys):
         assert str(DEFAULT_MODEL) in " ".join(capsys.readouterr().out.split())  # help wraps long lines
     assert run_cli("--device", "cpu", "--model", str(DEFAULT_MODEL), "--prompt", "In the beginning",
                    "--max-new-tokens", "2") == 0
+
+
+def test_the_summary_is_short_and_the_details_are_asked_for_or_kept_in_the_run_record(tiny_model_folder, tmp_path,
+                                                                                        capsys):
+    """By default one line: rows, tokens, their rate, the load time, where the output went; --details adds what the
+    run ran on (device, dtype, captures, memory per rank), which the run record keeps as last_run either way."""
+    output = tmp_path / "out.jsonl"
+    command = ["--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--prompt", "Hi",
+               "--max-new-tokens", "3", "--ignore-eos", "--quiet", "--output", str(output)]
+    assert run_cli(*command) == 0
+    [summary] = capsys.readouterr().err.splitlines()
+    assert summary.startswith("accelgen: 2 prompts, 6 new tokens in ") and summary.endswith(f"; written to {output}")
+    assert len(summary) - len(str(output)) < 100 and "tokens/s); model loaded in " in summary
+    last_run = json.loads((tmp_path / "out.jsonl.run.json").read_text())["last_run"]
+    assert (last_run["rows"], last_run["new_tokens"], last_run["device"], last_run["graph_captures"]) == (2, 6, "cpu", 0)
+    assert last_run["rank_memory"][0]["parameter_bytes"] > 0
+
+    assert run_cli(*command, "--overwrite", "--details") == 0
+    summary, details, memory = capsys.readouterr().err.splitlines()
+    assert details.startswith("accelgen: device cpu (") and "dtype float32, world size 1, decode " in details
+    assert "graph captures: 0; continuous batching, slot occupancy" in details
+    assert memory.startswith("accelgen: parameter bytes per rank ")
+
+
+def test_every_sample_of_a_prompt_is_shown(tiny_model_folder, capsys):
+    assert run_cli("--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "Hello", "--do-sample",
+                   "--num-samples", "3", "--max-new-tokens", "3") == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in shown if line.startswith("Output")] == [
+        "Output (sample 1/3)", "Output (sample 2/3)", "Output (sample 3/3)"]
+
+
+def test_version_names_accelgen_torch_and_transformers(cli_environment):
+    result = subprocess.run(["accelgen", "--version"], env=cli_environment, capture_output=True, text=True)
+    from importlib import metadata
+
+    import torch
+    import transformers
+
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith(f"accelgen {metadata.version('accelgen')} (torch {torch.__version__}, "
+                                    f"transformers {transformers.__version__}, deepspeed ")
+    assert result.stdout.count("\n") == 1

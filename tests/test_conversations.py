@@ -185,8 +185,35 @@ def test_a_model_without_a_chat_template_asked_for_conversations_is_one_line_nam
     status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--prompt", "hi", "--chat",
                    "--output", str(tmp_path / "out.jsonl")])
     assert status == 2
-    assert "has no chat template to render conversations with: pass --chat-template FILE" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    assert "has no chat template to render conversations with: pass --chat-template FILE" in line
+    assert "or complete the text prompts without --chat" in line
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_column_of_messages_on_a_model_without_a_template_is_not_told_of_chat(tiny_model_folder, tmp_path, capsys):
+    dataset = write_rows(tmp_path / "chats.jsonl", [CONVERSATIONS[0]])
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--dataset", str(dataset),
+                   "--column", "messages"])
+    line = one_error_line(capsys)
+    assert status == 2 and "pass --chat-template FILE" in line and "--chat " not in line and "--chat." not in line
+
+
+def test_the_built_in_model_renders_conversations_as_the_examples_run_them(tmp_path, capsys):
+    """No --model: --chat, --column messages and a chat batch request run as written."""
+    dataset = write_rows(tmp_path / "chats.jsonl", [CONVERSATIONS[1]])
+    assert main(["run", "--prompt", "Who made the heavens?", "--chat", "--max-new-tokens", "3"]) == 0
+    assert "Input: '<|user|>\\nWho made the heavens?</s>\\n<|assistant|>\\n'" in capsys.readouterr().out
+    assert main(["run", "--dataset", str(dataset), "--column", "messages", "--max-new-tokens", "3",
+                 "--output", str(tmp_path / "replies.jsonl")]) == 0
+    [row] = [json.loads(line) for line in (tmp_path / "replies.jsonl").read_text().splitlines()]
+    assert row["prompt"].startswith("<|system|>\nBe brief.</s>\n<|user|>\n") and row["messages"][-1]["role"] == "assistant"
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text(json.dumps({"custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"messages": CONVERSATIONS[0], "max_tokens": 3}}) + "\n")
+    assert main(["run", "--dataset", str(batch), "--max-new-tokens", "3", "--output", str(tmp_path / "out.jsonl")]) == 0
+    [line] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert line["error"] is None and line["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_a_system_prompt_without_conversations_is_one_line(tiny_model_folder, capsys):

@@ -238,6 +238,37 @@ def test_progress_lines_in_a_log_say_the_last_count_once():
     assert [line.split(",")[0] for line in quiet.getvalue().splitlines()] == ["accelgen: 12/12 rows"]
 
 
+@pytest.mark.parametrize("on_a_terminal", [False, True])
+def test_the_time_left_leaves_out_compiling_the_decode_step(monkeypatch, on_a_terminal):
+    """A job whose decode step compiles for 300 s, then completes a row a second: the progress says it compiles,
+    and promises the 9 rows left in about 9 s, not in the 2,700 s that a rate counting the compile would give."""
+    import io
+
+    import accelgen.jobs.progress
+    from accelgen.jobs.progress import Progress
+
+    now = [1000.0]
+    monkeypatch.setattr(accelgen.jobs.progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr("tqdm.std.time", lambda: now[0])
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return on_a_terminal
+
+    stream = Stream()
+    progress = Progress(total=10, stream=stream, every_seconds=0)
+    progress.announce("compiling the decode step before the first rows")
+    now[0] += 301.0
+    progress.update(1, paused_seconds=300.0)
+    shown = stream.getvalue()
+    assert "compiling the decode step before the first rows" in shown
+    if on_a_terminal:
+        assert "00:09" in shown.split("\r")[-1] and "1/10" in shown.split("\r")[-1], shown
+    else:
+        assert shown.splitlines()[-1] == "accelgen: 1/10 rows, 1.00 rows/s, ETA 9 s"
+    progress.close()
+
+
 def test_a_hub_dataset_that_cannot_be_reached_suggests_a_local_file(monkeypatch, capsys):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here; fail at once
     assert complete("--dataset", "JulesBelveze/tldr_news", "--dataset-config", "all", "--split", "test") == 2

@@ -75,9 +75,10 @@ def test_a_run_whose_every_row_is_an_error_row_says_so_and_exits_3(tiny_model_fo
                         "--skip-bad-rows")
     assert status == 3, error
     assert [(row["index"], row["finish_reason"]) for row in rows_of(output)] == [(index, "error") for index in range(5)]
+    reason = "is null (no text)" if value is None else "is empty"
     assert error.splitlines()[-1] == (f"accelgen: error: none of the 5 rows could be completed: each was written as an "
-                                      f"error row in {output} (finish_reason \"error\", the reason in \"error\"): fix "
-                                      f"them, then run again with --overwrite.")
+                                      f"error row in {output} (finish_reason \"error\", the reason in \"error\"); the "
+                                      f"first, row 0: {reason}. Fix them, then run again with --overwrite.")
     assert "Traceback" not in error
 
 
@@ -86,7 +87,8 @@ def test_a_column_of_nulls_without_the_flag_names_its_first_row(tiny_model_folde
     dataset.write_text('{"text": null}\n' * 5)
     status, error = run(capsys, "--model", tiny_model_folder("llama"), "--dataset", dataset)
     assert status == 2 and error == (f"accelgen: error: Dataset '{dataset}' row 0, column 'text', is null (no text): fill "
-                                     f"it in, or remove that row (rows count from 0, as the output's \"index\").\n")
+                                     f"it in, or remove that row, or pass --skip-bad-rows to write such rows as error rows "
+                                     f"and go on (rows count from 0, as the output's \"index\").\n")
 
 
 def test_bad_conversations_become_error_rows(tiny_model_folder, tmp_path, capsys):

@@ -189,6 +189,60 @@ def test_a_requests_stop_ends_its_text_right_before_it(chat_model, tmp_path, cap
     assert whole["text"] == greedy  # the other row's stop is its own
 
 
+def test_a_batch_file_written_for_another_service_is_served_under_the_name_given(chat_model, tmp_path, capsys):
+    """Every request names "gpt-4o-mini": without --served-model-name, each is an error line, the terminal shows each
+    as the request it is, and one error line says what serves them (exit 3); with it, each is served, and the responses
+    name the first name given (vLLM's run-batch convention)."""
+    requests = [request(number, CHAT if number % 2 else TEXT, model="gpt-4o-mini") for number in range(4)]
+    dataset, output = write_requests(tmp_path / "requests.jsonl", requests), tmp_path / "out.jsonl"
+    command = ["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--output", str(output),
+               "--max-new-tokens", "4"]
+    assert main(command) == 3
+    shown = capsys.readouterr()
+    assert "Input: ''" not in shown.out and "Output: ''" not in shown.out
+    assert shown.out.count("Error: request 'request-") == 4
+    [error] = [line for line in shown.err.splitlines() if line.startswith("accelgen: error:")]
+    assert error.startswith(f"accelgen: error: none of the 4 requests could be served: each output line in {output} "
+                            f"holds its error (response null, error.message says why); the first, request 'request-0': "
+                            f"asks for model 'gpt-4o-mini', and this run serves {str(chat_model)!r}: pass "
+                            f"--served-model-name 'gpt-4o-mini'")
+    assert 'finish_reason "error"' not in shown.err and "Traceback" not in shown.err
+    assert all(line["response"] is None for line in map(json.loads, output.read_text().splitlines()))
+
+    assert main([*command, "--overwrite", "--served-model-name", "gpt-4o-mini", "--served-model-name", "mine"]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["error"] for line in lines] == [None] * 4
+    assert {line["response"]["body"]["model"] for line in lines} == {"gpt-4o-mini"}
+    assert json.loads((tmp_path / "out.jsonl.run.json").read_text())["served_model_names"] == ["gpt-4o-mini", "mine"]
+
+
+def test_requests_that_cannot_be_served_are_counted_in_batch_terms(chat_model, tmp_path, capsys):
+    requests = [request(0), request(1, model="gpt-4o-mini"), request(2, logit_bias={"5": 10})]
+    output = tmp_path / "out.jsonl"
+    assert main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset",
+                 str(write_requests(tmp_path / "requests.jsonl", requests)), "--output", str(output),
+                 "--max-new-tokens", "4", "--served-model-name", "mine"]) == 0
+    shown = capsys.readouterr()
+    assert (f"accelgen: 2 of 3 requests could not be served: their output lines in {output} hold the error (response "
+            f"null, error.message says why)") in shown.err
+    assert "finish_reason" not in shown.err
+    assert "Error: request 'request-1': asks for model 'gpt-4o-mini', and this run serves 'mine' (--served-model-name): " \
+           "add --served-model-name 'gpt-4o-mini' to serve it" in shown.out
+
+
+def test_served_model_names_are_for_batch_files_and_pinned_by_the_output(chat_model, tmp_path, capsys):
+    status = main(["run", "--device", "cpu", "--model", str(chat_model), "--prompt", "Hi", "--served-model-name", "x"])
+    assert status == 2 and "--served-model-name names the model an OpenAI batch file's requests ask for" in \
+        one_error_line(capsys)
+    dataset, output = write_requests(tmp_path / "requests.jsonl", [request(0), request(1)]), tmp_path / "out.jsonl"
+    command = ["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--output", str(output),
+               "--max-new-tokens", "4", "--limit", "1"]
+    assert main([*command, "--served-model-name", "x"]) == 0
+    capsys.readouterr()
+    assert main(command[:-2]) == 2  # the responses would name another model
+    assert "holds completions of another run (different served_model_names)" in one_error_line(capsys)
+
+
 def test_a_batch_file_with_logprobs_is_one_line(chat_model, tmp_path, capsys):
     dataset = write_requests(tmp_path / "requests.jsonl", [request(0)])
     status = main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--output",

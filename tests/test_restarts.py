@@ -149,5 +149,6 @@ def test_a_job_whose_every_row_is_an_error_row_exits_3_once_without_a_restart(ti
     assert not restart_lines(ended.stderr) and "Traceback" not in ended.stderr
     assert ended.stderr.splitlines()[-1] == (
         f"accelgen: error: none of the 5 rows could be completed: each was written as an error row in {output} "
-        f"(finish_reason \"error\", the reason in \"error\"): fix them, then run again with --overwrite.")
+        f"(finish_reason \"error\", the reason in \"error\"); the first, row 0: is null (no text). Fix them, then run "
+        f"again with --overwrite.")
     assert [json.loads(line)["finish_reason"] for line in output.read_text().splitlines()] == ["error"] * 5

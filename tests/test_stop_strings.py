@@ -80,6 +80,20 @@ def test_stop_texts_are_in_the_run_record_and_a_resume_with_others_is_refused(ll
     assert "different stop" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("typed, meant", [
+    ("\\n\\n", "\n\n"),  # --stop "\n\n", as a shell passes it: a backslash and an n, twice
+    ("\n\n", "\n\n"),  # --stop $'\n\n': the shell made the new lines
+    ("###\\t", "###\t"),
+    ("a\\\\nb", "a\\nb"),  # an escaped backslash: a backslash followed by n
+    ("C:\\data", "C:\\data"),  # another backslash is itself
+])
+def test_stop_texts_read_new_lines_tabs_and_backslashes_as_typed_in_a_shell(llama, tmp_path, typed, meant):
+    output = tmp_path / "out.jsonl"
+    assert main(["run", "--device", "cpu", "--model", str(llama), "--prompt", "Hello", "--max-new-tokens", "4",
+                 "--output", str(output), "--quiet", "--stop", typed]) == 0
+    assert json.loads((tmp_path / "out.jsonl.run.json").read_text())["stop"] == [meant]
+
+
 def test_an_empty_stop_text_is_one_line(llama, capsys):
     status = main(["run", "--device", "cpu", "--model", str(llama), "--prompt", "Hello", "--stop", ""])
     assert status == 2 and "--stop '' is not a text to stop at" in one_error_line(capsys)

@@ -91,6 +91,41 @@ def test_two_ranks_generate_what_one_process_generates(
     assert processes_of(job_environment) == []
 
 
+def test_a_tensor_parallel_run_says_only_what_accelgen_says(tiny_model_folder, tmp_path, job_environment):
+    """DeepSpeed's own lines (its accelerator chosen at import, its kernel's build, its logger's notes), from every
+    rank, never reach the user: with --quiet, nothing on stdout and only accelgen's lines on stderr."""
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", str(tiny_model_folder("bloom")),
+                     "--prompt", PROMPTS[0], "--max-new-tokens", "4", "--quiet", "--output", str(tmp_path / "out.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines and all(line.startswith("accelgen: ") for line in lines), result.stderr
+
+
+DEEPSPEED_SPEAKS = """
+import logging
+from accelgen.parallel.deepspeed_adapter import deepspeed_quiet
+with deepspeed_quiet():
+    import deepspeed  # its logger's handler is made now, on the block's stream; its accelerator says it is chosen
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    print("a line DeepSpeed printed that is not chatter", end="")
+logging.getLogger("DeepSpeed").warning("a warning of DeepSpeed's own")
+logging.getLogger("DeepSpeed").error("an error of DeepSpeed's own")
+"""
+
+
+def test_deepspeeds_errors_still_show_and_its_chatter_does_not(cli_environment):
+    """In a fresh process (DeepSpeed's logger is made at its first import)."""
+    result = subprocess.run([sys.executable, "-c", DEEPSPEED_SPEAKS], env=cli_environment, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert "a line DeepSpeed printed that is not chatter" in result.stderr
+    assert "an error of DeepSpeed's own" in result.stderr
+    for chatter in ("Setting accelerator", "built successfully", "a warning of DeepSpeed's own"):
+        assert chatter not in result.stderr, result.stderr
+
+
 def test_two_ranks_compile_their_decode_step_and_generate_what_one_process_generates(
     tiny_model_folder, tmp_path, job_environment
 ):

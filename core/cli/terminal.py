@@ -77,10 +77,9 @@ def print_error_rows(error_rows: int, rows: int, report: "RunReport", job: "Comp
     if error_rows < rows:
         print(f"accelgen: {job.lines.error_rows_line(error_rows, rows, where)}", file=sys.stderr)
         return False
-    first = f"; the first, {report.first_error}" if report.first_error else ""
-    fix = "fix them, then run again with --overwrite" if job.output else "fix them and run again"
-    print(f"accelgen: error: {job.lines.every_row_failed_line(rows, where)}{first}. {fix[0].upper()}{fix[1:]}.",
-          file=sys.stderr)
+    first = "" if not report.first_error else f"; {report.first_error}" if rows == 1 else f"; the first, {report.first_error}"
+    fix = f"Fix {'it' if rows == 1 else 'them'}" + (", then run again with --overwrite" if job.output else " and run again")
+    print(f"accelgen: error: {job.lines.every_row_failed_line(rows, where)}{first}. {fix}.", file=sys.stderr)
     return True
 
 
@@ -88,9 +87,10 @@ def print_summary(report: "RunReport", job: "CompletionJob", details: bool = Fal
     """On stderr, one line: the rows completed, the new tokens and their rate, the load time, where the output is. With
     ``details``, then what the run ran on and how (``print_details``)."""
     noun = job.noun if report.rows == 1 else f"{job.noun}s"
+    capturing = f", {report.capture_seconds:.1f} s of it capturing the decode step" if report.capture_seconds >= 1 else ""
     print(f"accelgen: {report.rows:,} {noun}, {report.new_tokens:,} new tokens in {report.generate_seconds:.2f} s "
-          f"({report.tokens_per_second:,.1f} tokens/s); model loaded in {report.load_seconds:.2f} s{_restarts()}"
-          + (f"; written to {job.output}" if job.output else ""), file=sys.stderr)
+          f"({report.tokens_per_second:,.1f} tokens/s{capturing}); model loaded in {report.load_seconds:.2f} s"
+          f"{_restarts()}" + (f"; written to {job.output}" if job.output else ""), file=sys.stderr)
     if details:
         print_details(report)
 
