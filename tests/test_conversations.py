@@ -317,12 +317,14 @@ def test_a_tokenizers_template_that_does_not_compile_is_named_before_the_model_l
     ([[{"role": "user" if number % 2 == 0 else "assistant", "content": f"turn {number}"} for number in range(10_000)]
       + [{"role": "user", "content": "and now?"}]], [],
      "A conversation makes {tokens} tokens, more than the largest bucket (2048): shorten the conversation (fewer or "
-     "shorter messages, a shorter --system-prompt or chat template), or pass a larger bucket with --buckets."),
+     "shorter messages, a shorter --system-prompt or chat template), or pass a larger bucket with --buckets, or pass "
+     "--skip-bad-rows to write such rows as error rows and go on."),
     ([[{"role": "user", "content": "hi"}]], ["--system-prompt", "Be brief. " * 10_000],
      "A conversation makes {tokens} tokens, more than the largest bucket (2048): shorten the conversation"),
     ([[{"role": "user", "content": "hi " * 100}]], ["--max-new-tokens", "200"],
      "A conversation of {tokens} tokens plus 200 new tokens exceeds the model's context of 256 positions: shorten the "
-     "conversation (fewer or shorter messages, a shorter --system-prompt or chat template), or lower --max-new-tokens."),
+     "conversation (fewer or shorter messages, a shorter --system-prompt or chat template), or lower --max-new-tokens, "
+     "or pass --skip-bad-rows to write such rows as error rows and go on."),
 ], ids=["10,000 messages", "a 100 KB system prompt", "past the context"])
 def test_a_conversation_too_long_is_told_what_shortens_a_conversation(chat_model, tmp_path, capsys, rows, arguments,
                                                                       message):
