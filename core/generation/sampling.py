@@ -132,6 +132,14 @@ def _last_true(flags: torch.Tensor) -> torch.Tensor:
     return (torch.arange(flags.shape[-1], device=flags.device) * flags).amax(-1)
 
 
+def keep_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, V] with -inf for every token a row may not take: ``allowed`` [B, W] is int32, bit t % 32 of word
+    t // 32 set where token t is allowed (W * 32 >= V; a row of -1 allows all). Device operations only."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed_tokens = ((allowed.unsqueeze(-1) >> bits) & 1).view(allowed.shape[0], -1)[:, : logits.shape[-1]]  # [B, V]
+    return logits.masked_fill(allowed_tokens == 0, float("-inf"))
+
+
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The log-probability [B] of each row's chosen token under the model's own distribution (``log_softmax``
     of its logits, before temperature, top-k and top-p), computed on the device."""
