@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -148,8 +149,12 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         from accelgen.jobs.completion_job import open_job
         from accelgen.jobs.dataset_rows import DatasetRequest
 
+        if arguments.schema_column and not arguments.dataset:
+            raise UsageError("--schema-column names a column of --dataset holding each row's schema: pass --dataset, "
+                             "or --json-schema FILE for the --prompt texts.")
         request = _request(arguments, plugin_manager, _replica_world(invocation),
-                           chat_template=_chat_template(arguments.chat_template_file))
+                           chat_template=_chat_template(arguments.chat_template_file),
+                           json_schema=_json_schema(arguments.json_schema_file))
         if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
@@ -157,6 +162,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
+        schema_column=arguments.schema_column,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
@@ -177,6 +183,18 @@ def _chat_template(path: str | None) -> str | None:
     with user_errors(f"Cannot read --chat-template {path!r}", "pass a readable UTF-8 file holding a Jinja chat template"):
         with open(os.path.expanduser(path), encoding="utf-8") as file:
             return file.read()
+
+
+def _json_schema(path: str | None) -> object:
+    """The JSON Schema of the ``--json-schema`` file (checked further by the request), or None."""
+    if path is None:
+        return None
+    fix = "pass a readable UTF-8 file holding a JSON Schema, e.g. {\"type\": \"object\", \"properties\": {...}}"
+    with user_errors(f"Cannot read --json-schema {path!r}", fix):
+        with open(os.path.expanduser(path), encoding="utf-8") as file:
+            text = file.read()
+    with user_errors(f"--json-schema {path!r} is not JSON", fix):
+        return json.loads(text)
 
 
 def _replica_world(invocation: Invocation) -> World:
@@ -229,7 +247,7 @@ def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         check_output_path(arguments.output, arguments.overwrite)
     # sized for the largest batch of the sweep: what --offload keeps room for on the device
     request = _request(arguments, plugin_manager, invocation.world, ignore_eos=True,
-                       batch_size=max(protocol.batch_sizes))
+                       batch_size=max(protocol.batch_sizes), json_schema=_json_schema(arguments.json_schema_file))
     return _here_or_launched(invocation, request, lambda: _measure(arguments, request, protocol))
 
 

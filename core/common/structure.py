@@ -25,6 +25,11 @@ class Structure:
     kind: str
     text: str
 
+    @property
+    def flag(self) -> str:
+        """The ``accelgen run`` option that asks for this kind of structure for every row."""
+        return {"json_schema": "--json-schema", "json_object": "--json", "regex": "--regex", "choice": "--choice"}[self.kind]
+
     def describe(self) -> str:
         """The constraint as a short phrase, for messages."""
         shown = self.text if len(self.text) <= 60 else self.text[:57] + "..."

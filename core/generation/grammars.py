@@ -65,7 +65,13 @@ def structure_problem(structure: Structure) -> str | None:
         return None
     what = {"regex": "does not compile", "choice": "cannot be matched"}.get(structure.kind, "is not a schema the grammar "
                                                                               "engine supports")
-    return f"{what} ({' '.join(problem.split())[:240]})"
+    return f"{what} ({engine_words(problem)})"
+
+
+def engine_words(message: str) -> str:
+    """The engine's message as one short line: the parser's own ``error:`` line where it quotes one, else all of it."""
+    errors = [line.strip().removeprefix("error:").strip() for line in message.splitlines() if line.strip().startswith("error:")]
+    return (errors[-1] if errors else " ".join(message.split()))[:240]
 
 
 class GrammarCompiler:
@@ -110,4 +116,4 @@ def fill_row(matcher, mask_row) -> None:
 
 def first_error_line(matcher) -> str:
     """A matcher's error, as one line."""
-    return " ".join(matcher.get_error().split())[:240]
+    return engine_words(matcher.get_error())

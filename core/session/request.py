@@ -222,8 +222,7 @@ def checked_structure(json_schema: dict | str | None, json_object: bool, regex: 
     except ValueError as error:
         raise UsageError(f"{error}.") from None
     if structure is not None and (problem := structure_problem(structure)):
-        flag = {"json_schema": "--json-schema", "json_object": "--json", "regex": "--regex", "choice": "--choice"}
-        raise UsageError(f"{flag[structure.kind]} {problem}: fix it, or drop {flag[structure.kind]}.")
+        raise UsageError(f"{structure.flag} {problem}: fix it, or drop {structure.flag}.")
     return structure
 
 
