@@ -239,3 +239,24 @@ def test_a_row_cut_by_its_budget_says_length(llama):
     completion, = accelgen.generate(["Hello"], model=llama, device="cpu", max_new_tokens=5, json_schema=PERSON)
     assert completion.finish_reason == "length" and len(completion.completion_token_ids) == 5
     assert not valid(completion.completion, PERSON)
+
+
+@pytest.mark.slow
+def test_the_captured_step_holds_rows_with_and_without_structures_without_capturing_again(llama, tmp_path):
+    """Compiled on the CPU (inductor): one decode step captured for rows that come with and without schemas, the
+    same tokens as the eager step."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"Row {number} says", "schema": SCHEMAS[number] if number % 3 else None})
+                            + "\n" for number in range(9)))
+    outputs = {}
+    for graphs in ("--graphs", "--no-graphs"):
+        outputs[graphs] = tmp_path / f"out{graphs}.jsonl"
+        assert main(["run", "--device", "cpu", "--model", str(llama), "--dataset", str(rows), "--schema-column", "schema",
+                     "--max-new-tokens", "40", "--batch-size", "3", graphs, "--output", str(outputs[graphs]),
+                     "--quiet"]) == 0
+    captured, eager = ([json.loads(line)["completion_token_ids"] for line in path.read_text().splitlines()]
+                       for path in outputs.values())
+    assert captured == eager
+    generator = accelgen.load(llama, device="cpu", max_new_tokens=40, batch_size=3, graphs=True, regex="[a-z]{3}")
+    generator.generate(["One", "Two", "Three", "Four"])
+    assert generator.stats.graph_captures == 1
