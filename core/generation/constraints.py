@@ -6,8 +6,9 @@ A row with a structure (``RowSettings.structure``) follows it token by token in 
 token a decode step chooses, read back after the step. A row of a reasoning model (``reasoning.ThinkMarkers``) may
 think first: while it thinks every token but the end of a sequence is allowed, and its grammar starts after the
 close marker. A row without a structure, and a slot without a row, allow every token (a row of all ones), so that
-rows without constraints choose what they would without the mask. Once a row's grammar is complete its mask allows
-only the end-of-sequence tokens, which end the row in the step as the model's own end does.
+rows without constraints choose what they would without the mask. A row's end-of-sequence tokens are allowed only
+where its grammar may end (not as text inside it, where a model's end token is a word); once its grammar is complete
+its mask allows only them, and they end the row in the step as the model's own end does.
 
 Shapes: B slots, W words of 32 tokens (``grammars.mask_words`` of the logits' width); a mask is int32 [rows, W],
 -1 (every bit set) where every token is allowed.
@@ -124,6 +125,8 @@ class SlotConstraints:
             grammar.phase = "ended"  # its mask stays as it was: its end only
             return
         grammars.fill_row(matcher, self.mask[slot])
+        if not matcher.is_accepting():  # an end token whose text the grammar takes (a word) must not end the row here
+            self.mask[slot] &= self._all_but_end
         self.changed = True
 
     def _first_phase(self, prompt_ids: list[int]) -> str:
@@ -137,9 +140,9 @@ class SlotConstraints:
         if phase == "thinking":
             return self._all_but_end
         if structure not in self._first_masks:
-            first = torch.zeros(self.mask.shape[1], dtype=torch.int32)
-            grammars.fill_row(self.compiler.matcher(structure), first)
-            self._first_masks[structure] = first
+            first, matcher = torch.zeros(self.mask.shape[1], dtype=torch.int32), self.compiler.matcher(structure)
+            grammars.fill_row(matcher, first)
+            self._first_masks[structure] = first if matcher.is_accepting() else first & self._all_but_end
         first = self._first_masks[structure]
         return _with(first, [self.markers.open_id]) if phase == "may_think" else first
 

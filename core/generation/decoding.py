@@ -25,7 +25,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
-from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logprobs, keep_allowed, uniform_draws
+from accelgen.generation.sampling import RowSampling, allowed_tokens, choose_tokens, chosen_logprobs, uniform_draws
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -220,8 +220,8 @@ def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor
     logits = logits.index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     uniform = uniform_draws(sampling.seed_keys, draw_keys, first_step)
-    choose_from = keep_allowed(logits, allowed) if rules.constrained else logits
-    tokens = choose_tokens(choose_from, rules.sampling, uniform, sampling, rules.per_row)
+    allowed = allowed_tokens(allowed, logits.shape[-1]) if rules.constrained else None
+    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row, allowed)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 
@@ -281,8 +281,8 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
     uniform = state.uniforms.gather(1, state.steps.unsqueeze(-1)).squeeze(-1)
-    choose_from = keep_allowed(logits, state.allowed) if rules.constrained else logits  # each row's structure
-    chosen = choose_tokens(choose_from, rules.sampling, uniform, state.sampling, rules.per_row)
+    allowed = allowed_tokens(state.allowed, logits.shape[-1]) if rules.constrained else None  # each row's structure
+    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row, allowed)
     next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)

@@ -41,10 +41,10 @@ class Generator:
         self.world = loaded.world
         self.stats = GenerationStats()
         markers = ThinkMarkers.of(self.tokenizer)
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run, markers)
+        eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run, markers, eos_ids)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
-        eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
             sampling=run.sampling, ending_tokens=decoding.ending_table(eos_ids, loaded.device),

@@ -68,12 +68,13 @@ NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conve
 
 class PromptCodec:
     """Encodes prompts for one model and decodes its completions, with ``tokenizer``, as ``run`` says (its
-    ``max_input_tokens``, ``chat`` and ``stop``); ``markers``: the model's thinking markers (None: it does not think)."""
+    ``max_input_tokens``, ``chat`` and ``stop``); ``markers``: the model's thinking markers (None: it does not think);
+    ``end_token_ids``: the tokens that end a sequence (one that closes a row's structure is not part of its text)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, run: RunSettings,
-                 markers: ThinkMarkers | None = None):
+                 markers: ThinkMarkers | None = None, end_token_ids: Sequence[int] = ()):
         self.tokenizer, self.vocab_size, self.max_input_tokens = tokenizer, vocab_size, run.max_input_tokens
-        self.chat, self.markers = run.chat, markers
+        self.chat, self.markers, self.end_token_ids = run.chat, markers, set(end_token_ids)
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
         """The conversation ``prompt`` is (a list of messages is one; a text is one with ``--chat``), with the
@@ -180,7 +181,11 @@ class PromptCodec:
             return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=row.error,
                               request=request)
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
-        reasoning, text = self._reasoning_and_answer(prompt_token_ids, new_token_ids)
+        text_ids = new_token_ids
+        if finish_reason == "stop" and row.settings.structure is not None and new_token_ids[-1:] and \
+                new_token_ids[-1] in self.end_token_ids:  # its grammar's end: a model's end token may be a word
+            text_ids = new_token_ids[:-1]
+        reasoning, text = self._reasoning_and_answer(prompt_token_ids, text_ids)
         if finish_reason == "stop":
             reasoning, text = (None if part is None else part[: _stop_at(part, row.settings.stop)] for part in (reasoning, text))
         conversation = self.conversation(prompt)
