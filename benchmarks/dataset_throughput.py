@@ -29,6 +29,9 @@ Asked for by name (``--contenders``), not run by default:
                               number modulo 4, as --schema-column gives them): against accelgen_continuous on the same
                               rows, what structured output costs; every row that ended by its grammar is checked to
                               parse and validate against its schema (``jsonschema``)
+    accelgen_continuous_open_mask  continuous batching, no row held to a schema, in a run set for rows that bring
+                              theirs: every decode step applies a mask that allows every token, and the host follows no
+                              row; against accelgen_continuous, what the mask costs inside the step alone
 
 Workloads (``--workload``): ``varied`` (the default, above); ``shared-prefix``, every row a few-shot block of
 ``--prefix-tokens`` tokens (512) shared by all rows, then 10 to 40 tokens of its own. Each round has prompts of its
@@ -79,10 +82,6 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 import accelgen
-from accelgen.common.prompts import PromptRequest
-from accelgen.common.settings import RowSettings
-from accelgen.common.structure import schema_structure
-from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 
@@ -179,13 +178,16 @@ def kept_length(row: list[int], ending: set[int]) -> int:
 NEVER_STOPS = ["<|never|>", "<|nor this|>"]
 
 
-def accelgen_contender(folder, arguments, batching, schemas: bool = False, **settings):
-    """``schemas``: each row held to one of :data:`EXTRACTION_SCHEMAS` (its number modulo 4), its completion checked."""
+def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_mask: bool = False, **settings):
+    """``schemas``: each row held to one of :data:`EXTRACTION_SCHEMAS` (its number modulo 4), its completion checked;
+    ``open_mask``: a run set for rows with schemas, given none."""
     if arguments.workload == "long-prompt":
         settings["buckets"] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
-    if schemas:  # rows that bring their own structure, as a --schema-column job's do
+    if schemas or open_mask:  # rows that may bring their own structure, as a --schema-column job's do
+        from accelgen.generation.generator import Generator  # here: a --baseline worker's accelgen may predate them
+
         generator = Generator(generator.loaded, dataclasses.replace(generator.run, structured_rows=True))
     chose = getattr(generator.accelerator, "summary_phrase", lambda: None)()  # a baseline from before it has none
     if chose:
@@ -221,8 +223,12 @@ def accelgen_contender(folder, arguments, batching, schemas: bool = False, **set
     return run
 
 
-def structured_rows(prompts: list[str]) -> list[PromptRequest]:
+def structured_rows(prompts: list[str]) -> list:
     """The prompts, row n held to schema n modulo 4."""
+    from accelgen.common.prompts import PromptRequest
+    from accelgen.common.settings import RowSettings
+    from accelgen.common.structure import schema_structure
+
     return [PromptRequest(prompt, RowSettings(structure=schema_structure(EXTRACTION_SCHEMAS[number % 4])), None)
             for number, prompt in enumerate(prompts)]
 
@@ -359,6 +365,8 @@ def main() -> None:
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", num_samples=4)
             elif name == "accelgen_continuous_schemas":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", schemas=True)
+            elif name == "accelgen_continuous_open_mask":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", open_mask=True)
             elif name.startswith("accelgen"):
                 contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
             else:

@@ -263,3 +263,17 @@ def test_without_the_engine_a_structure_is_one_line_naming_the_extra(llama, caps
     status, error = run(capsys, llama, "--prompt", "Hello", "--regex", "[a-z]+")
     assert status == 2 and 'pip install "accelgen[structured]"' in one_error_line(error)
 
+
+
+def test_bench_records_the_rows_constrained_the_compile_time_and_the_masks_share(llama, tmp_path, capsys):
+    result = tmp_path / "bench.json"
+    status = main(["bench", "--device", "cpu", "--model", str(llama), "--batch-sizes", "2", "--max-new-tokens", "24",
+                   "--runs", "1", "--warmup-runs", "1", "--json-schema", str(write_schema(tmp_path, PERSON)),
+                   "--output", str(result)])
+    error = capsys.readouterr().err
+    assert status == 0, error
+    measurement = json.loads(result.read_text())["measurements"][0]
+    row = measurement["results"][0]
+    assert measurement["structure"]["kind"] == "json_schema" and row["constrained_rows"] == 2
+    assert row["grammar_compile_seconds"] > 0 and 0 < row["mask_share"] < 1
+    assert "masks" in error and "2 rows constrained" in error

@@ -254,7 +254,7 @@ class SlotRunner:
         self.stats.prefill_rows += rows
         self.stats.slot_tokens += rows
         decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
-        if self.constraints is not None:
+        if self.constraints is not None and any(row.settings.structure is not None for row in draws[:started]):
             self._start_constraints(draws[:started], draw_slots[:started], prefill_shape.first_tokens[:started].tolist())
         if self.prefixes is not None:
             self.prefixes.store(shape.cache, prompts, prompt_slots, insertion.bucket_length)

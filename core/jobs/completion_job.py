@@ -83,17 +83,18 @@ class PromptFigures:
 
 @dataclasses.dataclass(frozen=True)
 class StructureFigures:
-    """Rows held to a structure (each sample a row), the seconds their grammars took to compile, and the host's
-    work of following their tokens (``mask_share``: over the decode steps' time)."""
+    """Rows held to a structure (each sample a row; the job's), the seconds their grammars took to compile, and the
+    host's work of following their tokens (``mask_share``: over the decode steps' time; both this replica's)."""
 
     rows: int
     compile_seconds: float
     mask_share: float | None
 
     @classmethod
-    def of(cls, generator: Generator) -> "StructureFigures | None":
+    def of(cls, generator: Generator, replicas: list[ReplicaReport] | None) -> "StructureFigures | None":
         stats = generator.stats
-        return cls(stats.constrained_rows, stats.grammar_compile_seconds, stats.mask_share) if stats.constrained_rows else None
+        rows = sum(replica.constrained_rows for replica in replicas) if replicas else stats.constrained_rows
+        return cls(rows, stats.grammar_compile_seconds, stats.mask_share) if rows else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
-        structure=StructureFigures.of(generator),
+        structure=StructureFigures.of(generator, replicas),
     )
 
 
@@ -381,7 +382,7 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits))
+                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()
