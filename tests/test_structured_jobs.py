@@ -110,6 +110,7 @@ def test_batch_requests_bring_their_own_response_format(chat_model, tmp_path, ca
                {"type": "json_schema", "json_schema": {"name": "no schema"}}, {"type": "xml"}]
     requests = [request(number, CHAT if number % 2 else TEXT, **({} if form is None else {"response_format": form}))
                 for number, form in enumerate(formats)]
+    requests.append(request(8, response_format=formats[0], max_tokens=1))  # ends with its first token, among others
     output = tmp_path / "out.jsonl"
     status, error = run(capsys, chat_model, "--dataset", write_requests(tmp_path / "requests.jsonl", requests), "--output",
                         output, "--max-new-tokens", 48, "--batch-size", 3)
@@ -124,6 +125,7 @@ def test_batch_requests_bring_their_own_response_format(chat_model, tmp_path, ca
     assert texts[2] == plain[0].completion  # a request without a structure completes as it would without any
     assert "Unimplemented keys" in lines[5]["error"]["message"] and "schema" in lines[6]["error"]["message"]
     assert "response_format {'type': 'xml'} is not served" in lines[7]["error"]["message"]
+    assert choices[8]["finish_reason"] == "length" and texts[8] == "{"
 
 
 # -- the run record, a resume, several processes ----------------------------------------------------------------------

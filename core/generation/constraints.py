@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from accelgen.common.errors import UsageError
+from accelgen.common.prompts import PromptError
 from accelgen.common.structure import Structure
 from accelgen.generation import grammars
 from accelgen.generation.reasoning import ThinkMarkers
@@ -34,7 +34,7 @@ class RowGrammar:
     """One running row's place in its structure: ``phase`` "thinking" (no grammar yet), "may_think" (its first
     token may open its thinking or start its answer), "grammar" (``matcher`` follows the answer) or "ended"."""
 
-    row: Row
+    number: int  # the row's prompt number, which names it in errors
     structure: Structure
     phase: str
     matcher: object | None = None
@@ -75,13 +75,15 @@ class SlotConstraints:
 
     def start(self, slot: int, row: Row, first_token: int) -> None:
         """``row`` starts in ``slot`` with ``first_token``: its grammar follows it from there (a row without a
-        structure allows every token)."""
+        structure, or with no token after its first, allows every token)."""
         self.release(slot)
         structure = row.settings.structure
         if structure is None:
             return
         self.rows_started += 1
-        grammar = self._rows[slot] = RowGrammar(row, structure, self._first_phase(row.prompt_ids))
+        if row.settings.max_new_tokens <= 1:  # it has ended: its slot computes padding until it is read back
+            return
+        grammar = self._rows[slot] = RowGrammar(row.number, structure, self._first_phase(row.prompt_ids))
         if grammar.phase == "grammar":
             grammar.matcher = self.compiler.matcher(structure)
         elif grammar.phase == "thinking":
@@ -119,8 +121,8 @@ class SlotConstraints:
             return
         matcher = grammar.matcher
         if not matcher.consume_token(token) or matcher.is_error():
-            raise UsageError(f"Prompt {grammar.row.number}: the grammar engine stopped following its "
-                             f"{grammar.structure.describe()} ({grammar_error(matcher)}).")
+            raise PromptError(grammar.number, f": the grammar engine stopped following its {grammar.structure.describe()} "
+                                              f"({grammars.first_error_line(matcher) or 'a token it does not allow'}).")
         if matcher.is_stopped() and token in self.compiler.eos_token_ids:
             grammar.phase = "ended"  # its mask stays as it was: its end only
             return
@@ -149,10 +151,6 @@ class SlotConstraints:
     def _set(self, slot: int, mask_row: torch.Tensor) -> None:
         self.mask[slot] = mask_row
         self.changed = True
-
-
-def grammar_error(matcher) -> str:
-    return grammars.first_error_line(matcher) or "a token its grammar does not allow"
 
 
 def _with(mask_row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
