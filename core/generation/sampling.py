@@ -53,7 +53,7 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
     logits = logits.float()
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = torch.where(allowed, logits, float("-inf"))
     # shifted to a largest of 0 before the temperature divides them (as a product by its inverse): the same
     # distribution, and no exponential overflows
     logits = (logits - logits.amax(-1, keepdim=True)) * (1 / rows.temperatures.clamp(min=1e-5)).unsqueeze(-1)
@@ -95,18 +95,19 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: tor
     run's). With ``per_row`` the rows choose
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
     ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's)."""
-    greedy_from = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     if not (sampling.do_sample or per_row):
-        return most_likely(greedy_from)
+        return most_likely(logits, allowed)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
     drawn = draw(logits_to_weights(logits, sampling, rows, per_row, allowed), uniform)
-    return torch.where(rows.temperatures > 0, drawn, most_likely(greedy_from)) if per_row else drawn
+    return torch.where(rows.temperatures > 0, drawn, most_likely(logits, allowed)) if per_row else drawn
 
 
-def most_likely(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax [B] of logits [B, V], taken in float32: the same token (the conversion is exact), and torch's CPU
-    argmax over bfloat16 is 4x slower than a conversion and an argmax over float32."""
-    return logits.float().argmax(-1)
+def most_likely(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax [B] of logits [B, V] (among the ``allowed`` [B, V] tokens, when given), taken in float32: the same
+    token (the conversion is exact), and torch's CPU argmax over bfloat16 is 4x slower than a conversion and an argmax
+    over float32."""
+    logits = logits.float()
+    return (logits if allowed is None else torch.where(allowed, logits, float("-inf"))).argmax(-1)
 
 
 #: tokens per block of :func:`draw`
