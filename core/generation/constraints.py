@@ -10,7 +10,7 @@ rows without constraints choose what they would without the mask. A row's end-of
 where its grammar may end (not as text inside it, where a model's end token is a word); once its grammar is complete
 its mask allows only them, and they end the row in the step as the model's own end does.
 
-Shapes: B slots, W words of 32 tokens (``grammars.mask_words`` of the logits' width); a mask is int32 [rows, W],
+Shapes: B slots, W words of 32 tokens (``grammars.mask_words`` of the compiler's width); a mask is int32 [rows, W],
 -1 (every bit set) where every token is allowed.
 """
 
@@ -46,7 +46,7 @@ class SlotConstraints:
 
     def __init__(self, compiler: grammars.GrammarCompiler, slots: int, markers: ThinkMarkers | None):
         self.compiler, self.markers = compiler, markers
-        words = grammars.mask_words(compiler.logits_width)
+        words = grammars.mask_words(compiler.width)
         self.mask = torch.full((slots, words), ALL_TOKENS, dtype=torch.int32)  # [B, W]: what each slot may take next
         self.changed = False  # the mask changed since the runner last copied it to the device
         self._rows: dict[int, RowGrammar] = {}  # by slot: the running rows with a structure

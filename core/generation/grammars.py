@@ -76,16 +76,17 @@ def engine_words(message: str) -> str:
 
 class GrammarCompiler:
     """Matchers for one tokenizer, over logits of ``logits_width`` tokens, ending at ``eos_token_ids`` (the tokens
-    a matcher allows once its grammar is complete). Counts the seconds spent compiling."""
+    a matcher allows once its grammar is complete). Counts the seconds spent compiling. Its masks are ``width`` tokens
+    wide: the logits', or the tokenizer's where it has more tokens than the model's logits (those are never chosen)."""
 
     def __init__(self, tokenizer, logits_width: int, eos_token_ids: list[int]):
         engine()
         import llguidance.hf
 
-        self.logits_width = logits_width
+        self.width = max(logits_width, len(tokenizer))
         eos = [token for token in eos_token_ids if token < logits_width] or None
         try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=logits_width, eos_token=eos)
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.width, eos_token=eos)
         except ValueError as error:  # a slow (Python) tokenizer
             raise UsageError(f"Structured output needs a fast tokenizer (tokenizer.json), and this model's is "
                              f"{type(tokenizer).__name__} ({error}): convert it, or run without a structure.") from None
