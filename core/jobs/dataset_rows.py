@@ -108,8 +108,9 @@ def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Co
             if not problem and request.schema_column:
                 text, problem = _with_schema(text, schema)
                 column = request.schema_column if problem else column
-            if problem and request.skip_bad_rows:
-                text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
+            if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
+                text = BadPrompt(problem.split(": ")[0] if column == request.column
+                                 else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
             elif problem:
                 raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem} "
                                  f"(rows count from 0, as the output's \"index\").")
