@@ -242,7 +242,7 @@ def test_a_row_cut_by_its_budget_says_length(llama):
 
 
 @pytest.mark.slow
-def test_the_captured_step_holds_rows_with_and_without_structures_without_capturing_again(llama, tmp_path):
+def test_the_compiled_step_gives_the_eager_steps_tokens_and_is_captured_once(llama, tmp_path):
     """Compiled on the CPU (inductor): one decode step captured for rows that come with and without schemas, the
     same tokens as the eager step."""
     rows = tmp_path / "rows.jsonl"

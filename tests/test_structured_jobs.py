@@ -234,7 +234,7 @@ def test_a_bad_flag_is_one_line(llama, tmp_path, capsys, no_model_loads, argumen
     (json.dumps({"type": "objectx"}), "is not a schema the grammar engine supports (Invalid type: objectx)"),
     ({"type": "string", "pattern": "(("}, "is not a schema the grammar engine supports"),
 ])
-def test_a_rows_bad_schema_names_the_row_or_becomes_an_error_row(llama, tmp_path, capsys, no_model_loads, schema, said):
+def test_a_rows_bad_schema_is_one_line_naming_the_row_and_its_column(llama, tmp_path, capsys, no_model_loads, schema, said):
     dataset = bad_dataset(tmp_path, schema)
     status, error = run(capsys, llama, "--dataset", dataset, "--schema-column", "schema")
     assert status == 2 and f"row 1, column 'schema', {said}" in one_error_line(error)
