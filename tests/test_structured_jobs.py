@@ -3,6 +3,7 @@ a reasoning model's thinking written apart, the run record, a killed run resumed
 every bad input as one line before the model loads."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -209,6 +210,8 @@ def bad_dataset(folder, schema):
     (["--json-schema", "{folder}/unsupported.json"], "--json-schema is not a schema the grammar engine supports "
                                                      "(Unimplemented keys: [\"not\"])"),
     (["--json-schema", "{folder}/missing.json"], "Cannot read --json-schema '{folder}/missing.json'"),
+    (["--json-schema", "{folder}/fifo"], "--json-schema '{folder}/fifo' is a FIFO (named pipe), not a regular file"),
+    (["--json-schema", "/dev/zero"], "--json-schema '/dev/zero' is a device, not a regular file"),
     (["--regex", "[a-"], "--regex does not compile (unclosed character class)"),
     (["--regex", ""], "--regex is empty"),
     (["--choice", ""], "--choice has '', which is not a text of at least one character"),
@@ -223,6 +226,7 @@ def test_a_bad_flag_is_one_line(llama, tmp_path, capsys, no_model_loads, argumen
     (tmp_path / "not-json.json").write_text("{\"type\": ")
     (tmp_path / "list.json").write_text("[1]")
     (tmp_path / "unsupported.json").write_text(json.dumps({"not": {"type": "string"}}))
+    os.mkfifo(tmp_path / "fifo")  # would block a read until something writes into it
     arguments = [argument.replace("{folder}", str(tmp_path)) for argument in arguments]
     status, error = run(capsys, llama, "--prompt", "Hello", *arguments)
     assert status == 2 and said.replace("{folder}", str(tmp_path)) in one_error_line(error)
