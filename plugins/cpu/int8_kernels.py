@@ -28,7 +28,7 @@ import time
 import torch
 
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
-from accelgen_cpu.native_kernels import native_operator_built
+from accelgen_cpu.native_kernels import native_operator
 from accelgen_cpu.packed_linear import find_packed, register_packed
 
 #: the kernels a weight shape may take, in the order they are tried
@@ -119,9 +119,10 @@ class FusedInt8Product:
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = torch.nn.Parameter(pack_int8_panels(weight), requires_grad=False)
         self.scales = scales.float().contiguous()
+        self._operator = native_operator("int8_panels_linear")
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return torch.ops.accelgen_cpu_kernels.int8_panels_linear(x, self.weight, self.scales)
+        return self._operator(x, self.weight, self.scales)
 
 
 def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -213,7 +214,7 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
 
 def available_kernels() -> tuple[str, ...]:
     """The kernels of :data:`KERNELS` this machine and torch build run."""
-    fused = native_operator_built("int8_panels_linear")
+    fused = native_operator("int8_panels_linear") is not None
     return tuple(kernel for kernel in KERNELS
                  if (kernel != "packed" or _packing_works()) and (kernel != "fused" or fused))
 
