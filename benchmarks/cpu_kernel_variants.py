@@ -22,6 +22,8 @@ Two parts, every measurement a process of its own, the classes interleaved round
     python benchmarks/cpu_kernel_variants.py --part jobs --rounds 1
 """
 
+# ruff: noqa: B023  (each timed lambda is called before its loop variables change)
+
 from __future__ import annotations
 
 import argparse
