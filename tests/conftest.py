@@ -51,19 +51,61 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     """This session's own TORCH_EXTENSIONS_DIR, so that a compile of DeepSpeed's CPU all-reduce extension by another
     job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
     from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
-    of the session compiles it here. The CPU plugin's C++ kernels likewise (copied, or built before any test)."""
+    of the session compiles it here. The CPU plugin's C++ kernels likewise: every variant this processor executes is
+    built in the usual folder (once per machine and source: under the builds' own lock, checked before use), then
+    copied, so that a session adds a build's minutes only when the kernels' sources changed."""
     from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
-    from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
+    from accelgen_cpu.kernel_variants import executable_variants
+    from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK, BuildFailure, built_library
+    from accelgen_cpu.native_kernels import native_kernels
 
     usual = Path(extension_build_folder(EXTENSION))
     folder = tmp_path_factory.mktemp("torch_extensions")
     if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
         shutil.copytree(usual, folder / EXTENSION, ignore=shutil.ignore_patterns("lock"))
+    for variant in executable_variants():
+        try:
+            built_library(variant)
+        except BuildFailure:
+            pass  # the kernels' tests show it, with its reason
     if (usual.parent / KERNELS_FOLDER).is_dir():
-        shutil.copytree(usual.parent / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
+        shutil.copytree(usual.parent / KERNELS_FOLDER, folder / KERNELS_FOLDER,
+                        ignore=shutil.ignore_patterns(".building-*", LOCK))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
-    native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
+    native_kernels()  # this processor's variant, loaded (or its warning) before the first test's output
     return folder
+
+
+KERNEL_VARIANTS = ("avx512", "avx2", "portable")
+
+
+def loaded_variant(variant: str):
+    """The CPU plugin's C++ kernels of ``variant`` (built by the session), loaded: their operators are
+    ``loaded_variant(variant).operators``; the test is skipped, naming the instructions, where this processor lacks
+    some that the variant needs."""
+    from accelgen_cpu.kernel_variants import missing_instructions
+    from accelgen_cpu.native_kernels import load_variant
+
+    missing = missing_instructions(variant)
+    if missing:
+        pytest.skip(f"this processor lacks {', '.join(sorted(missing))}, which the {variant} kernels need")
+    return load_variant(variant)
+
+
+@pytest.fixture(params=KERNEL_VARIANTS)
+def kernel_variant(request):
+    """Each variant of the CPU plugin's C++ kernels this processor executes, loaded (:func:`loaded_variant`)."""
+    return loaded_variant(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Run the test at 1 and 2 torch threads (the kernels split their work across threads), the session's count put
+    back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

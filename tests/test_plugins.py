@@ -25,7 +25,7 @@ class UnavailableAccelerator(accelgen.Accelerator):
     name = "npu"
     supported_dtypes = ("bfloat16",)
     default_dtype = "bfloat16"
-    captures_by_default = True
+    tuning = accelgen.Tuning(captures_by_default=True)
     priority = 50
 
     def is_available(self):

@@ -422,6 +422,11 @@ at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key,
   at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
   at::Tensor c = cos.reshape({rows, size}).contiguous(), s = sin.reshape({rows, size}).contiguous();
   at::Tensor positions = write_positions.contiguous();
+  const int64_t length = keys.size(2);
+  const int64_t* position = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b)  // a position past the cache would be written out of its bounds
+    TORCH_CHECK(position[b] >= 0 && position[b] < length, "decode_self_attention: write_positions[", b, "] is ",
+                position[b], ", outside the cache's ", length, " positions");
   const int64_t heads = query.size(2) / size;
   at::Tensor output = at::empty({rows, 1, heads * size}, query.options());
   at::Tensor output_heads = output.view({rows, heads, 1, size});
