@@ -100,11 +100,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def remembered_failure(folder: Path) -> str | None:
+def remembered_failure(folder: Path) -> tuple[str, str] | None:
+    """The reason and the fix of the failed build of ``folder``'s digest, when one failed."""
     try:
-        return (folder / FAILED).read_text().strip() or "the build failed"
+        reason, _, fix = (folder / FAILED).read_text().strip().partition("\n")
     except OSError:
         return None
+    return reason or "the build failed", fix or "fix the compiler or name another in CXX"
 
 
 def built_library(variant: str) -> Path:
@@ -123,15 +125,26 @@ def built_library(variant: str) -> Path:
             if damaged:
                 _say(f"the CPU kernels' library in {folder} is damaged (not the size and SHA-256 it was built with): "
                      f"building it again")
+        compiler = compiler_command()[0]
+        if shutil.which(compiler) is None:  # said before any announcement of a build
+            _remember(folder, BuildFailure(f"cannot run the compiler {compiler!r}: not found",
+                                           "install a C++ compiler (g++ or clang++), or name one in CXX"))
         _build(variant, folder)
         return folder / LIBRARY
 
 
+def _remember(folder: Path, failure: BuildFailure) -> None:
+    """Write ``failure``'s reason where the next runs find it (:data:`FAILED`), and raise it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / FAILED).write_text(f"{failure.reason}\n{failure.fix}\n")
+    raise failure
+
+
 def _ready(folder: Path) -> Path | None:
     """The verified library (stamped as used), or None; raises the failure a build of this digest left."""
-    if (reason := remembered_failure(folder)) is not None:
-        raise BuildFailure(reason, f"the failure is remembered in {folder / FAILED}: remove it to try again (or set "
-                                   f"CXX to another compiler)")
+    if (failure := remembered_failure(folder)) is not None:
+        reason, fix = failure
+        raise BuildFailure(reason, f"{fix}; this failure is remembered in {folder / FAILED}: remove it to try again")
     library = verified_library(folder)
     if library is not None:
         _stamp_used(folder)
@@ -162,9 +175,7 @@ def _build(variant: str, folder: Path) -> None:
         os.replace(staging, folder)
     except BuildFailure as failure:
         shutil.rmtree(staging, ignore_errors=True)
-        folder.mkdir(exist_ok=True)
-        (folder / FAILED).write_text(failure.reason + "\n")
-        raise
+        _remember(folder, failure)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

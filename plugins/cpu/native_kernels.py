@@ -16,7 +16,7 @@ import functools
 import warnings
 from typing import Any
 
-from accelgen.common.errors import AccelgenWarning
+from accelgen.common.errors import AccelgenWarning, UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +86,17 @@ def kernels_status() -> str:
     from accelgen_cpu.kernel_variants import OVERRIDE_VARIABLE, VARIANT_WORDS, chosen_variant
     from accelgen_cpu.native_build import build_folder, remembered_failure, verified_library
 
-    variant = chosen_variant()
+    try:
+        variant = chosen_variant()
+    except UsageError as error:
+        return str(error)
     if variant is None:
         return f"C++ kernels off ({OVERRIDE_VARIABLE}=off): torch's operations"
     folder = build_folder(variant)
     if verified_library(folder) is not None:
         state = f"built in {folder}"
-    elif (reason := remembered_failure(folder)) is not None:
-        state = f"failed to build ({reason}; remove {folder} to try again)"
+    elif (failure := remembered_failure(folder)) is not None:
+        state = f"failed to build ({failure[0]}; remove {folder} to try again)"
     else:
         state = "not built yet (the first job builds them, or accelgen devices --prepare)"
     return f"C++ kernels {variant} ({VARIANT_WORDS[variant]}): {state}"

@@ -354,12 +354,17 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
 
 // A mask of ``queries`` rows of L per row ([B, 1, T, L], [B, T, L]; additive, or true where a key is seen) as
 // additive float32 [B, T, L].
+// A value at most half its dtype's lowest marks a position unseen (float16's lowest is float32's at most half):
+// such positions become float32's lowest, which seen_span skips.
 at::Tensor additive_mask(const at::Tensor& mask, int64_t rows, int64_t queries, int64_t length) {
   at::Tensor flat = mask.reshape({rows, queries, length});
-  return flat.scalar_type() == at::kBool
-      ? at::zeros({rows, queries, length}, flat.options().dtype(at::kFloat))
-            .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
-      : flat.to(at::kFloat).contiguous();
+  if (flat.scalar_type() == at::kBool)
+    return at::zeros({rows, queries, length}, flat.options().dtype(at::kFloat))
+        .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest());
+  at::Tensor additive = flat.to(at::kFloat).contiguous();
+  if (flat.scalar_type() == at::kHalf)
+    additive.masked_fill_(additive <= std::numeric_limits<at::Half>::lowest() / 2, std::numeric_limits<float>::lowest());
+  return additive;
 }
 
 at::Tensor last_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
