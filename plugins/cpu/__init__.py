@@ -107,7 +107,7 @@ class CpuAccelerator(Accelerator):
 
         model = quantize_linear_layers(model, int8_product_on_cpu, head=self.tuning.int8_quantizes_head)
         if run.offload is None:  # offloaded weights arrive at each pass as stored: they keep that layout's kernel
-            choose_int8_kernels(model, run.batch_size)  # each weight shape's fastest kernel for the decode step's rows
+            choose_int8_kernels(model, run.batch_size)  # by a rule over the instructions and the decode step's rows
         return model
 
     def capture(

@@ -5,7 +5,7 @@ both scales. Each row's result depends on that row alone, whatever rows share th
 Four kernels give the same integers; which is fastest depends on the number of rows and the CPU's instructions, so
 each layer takes the one a rule over them names (:func:`int8_kernel_for`, from measurements):
 
-- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major: the fastest for one row;
+- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major (where oneDNN's product is missing);
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
   for several rows the fastest by far (RESULTS.md, "int8 products on the CPU");

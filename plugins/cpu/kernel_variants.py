@@ -25,6 +25,9 @@ import sys
 from accelgen.common.errors import UsageError
 
 OVERRIDE_VARIABLE = "ACCELGEN_CPU_KERNELS"
+#: Instruction sets to take as this processor's (comma-separated, /proc/cpuinfo's names), in place of those it has:
+#: runs and tests as on a smaller CPU (``avx2,fma,f16c,bmi2``: an AVX2 machine; empty: a baseline one)
+PRETEND_VARIABLE = "ACCELGEN_CPU_INSTRUCTIONS"
 #: the value of :data:`OVERRIDE_VARIABLE` that turns the kernels off (torch's operations only)
 OFF = "off"
 
@@ -103,7 +106,11 @@ def chosen_variant() -> str | None:
 @functools.cache
 def instruction_sets() -> frozenset[str]:
     """This processor's instruction sets, by Linux's /proc/cpuinfo names less underscores (``avx512vnni``): from
-    /proc/cpuinfo on Linux, ``sysctl`` on macOS, else what torch's CPU probe answers."""
+    /proc/cpuinfo on Linux, ``sysctl`` on macOS, else what torch's CPU probe answers; :data:`PRETEND_VARIABLE`'s
+    where it is set."""
+    pretended = os.environ.get(PRETEND_VARIABLE)
+    if pretended is not None:
+        return frozenset(name.strip().replace("_", "").lower() for name in pretended.split(",") if name.strip())
     flags = _cpuinfo_flags() or _sysctl_flags()
     return flags if flags else _torch_probe()
 

@@ -3,7 +3,7 @@
 torch's plain product (``F.linear``) takes the weight as stored, row-major [out, in], and the matrix library re-reads
 it in that layout at every call. Two layouts made once feed kernels directly:
 
-- float32 weights, where the plugin's kernels are built for AVX-512: panels of 16 outputs
+- float32 weights, where this processor's kernels take them (AVX-512 and AVX2): panels of 16 outputs
   (:func:`pack_float_panels`), multiplied by the plugin's C++ operator (``kernels/float_panels_linear.cpp``), which
   reads one layout well for every number of rows: one row (a batch-1 decode step, bound by reading the weight) and
   16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS.md,
