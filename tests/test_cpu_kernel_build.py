@@ -149,17 +149,18 @@ def test_two_first_runs_at_once_compile_once_and_the_second_says_what_it_waits_f
     assert sum("waiting for process" in stderr for stderr in stderrs) == 1
 
 
-def test_builds_unused_for_weeks_go_and_recent_ones_stay(build_environment):
+def test_builds_unused_for_weeks_go_and_recent_ones_and_others_files_stay(build_environment):
     root = kernels_root(build_environment)
-    old, recent = root / "avx2-0123456789abcdef", root / "portable-fedcba9876543210"
-    for folder in (old, recent):
+    old, recent, foreign = root / "avx2-0123456789abcdef", root / "portable-fedcba9876543210", root / "notes"
+    for folder in (old, recent, foreign):
         folder.mkdir(parents=True)
         (folder / LIBRARY).write_bytes(b"a build of another torch")
         (folder / LAST_USED).touch()
     weeks_ago = time.time() - 40 * 86400
-    os.utime(old / LAST_USED, (weeks_ago, weeks_ago))
+    for folder in (old, foreign):
+        os.utime(folder / LAST_USED, (weeks_ago, weeks_ago))
     assert load(build_environment).stdout.strip() == "portable"
-    assert not old.exists() and recent.exists()
+    assert not old.exists() and recent.exists() and foreign.exists()  # a folder not named as builds are: not ours
 
 
 def test_a_variant_this_processor_cannot_run_is_refused_in_one_line(monkeypatch):

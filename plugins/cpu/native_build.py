@@ -184,10 +184,15 @@ def _digest(variant: str) -> str:
 
 
 def _remove_leftovers(root: Path, keep: Path) -> None:
-    """Under the lock: remove what killed builds left (``.building-*``) and builds unused for :data:`UNUSED_DAYS`."""
+    """Under the lock: remove what killed builds left (``.building-*``) and builds of ours (``<variant>-<digest>``)
+    unused for :data:`UNUSED_DAYS`; anything else in the folder is not ours to judge."""
+    from accelgen_cpu.kernel_variants import VARIANT_FLAGS
+
     oldest = time.time() - UNUSED_DAYS * 86400
     for entry in root.iterdir():
-        if not entry.is_dir() or entry == keep:
+        variant, _, digest = entry.name.rpartition("-")
+        ours = variant in VARIANT_FLAGS and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)
+        if not entry.is_dir() or entry == keep or not (ours or entry.name.startswith(".building-")):
             continue
         if entry.name.startswith(".building-"):
             shutil.rmtree(entry, ignore_errors=True)
