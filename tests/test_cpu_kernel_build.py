@@ -57,12 +57,12 @@ def test_the_first_load_says_what_it_builds_before_it_starts_and_later_loads_bui
     assert first.returncode == 0 and first.stdout.strip() == "portable", first.stderr
     building = [line for line in first.stderr.splitlines() if "building the CPU plugin's C++ kernels" in line]
     assert len(building) == 1 and "once per machine" in building[0] and "about" in building[0]
-    links = [run for run in compiler_runs(build_environment) if "-shared" in run]
-    assert len(links) == 1 and len(compiler_runs(build_environment)) == len(list(Path(
-        kernel_variants.__file__).with_name("kernels").glob("*.cpp"))) + 1  # one compiler a source, then the link
+    runs = compiler_runs(build_environment)
+    sources = list(Path(kernel_variants.__file__).with_name("kernels").glob("*.cpp"))
+    assert sum("-shared" in run for run in runs) == 1 and len(runs) == len(sources) + 1  # a compiler a source, a link
     again = load(build_environment)
     assert again.returncode == 0 and again.stdout.strip() == "portable" and again.stderr == ""
-    assert len(compiler_runs(build_environment)) == len(links) + len(compiler_runs(build_environment)) - 1
+    assert compiler_runs(build_environment) == runs  # nothing compiled again
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated", "foreign", "no checksum"])
