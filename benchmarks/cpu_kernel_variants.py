@@ -20,6 +20,7 @@ Two parts, every measurement a process of its own, the classes interleaved round
 
     python benchmarks/cpu_kernel_variants.py --part operators --rounds 3
     python benchmarks/cpu_kernel_variants.py --part jobs --rounds 1
+    python benchmarks/cpu_kernel_variants.py --part jobs --jobs decode --classes portable --rounds 3
 """
 
 # ruff: noqa: B023  (each timed lambda is called before its loop variables change)
@@ -204,10 +205,10 @@ def jobs_part(arguments) -> None:
 
     settings = argparse.Namespace(threads=arguments.threads, worker_timeout=900, mean_length=40, prompts=192,
                                   max_new_tokens=128, batch_size=16, decode_tokens=64)
-    contenders = [(variant, kernels) for variant in CLASSES if variant in executable_variants()
+    contenders = [(variant, kernels) for variant in arguments.classes.split(",") if variant in executable_variants()
                   for kernels in (variant, "off")]
     with tempfile.TemporaryDirectory() as scratch:
-        for job in ("dataset", "decode"):
+        for job in arguments.jobs.split(","):
             folder = cpu_peers.prepare(job, Path(scratch), settings)
             figures: dict[tuple[str, str], list[float]] = {contender: [] for contender in contenders}
             for _ in range(arguments.rounds):
@@ -228,10 +229,12 @@ def jobs_part(arguments) -> None:
                         os.environ.update(saved)
             unit = "kept tokens/s" if job == "dataset" else "decode ms/token"
             print(f"\n{job} job, float32, {unit}, {arguments.threads} thread(s):\n")
-            print("| class of CPU | its kernels | torch only |\n|---|---:|---:|")
+            print("| class of CPU | its kernels | torch only | rounds (kernels : torch) |\n|---|---:|---:|---|")
             for variant in dict.fromkeys(variant for variant, _ in contenders):
                 ours, theirs = (statistics.median(figures[variant, kernels]) for kernels in (variant, "off"))
-                print(f"| {variant} | {ours:,.1f} | {theirs:,.1f} |")
+                rounds = " / ".join(f"{a:,.1f} : {b:,.1f}" for a, b in zip(figures[variant, variant],
+                                                                             figures[variant, "off"]))
+                print(f"| {variant} | {ours:,.1f} | {theirs:,.1f} | {rounds} |")
 
 
 def main() -> None:
@@ -239,6 +242,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("operators", "jobs"), default="operators")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--classes", default=",".join(CLASSES), help="jobs: the classes of CPU to run")
+    parser.add_argument("--jobs", default="dataset,decode", help="jobs: dataset, decode or both")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.worker:
