@@ -21,6 +21,10 @@ Two parts, every measurement a process of its own, the classes interleaved round
     python benchmarks/cpu_kernel_variants.py --part operators --rounds 3
     python benchmarks/cpu_kernel_variants.py --part jobs --rounds 1
     python benchmarks/cpu_kernel_variants.py --part jobs --jobs decode --classes portable --rounds 3
+    python benchmarks/cpu_kernel_variants.py --part decode-ab --rounds 5
+
+``decode-ab``: the batch-1 decode job with and without the kernels in one process per class, timed in turn round by
+round (a busy machine's load meets both alike; the jobs part's processes minutes apart met different loads).
 """
 
 # ruff: noqa: B023  (each timed lambda is called before its loop variables change)
@@ -237,17 +241,74 @@ def jobs_part(arguments) -> None:
                 print(f"| {variant} | {ours:,.1f} | {theirs:,.1f} | {rounds} |")
 
 
+def decode_ab_worker(folder: str, rounds: int) -> dict:
+    """In one process (torch restricted to the class by the environment): the batch-1 decode job's model loaded twice,
+    with this process's kernels and with none (as ACCELGEN_CPU_KERNELS=off loads it), the two timed in turn round by
+    round, so that the machine's load meets both alike: decode ms/token of each round (64 tokens less the first)."""
+    import json as json_module
+
+    import accelgen
+    from accelgen_cpu import native_kernels
+
+    work = json_module.loads((Path(folder) / "work.json").read_text())
+    settings = dict(device="cpu", dtype="float32", batch_size=1, ignore_eos=True, do_sample=False)
+    with_kernels = accelgen.load(folder, max_new_tokens=work["max_new_tokens"], **settings)
+    loaded = native_kernels.loaded_kernels
+    native_kernels.loaded_kernels = lambda: None  # the plugin's operators asked while this model loads: none
+    try:
+        without = accelgen.load(folder, max_new_tokens=work["max_new_tokens"], **settings)
+    finally:
+        native_kernels.loaded_kernels = loaded
+    figures: dict[str, list[float]] = {"kernels": [], "off": []}
+    for generator in (with_kernels, without):  # warm-up
+        generator.generate_token_ids(work["prompts"])
+    for _ in range(rounds):
+        for name, generator in (("kernels", with_kernels), ("off", without)):
+            seconds, steps = generator.stats.decode_seconds, generator.stats.decode_steps
+            generator.generate_token_ids(work["prompts"])
+            figures[name].append(1000 * (generator.stats.decode_seconds - seconds)
+                                 / (generator.stats.decode_steps - steps))
+    return figures
+
+
+def decode_ab_part(arguments) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cpu_peers
+
+    settings = argparse.Namespace(decode_tokens=64)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = cpu_peers.prepare("decode", Path(scratch), settings)
+        print("| class of CPU | its kernels | torch only | rounds (kernels : torch) |\n|---|---:|---:|---|")
+        for variant in arguments.classes.split(","):
+            environment = dict(os.environ, OMP_NUM_THREADS=str(arguments.threads), ACCELGEN_CPU_KERNELS=variant,
+                               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **CLASSES[variant])
+            result = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--decode-ab-worker", str(folder),
+                                     "--rounds", str(arguments.rounds)], env=environment, capture_output=True,
+                                    text=True)
+            if result.returncode:
+                raise SystemExit(f"{variant} failed:\n{result.stderr[-3000:]}")
+            figures = json.loads(result.stdout.strip().splitlines()[-1])
+            rounds = " / ".join(f"{a:.1f} : {b:.1f}" for a, b in zip(figures["kernels"], figures["off"]))
+            print(f"| {variant} | {statistics.median(figures['kernels']):.1f} | {statistics.median(figures['off']):.1f} "
+                  f"| {rounds} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("operators", "jobs"), default="operators")
+    parser.add_argument("--part", choices=("operators", "jobs", "decode-ab"), default="operators")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--classes", default=",".join(CLASSES), help="jobs: the classes of CPU to run")
     parser.add_argument("--jobs", default="dataset,decode", help="jobs: dataset, decode or both")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-ab-worker", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.worker:
         print(json.dumps(worker(arguments.worker)))
+    elif arguments.decode_ab_worker:
+        print(json.dumps(decode_ab_worker(arguments.decode_ab_worker, arguments.rounds)))
+    elif arguments.part == "decode-ab":
+        decode_ab_part(arguments)
     elif arguments.part == "operators":
         operators_part(arguments)
     else:
