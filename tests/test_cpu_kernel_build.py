@@ -189,3 +189,14 @@ def test_devices_says_which_kernels_this_processor_takes_and_prepare_builds_them
     assert prepared.returncode == 0, prepared.stderr
     assert "building the CPU plugin's C++ kernels" in prepared.stderr and "built in" in prepared.stdout
     assert sum("-shared" in run for run in compiler_runs(build_environment)) == 1
+
+
+def test_prepare_fails_in_one_line_when_the_kernels_cannot_be_built(build_environment):
+    """For an image or CI, a build that fails must fail the command, not pass with a warning."""
+    prepared = subprocess.run([sys.executable, "-m", "accelgen.cli", "devices", "--prepare"],
+                              env=dict(build_environment, CXX="/bin/false"), capture_output=True, text=True,
+                              timeout=120)
+    assert prepared.returncode == 2
+    error = [line for line in prepared.stderr.splitlines() if line.startswith("accelgen: error:")]
+    assert error == [line for line in prepared.stderr.splitlines() if "error" in line.lower()] and len(error) == 1
+    assert "could not be built: /bin/false failed (exit 1)" in error[0] and "Traceback" not in prepared.stderr

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.common.errors import interruption_in
+from accelgen.common.errors import UsageError, interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
@@ -137,8 +137,18 @@ class CpuAccelerator(Accelerator):
 
     def prepare_machine(self) -> list[str]:
         """Build this processor's variant of the plugin's C++ kernels now (for an image, a cluster's nodes, CI), so
-        that the first job loads them."""
-        native_kernels()
+        that the first job loads them; a build that fails is refused in one line (the command fails)."""
+        from accelgen_cpu.kernel_variants import chosen_variant
+        from accelgen_cpu.native_build import BuildFailure
+        from accelgen_cpu.native_kernels import load_variant
+
+        variant = chosen_variant()
+        if variant is not None:
+            try:
+                load_variant(variant)
+            except BuildFailure as failure:
+                raise UsageError(f"The CPU plugin's C++ kernels could not be built: {failure.reason}; "
+                                 f"{failure.fix}.") from None
         return [kernels_status()]
 
     def describe(self) -> dict[str, Any]:
