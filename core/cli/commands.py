@@ -121,22 +121,30 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
 
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
-        return devices_command(plugin_manager)
+        return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
     return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
 
 
-def devices_command(plugin_manager: PluginManager) -> int:
+def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
+    """List every accelerator, and under each available one what its plugin's own kernels are (``describe()``'s
+    ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first."""
     from accelgen.plugin.isolation import SKIP_VARIABLE
     from accelgen.plugin.registry import accelerator_registry
 
     registry = accelerator_registry(plugin_manager)
     for accelerator in registry.accelerators.values():
-        if accelerator.is_available():
+        available = accelerator.is_available()
+        if available and prepare:
+            for line in accelerator.prepare_machine():
+                print(f"{accelerator.name}: {line}", file=sys.stderr)
+        if available:
             status = f"available, {accelerator.device_count()} device(s)" + "".join(
                 f", --quantize {scheme}" for scheme in accelerator.quantization_schemes)
         else:
             status = f"unavailable: {accelerator.unavailable_reason()}"
         print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
+        if available and (kernels := accelerator.describe().get("kernels")):
+            print(f"{'':<8} {kernels}")
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
     for plugin in registry.skipped:

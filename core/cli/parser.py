@@ -166,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
     _add_parallel_arguments(shard)
 
-    commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
+    devices = commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
+    devices.add_argument("--prepare", action="store_true",
+                         help="do each available device's once-per-machine work now (the CPU: build its C++ kernels), "
+                              "ahead of the first job: for images, cluster nodes and CI")
     return parser
 
 

@@ -146,7 +146,7 @@ class Generator:
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
-        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.prefill_pass_steps)
+        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.tuning.prefill_pass_steps)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:

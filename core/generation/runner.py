@@ -114,7 +114,7 @@ class SlotRunner:
         #: a model that sizes its own masks from the cache position needs every row at one position
         self.rows_aligned = not model_forward.builds_4d_mask
         #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
-        self.packs_prompts = accelerator.packs_prompts and model_forward.packs_prompts
+        self.packs_prompts = accelerator.tuning.packs_prompts and model_forward.packs_prompts
         self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
         self._storage: CacheStorage | None = None
         self._shapes: dict[int, SlotShape] = {}  # by cache length
@@ -176,7 +176,7 @@ class SlotRunner:
         position); each split for prefix reuse in two when some prompts share a beginning not stored yet."""
         if not insertion.prefilled:
             return []
-        one_bucket = self.rows_aligned or not self.accelerator.captures_prefill
+        one_bucket = self.rows_aligned or not self.accelerator.tuning.captures_prefill
         buckets = [insertion.bucket_length] if one_bucket else sorted({row.bucket for row in insertion.prefilled})
         parts = [insertion] if len(buckets) == 1 else [
             insertion.of_prompts({row.number for row in insertion.prefilled if row.bucket == bucket}) for bucket in buckets]
@@ -198,17 +198,17 @@ class SlotRunner:
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
         found_stored = window < insertion.bucket_length
         longest = max(len(row.prompt_ids) for row in prompts)
-        if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
+        if not self.accelerator.tuning.captures_prefill:  # an eager prefill skips the padding before its longest prompt
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
         prompt_tokens = sum(len(row.prompt_ids) for row in prompts)
         # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small,
         # never captured (a captured step keeps one shape)
         packed = (self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
-                  and not (self.run.use_graphs and self.accelerator.captures_prefill))
+                  and not (self.run.use_graphs and self.accelerator.tuning.captures_prefill))
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
-        rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.captures_prefill
+        rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.tuning.captures_prefill
                            else (len(prompts), len(draws)))
         self.stats.prompt_tokens += prompt_tokens
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
@@ -381,7 +381,7 @@ class SlotRunner:
         write_each_row_at(cache, state.write_positions)
         # rows that see nothing (finished, or none) run on zeros where the kernels skip them; a model whose masks need
         # rows at one position sees its rows' masks unchanged
-        zero_unseen_rows = self.accelerator.skips_zero_rows and not self.rows_aligned
+        zero_unseen_rows = self.accelerator.tuning.skips_zero_rows and not self.rows_aligned
         shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache, zero_unseen_rows=zero_unseen_rows))
         if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
             one = torch.ones((1, 1), dtype=torch.long, device=self.device)
@@ -463,7 +463,7 @@ class SlotRunner:
         stop signal that the compiler wrapped in its own error goes on as itself."""
         if not self.run.use_graphs or self.capture_failure is not None:
             return step
-        if counter == "prefill_captures" and not self.accelerator.captures_prefill:
+        if counter == "prefill_captures" and not self.accelerator.tuning.captures_prefill:
             return step
         started = time.perf_counter()
         try:

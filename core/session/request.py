@@ -54,7 +54,7 @@ class Request:
         one is kept."""
         if self.run.use_graphs is not None:
             return self
-        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after_steps
+        pays = decode_steps is not None and decode_steps >= self.accelerator.tuning.capture_pays_after_steps
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
 
     def check_prefix_store(self, ranks: int) -> None:
@@ -170,9 +170,9 @@ def run_settings(
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
     if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
-        if not accelerator.captures_by_default or offload is not None:
+        if not accelerator.tuning.captures_by_default or offload is not None:
             graphs = False
-        elif accelerator.capture_pays_after_steps:
+        elif accelerator.tuning.capture_pays_after_steps:
             graphs = None  # decided by Request.capture_decided
         else:
             graphs = True
