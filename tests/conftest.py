@@ -92,24 +92,65 @@ def _extensions_dir(folder: str | None) -> Iterator[None]:
 def _private_extensions_folder(tmp_path_factory) -> Path:
     """This run's own TORCH_EXTENSIONS_DIR, shared by its test processes, so that a compile of DeepSpeed's CPU
     all-reduce extension by another job or test run on the machine (its lock, a half-built folder) never meets these
-    tests. The CPU plugin's C++ kernels are copied in from the user's folder where built there, else built before any
-    test, one test process at a time."""
-    from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
+    tests. The CPU plugin's C++ kernels: every variant this processor executes is built in the user's folder (once per
+    machine and source: under the builds' own lock, checked before use), then copied in by the run's first test
+    process, so that a run adds a build's minutes only when the kernels' sources changed."""
+    from accelgen_cpu.kernel_variants import executable_variants
+    from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK, BuildFailure, built_library
+    from accelgen_cpu.native_kernels import native_kernels
 
     with _extensions_dir(_USUAL_EXTENSIONS_DIR):
         from accelgen_cpu.extension_lock import torch_extensions_root
 
         usual_root = Path(torch_extensions_root())
+        for variant in executable_variants():
+            try:
+                built_library(variant)
+            except BuildFailure:
+                pass  # the kernels' tests show it, with its reason
     run_folder = _run_folder(tmp_path_factory)
     folder = run_folder / "torch_extensions"
     with _one_process_at_a_time(run_folder / "torch_extensions.lock"):
         copied = folder.is_dir()
         folder.mkdir(exist_ok=True)
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
         if not copied and (usual_root / KERNELS_FOLDER).is_dir():
-            shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
-        native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
+            shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER,
+                            ignore=shutil.ignore_patterns(".building-*", LOCK))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    native_kernels()  # this processor's variant, loaded (or its warning) before the first test's output
     return folder
+
+
+KERNEL_VARIANTS = ("avx512", "avx2", "portable")
+
+
+def loaded_variant(variant: str):
+    """The CPU plugin's C++ kernels of ``variant`` (built by the session), loaded: their operators are
+    ``loaded_variant(variant).operators``; the test is skipped, naming the instructions, where this processor lacks
+    some that the variant needs."""
+    from accelgen_cpu.kernel_variants import missing_instructions
+    from accelgen_cpu.native_kernels import load_variant
+
+    missing = missing_instructions(variant)
+    if missing:
+        pytest.skip(f"this processor lacks {', '.join(sorted(missing))}, which the {variant} kernels need")
+    return load_variant(variant)
+
+
+@pytest.fixture(params=KERNEL_VARIANTS)
+def kernel_variant(request):
+    """Each variant of the CPU plugin's C++ kernels this processor executes, loaded (:func:`loaded_variant`)."""
+    return loaded_variant(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Run the test at 1 and 2 torch threads (the kernels split their work across threads), the session's count put
+    back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

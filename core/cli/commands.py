@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import signal
 import sys
 import warnings
@@ -38,6 +39,10 @@ from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far, wri
 if TYPE_CHECKING:
     from accelgen.plugin.manager import PluginManager
     from accelgen.session.request import Request
+
+
+#: The largest --json-schema file read: a schema of many kilobytes is large; a file of megabytes is not one.
+SCHEMA_MOST_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,22 +122,30 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
 
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
-        return devices_command(plugin_manager)
+        return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
     return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
 
 
-def devices_command(plugin_manager: PluginManager) -> int:
+def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
+    """List every accelerator, and under each available one what its plugin's own kernels are (``describe()``'s
+    ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first."""
     from accelgen.plugin.isolation import SKIP_VARIABLE
     from accelgen.plugin.registry import accelerator_registry
 
     registry = accelerator_registry(plugin_manager)
     for accelerator in registry.accelerators.values():
-        if accelerator.is_available():
+        available = accelerator.is_available()
+        if available and prepare:
+            for line in accelerator.prepare_machine():
+                print(f"{accelerator.name}: {line}", file=sys.stderr)
+        if available:
             status = f"available, {accelerator.device_count()} device(s)" + "".join(
                 f", --quantize {scheme}" for scheme in accelerator.quantization_schemes)
         else:
             status = f"unavailable: {accelerator.unavailable_reason()}"
         print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
+        if available and (kernels := accelerator.describe().get("kernels")):
+            print(f"{'':<8} {kernels}")
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
     for plugin in registry.skipped:
@@ -150,8 +163,12 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         from accelgen.jobs.completion_job import open_job
         from accelgen.jobs.dataset_rows import DatasetRequest
 
+        if arguments.schema_column and not arguments.dataset:
+            raise UsageError("--schema-column names a column of --dataset holding each row's schema: pass --dataset, "
+                             "or --json-schema FILE for the --prompt texts.")
         request = _request(arguments, plugin_manager, _replica_world(invocation),
-                           chat_template=_chat_template(arguments.chat_template_file))
+                           chat_template=_chat_template(arguments.chat_template_file),
+                           json_schema=_json_schema(arguments.json_schema_file))
         # before the output is opened: each rank of a replica holds a store of its share of the heads
         request.check_prefix_store(request.world.size if invocation.worker
                                    else max(1, (arguments.world_size or 1) // arguments.data_parallel))
@@ -162,6 +179,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
+        schema_column=arguments.schema_column,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
@@ -183,6 +201,19 @@ def _chat_template(path: str | None) -> str | None:
     from accelgen.jobs.chat_template import read_chat_template
 
     return read_chat_template(path)
+
+
+def _json_schema(path: str | None) -> object:
+    """The JSON Schema of the ``--json-schema`` file (a small regular file; checked further by the request), or None."""
+    if path is None:
+        return None
+    from accelgen.common.errors import user_errors
+    from accelgen.common.input_files import read_small_text_file
+
+    fix = "pass a UTF-8 file holding a JSON Schema, e.g. {\"type\": \"object\", \"properties\": {...}}"
+    text = read_small_text_file(path, "--json-schema", SCHEMA_MOST_BYTES, fix)
+    with user_errors(f"--json-schema {path!r} is not JSON", fix):
+        return json.loads(text)
 
 
 def _replica_world(invocation: Invocation) -> World:
@@ -239,7 +270,7 @@ def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         check_output_path(arguments.output, arguments.overwrite)
     # sized for the largest batch of the sweep: what --offload keeps room for on the device
     request = _request(arguments, plugin_manager, invocation.world, ignore_eos=True,
-                       batch_size=max(protocol.batch_sizes))
+                       batch_size=max(protocol.batch_sizes), json_schema=_json_schema(arguments.json_schema_file))
     return _here_or_launched(invocation, request, lambda: _measure(arguments, request, protocol))
 
 

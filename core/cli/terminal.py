@@ -109,7 +109,7 @@ def print_details(report: "RunReport") -> None:
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
-        + _prompt_figures(report.prompts),
+        + _prompt_figures(report.prompts) + _structure_figures(report.structure),
         file=sys.stderr,
     )
     if report.replicas:
@@ -133,6 +133,15 @@ def _prompt_figures(prompts) -> str:
     hits = f"{prompts.prefix_hits} prompt{'' if prompts.prefix_hits == 1 else 's'}"
     return said + (f", {prompts.reused:,} from the prefix store ({hits} found a beginning there; store "
                    f"{prompts.prefix_store_bytes / 2**20:,.0f} MiB)")
+
+
+def _structure_figures(structure) -> str:
+    """What the summary line says of rows held to a structure: how many, their grammars' compile time, and the
+    host's share of the decode time spent following their tokens."""
+    if structure is None:
+        return ""
+    share = "" if structure.mask_share is None else f", masks {100 * structure.mask_share:.1f}% of decode time"
+    return f"; {structure.rows} rows constrained (grammars compiled in {structure.compile_seconds:.3f} s{share})"
 
 
 def _held_back(replicas: list) -> str:
@@ -212,4 +221,6 @@ def bench_progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
         f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
         f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
         + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
+        + ("" if row.get("mask_share") is None else f", masks {100 * row['mask_share']:.1f}% of decode time "
+           f"({row['constrained_rows']} rows constrained, grammar compiled in {row['grammar_compile_seconds']:.3f} s)")
     )

@@ -84,13 +84,13 @@ class BadPrompt:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRequest:
-    """A prompt that brings its own settings (a line of an OpenAI batch file): ``prompt`` is a text, a
-    conversation, or a BadPrompt (a request that cannot be served: an error row); ``fields`` are what its
-    output line names it by (``custom_id``, ``url``), handed back with its completion."""
+    """A prompt that brings its own settings (a line of an OpenAI batch file, a dataset row with its own schema):
+    ``prompt`` is a text, a conversation, or a BadPrompt (a request that cannot be served: an error row); ``fields``
+    are what its output line names it by (``custom_id``, ``url``), handed back with its completion."""
 
     prompt: str | Conversation | BadPrompt
     settings: RowSettings
-    fields: dict
+    fields: dict | None  # None: the row's output line holds no request (a dataset row held to its own schema)
 
 
 def prompt_problem(text: object) -> str | None:

@@ -17,6 +17,9 @@ import torch
 from accelgen.common.prompts import PromptRequest
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
+from accelgen.generation.constraints import SlotConstraints
+from accelgen.generation.grammars import GrammarCompiler
+from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row, Scheduler
@@ -49,17 +52,21 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run)
+        markers = ThinkMarkers.of(self.tokenizer)
+        eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run, markers, eos_ids)
         forward = ModelForward(self.model, self.world, run.torch_dtype)
         self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
-        eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
             sampling=run.sampling, ending_tokens=decoding.ending_table(eos_ids, loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
-            per_row=run.rows_choose,
+            per_row=run.rows_choose, constrained=run.constrained,
         )
-        self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats)
+        self.constraints = SlotConstraints(GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos_ids),
+                                           run.batch_size, markers) if run.constrained else None
+        self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats,
+                                 self.constraints)
 
     def with_batch_size(self, batch_size: int) -> "Generator":
         """A generator of the same model for another batch size (its own caches and graphs)."""
@@ -139,7 +146,7 @@ class Generator:
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
-        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.prefill_pass_steps)
+        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.tuning.prefill_pass_steps)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
@@ -171,5 +178,8 @@ class Generator:
                 yield ready
         stats.timings.append(BatchTiming(stats.prefill_seconds - before[0], stats.decode_seconds - before[1],
                                          stats.decode_steps - before[2]))
+        if self.constraints is not None:
+            stats.constrained_rows = self.constraints.rows_started
+            stats.grammar_compile_seconds = self.constraints.compile_seconds
         if source_error is not None:
             raise source_error

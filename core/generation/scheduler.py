@@ -139,7 +139,7 @@ class Scheduler:
     def __init__(self, run: RunSettings, policy: str, context_limit: int | None, prefill_pass_steps: float = 0):
         """Rows of ``run`` (its batch size is the slot count; its settings each row's, but for a row's own) by
         ``policy``, for a model of ``context_limit`` positions (None: no limit), on a device where a prefill pass
-        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.prefill_pass_steps``)."""
+        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.tuning.prefill_pass_steps``)."""
         self.run, self.policy, self.slots, self.max_new_tokens = run, policy, run.batch_size, run.max_new_tokens
         #: the idle slot-steps free slots wait for before a pass starts rows in them (continuous batching)
         self.pass_slot_steps = prefill_pass_steps * run.batch_size if policy == "continuous" else 0

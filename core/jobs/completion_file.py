@@ -21,6 +21,7 @@ from typing import IO, Callable, Iterator, Sequence
 
 from accelgen.common.errors import AccelgenWarning, UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
+from accelgen.common.prompts import PromptRequest
 from accelgen.generation.text import OPTIONAL_FIELDS, Completion, SampleCompletion
 from accelgen.jobs.kept_samples import SAMPLES_SUFFIX, KeptSamples
 from accelgen.jobs.output_lock import OutputLock
@@ -110,7 +111,7 @@ class CompletionLines:
 
     @staticmethod
     def request_key(text: object) -> object:
-        return text
+        return text.prompt if isinstance(text, PromptRequest) else text  # a row held to its own schema: its prompt
 
 
 #: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``; the samples

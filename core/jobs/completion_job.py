@@ -107,6 +107,22 @@ class PromptFigures:
 
 
 @dataclasses.dataclass(frozen=True)
+class StructureFigures:
+    """Rows held to a structure (each sample a row; the job's), the seconds their grammars took to compile, and the
+    host's work of following their tokens (``mask_share``: over the decode steps' time; both this replica's)."""
+
+    rows: int
+    compile_seconds: float
+    mask_share: float | None
+
+    @classmethod
+    def of(cls, generator: Generator, replicas: list[ReplicaReport] | None) -> "StructureFigures | None":
+        stats = generator.stats
+        rows = sum(replica.constrained_rows for replica in replicas) if replicas else stats.constrained_rows
+        return cls(rows, stats.grammar_compile_seconds, stats.mask_share) if rows else None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunReport:
     """What a finished run did, for its summary: the same on every rank of a replica (figures of its ranks
     gathered); the job's rows and tokens, and each replica's, on the writer of a data-parallel job."""
@@ -133,6 +149,7 @@ class RunReport:
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
+    structure: StructureFigures | None = None  # what holding rows to structures cost (this replica's), when some were
     first_error: str | None = None  # which row was this run's first error row, and why (on the writer)
 
     @property
@@ -174,7 +191,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
-        first_error=first_error,
+        structure=StructureFigures.of(generator, replicas), first_error=first_error,
     )
 
 
@@ -200,10 +217,15 @@ def open_job(
             lines, open_dataset = _batch_lines(request, names), functools.partial(open_requests, model_names=names)
         else:
             open_dataset = open_rows
+        if dataset.schema_column is not None and request.run.structure is not None:
+            raise UsageError(f"--schema-column and {request.run.structure.flag} both say what a row's completion is held "
+                             f"to: pass one of them.")
         rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
         if served_model_names:  # written into every response: a resume must write the same
             source["served_model_names"] = list(served_model_names)
+        if dataset.schema_column is not None:
+            source["schema_column"] = dataset.schema_column
 
         def dataset_keys() -> Iterator[object]:  # the rows read again, where a resume compares them with the output's
             return map(lines.request_key, open_dataset(dataset).texts)
@@ -320,6 +342,8 @@ def complete(
     is_main = request.world.is_main
     if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
+    if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
     request = _slots_for_the_rows(request, job)
     request = request.capture_decided(_decode_steps_at_most(request, job))
     try:
@@ -445,7 +469,7 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits))
+                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

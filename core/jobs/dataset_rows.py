@@ -3,7 +3,9 @@
 A source is a Hub dataset id (with ``--dataset-config`` and ``--split``), a local JSON / JSONL / CSV /
 Parquet file or a folder of them, or a folder written by ``save_to_disk``. Rows come out in dataset
 order, one prompt (the chosen column) each: a text, or a conversation when the column holds lists of
-``{role, content}`` messages (or ShareGPT's ``{from, value}``).
+``{role, content}`` messages (or ShareGPT's ``{from, value}``). With a schema column, each row comes as a
+:class:`PromptRequest` holding its prompt and the JSON Schema its completion is held to (none where the column is
+null or empty).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import re
 from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
-from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, as_conversation, prompt_problem
+from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
+from accelgen.common.settings import RowSettings
+from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
+from accelgen.generation.grammars import structure_problem
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 from accelgen.jobs.json_lines import first_bad_json_line, lone_surrogate_rows
 
@@ -35,6 +40,7 @@ class DatasetRequest:
     limit: int | None = None  # the first N rows only
     streaming: bool = False  # read rows as they are needed instead of loading the split
     skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
+    schema_column: str | None = None  # the column holding each row's JSON Schema (--schema-column)
 
 
 @dataclasses.dataclass
@@ -47,6 +53,7 @@ class TextRows:
     revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
     conversational: bool = False  # the rows are conversations (some of them, in a batch file)
     rows_choose: bool = False  # the rows bring their own settings (``PromptRequest``: an OpenAI batch file's requests)
+    constrained: bool = False  # some rows bring their own structure (a schema column, a request's response_format)
 
 
 def open_rows(request: DatasetRequest) -> TextRows:
@@ -72,7 +79,8 @@ def open_rows(request: DatasetRequest) -> TextRows:
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations)
+    return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations,
+                    constrained=request.schema_column is not None)
 
 
 def _holds_conversations(dataset, request: DatasetRequest) -> bool:
@@ -93,9 +101,9 @@ ROWS_PER_READ = 1024
 
 def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
     """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
-    one); a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
-    --skip-bad-rows)."""
-    rows = dataset.select_columns([request.column])
+    one), held to the row's schema where a schema column is named; a row that cannot be read, or is no prompt, stops
+    with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
+    rows = dataset.select_columns([request.column] + ([request.schema_column] if request.schema_column else []))
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
     # in a column of mixed types, datasets drops a lone surrogate without a word: the file's own lines say where
@@ -106,20 +114,51 @@ def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool)
             batch = next(batches, None)
         if batch is None:
             return
-        for text in batch[request.column]:
+        schemas = batch[request.schema_column] if request.schema_column else [None] * len(batch[request.column])
+        for text, schema in zip(batch[request.column], schemas):
+            column = request.column
             if index in not_text:
                 text, problem = None, not_text[index]
             elif conversations:
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
-            if problem and request.skip_bad_rows:
-                text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
+            if not problem and request.schema_column:
+                text, problem = _with_schema(text, schema)
+                column = request.schema_column if problem else column
+            if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
+                text = BadPrompt(problem.split(": ")[0] if column == request.column
+                                 else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
             elif problem:
-                raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem}, "
+                raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem}, "
                                  f"{SKIP_BAD_ROWS} (rows count from 0, as the output's \"index\").")
             yield text
             index += 1
+
+
+def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
+    """``prompt`` held to ``schema`` (a row's value of the schema column: a JSON Schema object or its text; null or
+    empty: the row has none), or why the schema cannot be one, as a clause with its fix."""
+    if schema is None or (isinstance(schema, str) and not schema.strip()):
+        return prompt, None
+    try:
+        structure = schema_structure(_without_nulls(schema))
+    except ValueError as error:
+        return prompt, f"{error}: fix it, or empty it to leave the row unconstrained"
+    problem = structure_problem(structure)
+    if problem:
+        return prompt, f"{problem}: fix it, or empty it to leave the row unconstrained"
+    return PromptRequest(prompt, RowSettings(structure=structure), None), None
+
+
+def _without_nulls(value: object) -> object:
+    """A schema object read from a dataset without the keys whose value is null: a reader that gives a column of
+    objects one type of all their keys fills those an object lacks with null (give ``{"const": null}`` as text)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
@@ -263,6 +302,9 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         features = {name: None for name in first_row}
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
+    if request.schema_column is not None and request.schema_column not in features:
+        raise UsageError(f"--schema-column {request.schema_column!r} is not in the dataset; its columns: "
+                         f"{', '.join(features)}.")
     feature = features[request.column]
     if feature is None or type(feature).__name__ == "Json":  # known row by row
         return "mixed"

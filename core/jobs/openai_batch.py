@@ -3,7 +3,8 @@ for them (https://platform.openai.com/docs/guides/batch).
 
 A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
 (``body.messages``) or ``/v1/completions`` (``body.prompt``). Its sampling fields (``max_tokens`` or
-``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) become the row's own settings;
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) and its ``response_format``
+(``json_schema`` or ``json_object``: the structure its completion is held to) become the row's own settings;
 a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
 ``--do-sample``). ``body.model`` must name the run's model: its path or folder name, or one of the names
 ``--served-model-name`` gives it (vLLM's run-batch convention, for files written for another service); a request
@@ -12,8 +13,8 @@ neutral value, a value out of range, more tokens than the run's slots hold): as 
 request's problem is its own line's ``error``, never the batch's.
 
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
-body OpenAI's chat completion or completion object (``choices``, one per sample; ``usage``: prompt and completion
-token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
+body OpenAI's chat completion or completion object (``choices``, one per sample, a reasoning model's thinking in a
+chat message's ``reasoning_content``; ``usage``: prompt and completion token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
 the row's number, so a resumed run writes the same lines an uninterrupted one would (``created`` is when a line
 was written).
 """
@@ -29,7 +30,9 @@ from typing import Callable, Iterator
 from accelgen.common.errors import UsageError, user_errors
 from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
 from accelgen.common.settings import RowSettings
+from accelgen.common.structure import response_format_structure
 from accelgen.common.value_ranges import RANGES
+from accelgen.generation.grammars import structure_problem
 from accelgen.generation.text import Completion
 from accelgen.jobs.dataset_paths import check_local_path
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows
@@ -38,13 +41,12 @@ from accelgen.jobs.json_lines import first_bad_json_line
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 #: Body fields read as the row's settings, and the setting each one is.
 SETTING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "num_samples"}
+                  "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "num_samples", "response_format": "structure"}
 #: Body fields that do not change what is generated: taken and left alone.
 IGNORED_FIELDS = ("model", "messages", "prompt", "user", "metadata", "store", "service_tier")
 #: Body fields accelgen does not honour, accepted only at the value that means "off".
 NEUTRAL_VALUES = {"stream": (False,), "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "presence_penalty": (0,),
-                  "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False),
-                  "response_format": ({"type": "text"},)}
+                  "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False)}
 #: What accelgen's finish reasons are called in OpenAI's objects.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 #: Most samples one request may ask for (OpenAI's own limit).
@@ -72,18 +74,23 @@ def open_requests(dataset: DatasetRequest, model_names: "ServedNames") -> TextRo
     if dataset.column != DatasetRequest.column:
         raise UsageError(f"--column {dataset.column!r} does not apply to an OpenAI batch file (its prompts are each "
                          f"request's body.messages or body.prompt): drop --column.")
+    if dataset.schema_column is not None:
+        raise UsageError(f"--schema-column {dataset.schema_column!r} does not apply to an OpenAI batch file (a request "
+                         f"holds its own schema in body.response_format): drop --schema-column.")
     path = os.path.expanduser(dataset.source)
     check_local_path(dataset.source, path)
     bad_line = first_bad_json_line(path)
     if bad_line:
         raise UsageError(f"Batch file {dataset.source!r} {bad_line}.")
     _check_ids_apart(dataset.source, path)
-    total, chat = 0, False
+    total, chat, constrained = 0, False, False
     for _, data in _request_lines(path, dataset.limit):
         total += 1
         chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
+        body = data.get("body") if isinstance(data, dict) else None
+        constrained = constrained or (isinstance(body, dict) and body.get("response_format") not in (None, {"type": "text"}))
     rows = (request_row(data, model_names) for _, data in _request_lines(path, dataset.limit))
-    return TextRows(rows, total, conversational=chat, rows_choose=True)
+    return TextRows(rows, total, conversational=chat, rows_choose=True, constrained=constrained)
 
 
 def _check_ids_apart(source: str, path: str) -> None:
@@ -181,6 +188,11 @@ def _setting(name: str, value: object) -> object:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"seed must be a whole number (got {value!r})")
         return value % 2**64
+    if name == "response_format":
+        structure = response_format_structure(value)
+        if structure is not None and (problem := structure_problem(structure)):
+            raise ValueError(f"response_format's {structure.describe()} {problem}")
+        return structure
     if name == "temperature" and value == 0:
         return 0.0  # greedy
     setting = SETTING_FIELDS[name]
@@ -216,6 +228,14 @@ class ServedNames:
                 f"serve it with this model")
 
 
+def _message(sample: dict) -> dict:
+    """A chat choice's message: the answer, and a reasoning model's thinking apart (``reasoning_content``)."""
+    message = {"role": "assistant", "content": sample["completion"]}
+    if sample.get("reasoning") is not None:
+        message["reasoning_content"] = sample["reasoning"]
+    return message
+
+
 class BatchOutputLines:
     """OpenAI batch output lines for the completions of a batch file's requests, by ``model``."""
 
@@ -228,10 +248,10 @@ class BatchOutputLines:
         if completion.finish_reason == "error":
             return {**line, "response": None, "error": {"code": "invalid_request", "message": completion.error}}
         samples = completion.completions or [{"completion": completion.completion, "finish_reason": completion.finish_reason,
-                                              "completion_token_ids": completion.completion_token_ids}]
+                                              "completion_token_ids": completion.completion_token_ids,
+                                              "reasoning": completion.reasoning}]
         chat = request.get("url") == CHAT_URL
-        choices = [{"index": number, **({"message": {"role": "assistant", "content": sample["completion"]}} if chat
-                                         else {"text": sample["completion"]}),
+        choices = [{"index": number, **({"message": _message(sample)} if chat else {"text": sample["completion"]}),
                     "logprobs": None, "finish_reason": FINISH_REASONS[sample["finish_reason"]]}
                    for number, sample in enumerate(samples)]
         new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)

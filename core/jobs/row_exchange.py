@@ -63,6 +63,7 @@ class ReplicaReport:
     prefilled_tokens: int = 0  # that found a beginning there (accelgen.generation.stats.GenerationStats)
     reused_tokens: int = 0
     prefix_hits: int = 0
+    constrained_rows: int = 0  # rows it held to a structure
 
 
 class RowTaking:

@@ -45,7 +45,7 @@ def load_request(request: Request) -> Generator:
     host_bytes_before_loading = resident_bytes()
     restart_peak()
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory,
-                                accelerator.int8_quantizes_head)
+                                accelerator.tuning.int8_quantizes_head)
     model = accelerator.prepare_model(loaded.model, device, run, world)
     if run.quantize is not None:
         calibrate = calibration_pass(loaded.tokenizer, device, accelerator.mark_step)

@@ -26,7 +26,9 @@ from accelgen.common.settings import (
     SamplingSettings,
     World,
 )
+from accelgen.common.structure import Structure, job_structure
 from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.generation.grammars import structure_problem
 from accelgen.generation.prefix_store import BLOCK_TOKENS
 from accelgen.loading.model_source import ModelSource
 from accelgen.loading.offload import check_offload_world
@@ -52,7 +54,7 @@ class Request:
         one is kept."""
         if self.run.use_graphs is not None:
             return self
-        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after_steps
+        pays = decode_steps is not None and decode_steps >= self.accelerator.tuning.capture_pays_after_steps
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
 
     def check_prefix_store(self, ranks: int) -> None:
@@ -131,6 +133,11 @@ def run_settings(
     num_samples: int = RunSettings.num_samples,
     prefix_cache: str | int | None = RunSettings.prefix_cache,
     prefill_chunk: int = RunSettings.prefill_chunk,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
+    chat_template_kwargs: dict | None = ChatSettings.template_kwargs,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays
@@ -149,7 +156,10 @@ def run_settings(
     or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
     what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory. ``prefill_chunk``: prompt
     positions one prefill pass runs at most: a longer prompt is prefilled in passes, the running rows taking a decode
-    step between two (0: every prompt in one pass)."""
+    step between two (0: every prompt in one pass). Every completion may be held to one structure: ``json_schema`` (a
+    JSON Schema, as an object or its text), ``json_object`` (any JSON object), ``regex`` (a pattern the whole completion
+    matches) or ``choices`` (texts it must be one of). ``chat_template_kwargs``: more variables for the chat template
+    (``{"enable_thinking": False}``)."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -160,9 +170,9 @@ def run_settings(
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
     if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
-        if not accelerator.captures_by_default or offload is not None:
+        if not accelerator.tuning.captures_by_default or offload is not None:
             graphs = False
-        elif accelerator.capture_pays_after_steps:
+        elif accelerator.tuning.capture_pays_after_steps:
             graphs = None  # decided by Request.capture_decided
         else:
             graphs = True
@@ -178,7 +188,7 @@ def run_settings(
         offload=offload_settings(offload, max_device_memory, offload_folder),
         batching=batching,
         quantize=quantize,
-        chat=ChatSettings(chat, system_prompt, chat_template),
+        chat=ChatSettings(chat, system_prompt, chat_template, chat_template_kwargs),
         stop=tuple(stop),
         skip_bad_rows=skip_bad_rows,
         logprobs=logprobs,
@@ -186,6 +196,7 @@ def run_settings(
         prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
         else parse_memory_size(prefix_cache, "--prefix-cache"),
         prefill_chunk=prefill_chunk,
+        structure=checked_structure(json_schema, json_object, regex, choices),
     )
     _check(run)
     return run
@@ -222,6 +233,25 @@ def offload_settings(
     return OffloadSettings(mode, max_device_bytes, None if folder is None else os.fspath(folder))
 
 
+def checked_structure(json_schema: dict | str | None, json_object: bool, regex: str | None,
+                      choices: Sequence[str] | None) -> Structure | None:
+    """The structure every completion is held to, checked by the grammar engine; UsageError naming the flag."""
+    try:
+        choices = [choices] if isinstance(choices, str) else None if choices is None else list(choices)
+        structure = job_structure(json_schema, json_object, regex, choices)
+    except ValueError as error:
+        raise UsageError(f"{error}.") from None
+    if structure is not None and (problem := structure_problem(structure)):
+        raise UsageError(f"{structure.flag} {problem}: fix it, or drop {structure.flag}.")
+    return structure
+
+
+#: Names apply_chat_template takes itself, which a template variable may not be.
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 #: The settings a run takes, by name: :func:`run_settings`'s keywords.
 SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameters if name != "accelerator")
 
@@ -243,5 +273,12 @@ def _check(run: RunSettings) -> None:
     for text in run.stop:
         if not isinstance(text, str) or not text:
             raise UsageError(f"--stop {text!r} is not a text to stop at: give at least one character.")
+    kwargs = run.chat.template_kwargs
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise UsageError(f"--chat-template-kwargs must be a JSON object of template variables, e.g. "
+                         f"'{{\"enable_thinking\": false}}' (got {type(kwargs).__name__}).")
+    if kwargs and (taken := sorted(set(kwargs) & set(CHAT_TEMPLATE_ARGUMENTS))):
+        raise UsageError(f"--chat-template-kwargs names {', '.join(taken)}, which accelgen sets itself: give only the "
+                         f"template's own variables.")
     if run.chat.template is not None and not run.chat.template.strip():
         raise UsageError("--chat-template is empty: give a Jinja chat template, or drop it to use the tokenizer's.")

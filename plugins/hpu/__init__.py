@@ -31,7 +31,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan, RunSettings, World
-from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
 from accelgen_hpu import bridge, fp8
 
 #: Text of the bridge's error when device memory runs out (e.g. "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed
@@ -46,7 +46,7 @@ class HpuAccelerator(Accelerator):
     dist_backend = "hccl"
     supported_dtypes = ("bfloat16", "float32")
     default_dtype = "bfloat16"
-    captures_by_default = True  # HPU graphs remove the host's per-step graph building in lazy mode
+    tuning = Tuning(captures_by_default=True)  # HPU graphs remove the host's per-step graph building in lazy mode
     priority = 20  # above the CPU (0): with --device auto a machine with Gaudi cards uses them
     one_process_per_device = True
     quantization_schemes = ("fp8",)  # Gaudi2 and later, through Intel Neural Compressor (accelgen_hpu.fp8)
