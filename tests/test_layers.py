@@ -8,7 +8,7 @@ import pytest
 CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
 
 #: Each layer's height; a module may import its own package and lower ones only (siblings at one height
-#: do not import each other). The README's Layout section draws the same order.
+#: do not import each other). docs/layout.md draws the same order.
 LAYERS = {
     "common": 0, "plugin": 1, "model": 2, "parallel": 3, "quantization": 4, "loading": 5, "generation": 5,
     "session": 6, "jobs": 7, "bench": 7, "cli": 8,

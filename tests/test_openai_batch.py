@@ -283,7 +283,7 @@ def test_a_changed_request_file_is_not_resumed(chat_model, tmp_path, capsys):
 def test_a_killed_batch_resumes_to_the_uninterrupted_output(chat_model, tmp_path, cli_environment):
     """One slot (--batch-size 1): every request is computed in the same shapes in both runs, so the outputs are
     equal bit for bit. With more slots a row's logits can differ in the last bits with the rows it shares a step
-    with, which flips a draw where two tokens nearly tie (README, "Resume")."""
+    with, which flips a draw where two tokens nearly tie (docs/run.md, "Choosing tokens")."""
     requests = [request(number, CHAT if number % 2 else TEXT,
                         **({"n": 2, "temperature": 0.9} if number % 3 == 0 else {"max_tokens": 4 + number % 8}))
                 for number in range(60)]

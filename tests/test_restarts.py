@@ -69,7 +69,7 @@ def restart_lines(stderr: str) -> list[str]:
 def test_a_killed_rank_restarts_the_job_which_writes_the_uninterrupted_file(tiny_model_folder, tmp_path,
                                                                              job_environment, parallel, options, prompts):
     """Sampled rows run one slot each: a row's logits depend in their last bits on the rows it shares a step with
-    (README, Resume), which a restart changes. With --overwrite, the first start replaces the file and the restarted
+    (docs/run.md, "Choosing tokens"), which a restart changes. With --overwrite, the first start replaces the file and the restarted
     workers resume it."""
     pytest.importorskip("deepspeed")
     command = command_of(tiny_model_folder("bloom"), dataset_of(tmp_path, prompts), *parallel, *options)

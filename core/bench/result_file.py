@@ -1,5 +1,5 @@
 """The file ``accelgen bench`` writes: JSON, schema ``accelgen-bench`` version :data:`SCHEMA_VERSION` (the
-layout is documented in README.md, "Result files"), with the environment it was measured in. Written whole or
+layout is documented in docs/bench.md, "Result files"), with the environment it was measured in. Written whole or
 not at all, after each batch size of a sweep (an abort later keeps the sizes measured before it); a write
 that fails prints the document instead, so a measurement is never lost. ``accelgen compare`` reads any
 number of them."""

@@ -19,9 +19,10 @@ import torch
 
 #: What to install, named once for every message that needs it.
 INSTALL_HINT = (
-    "install Habana's PyTorch bridge habana_frameworks.torch with Habana's installer (SynapseAI / Intel Gaudi "
-    'software), then pip install "accelgen[hpu]", and for --world-size > 1 Habana\'s DeepSpeed fork '
-    "(pip install git+https://github.com/HabanaAI/DeepSpeed.git@1.21.0)"
+    "install Intel Gaudi software with Habana's installer (its PyTorch and Habana's PyTorch bridge "
+    "habana_frameworks.torch) and keep its torch when installing accelgen, and for --world-size > 1 Habana's "
+    "DeepSpeed fork at your Gaudi software's release tag (pip install git+https://github.com/HabanaAI/DeepSpeed.git@1.21.0 "
+    "for 1.21)"
 )
 
 #: Peak figures per Gaudi generation, from Intel's own table (Hot Chips 2024, "Intel Gaudi 3 AI Accelerator:
