@@ -353,7 +353,7 @@ def complete(
         samples_per_row = 1 if request.run.rows_choose else request.run.num_samples  # a batch file's rows choose theirs
         progress = (Progress(job.rows.total, job.done, samples_per_row=samples_per_row,
                              samples_done=job.done * samples_per_row + job.samples_kept) if show_progress and is_main else None)
-        if progress and request.run.use_graphs and request.accelerator.capture_pays_after_steps:
+        if progress and request.run.use_graphs and request.accelerator.tuning.capture_pays_after_steps:
             progress.announce("compiling the decode step before the first rows (seconds to minutes the first time, "
                               "less once the compiler's cache holds it)")
         number = job.done // request.run.batch_size + 1
