@@ -232,10 +232,11 @@ class CompletionFile:
         replaces them). Where the record cannot be written (a full disk), one warning: the rows are kept."""
         if not os.path.isfile(self.run_file):
             return  # no row written, no record
-        self.run_record = {**self.run_record, LAST_RUN_FIELD: figures}
         try:
-            replace_whole(self.run_file, self._write_run_record)
-        except OSError as error:
+            with open(self.run_file, encoding="utf-8") as run_file:
+                record = json.load(run_file)  # as the output was started: a resumed run changes nothing else in it
+            replace_whole(self.run_file, lambda path: _write_json(path, {**record, LAST_RUN_FIELD: figures}))
+        except (OSError, ValueError) as error:
             warnings.warn(AccelgenWarning(f"the run's figures were not added to {self.run_file!r} ({reason(error)}); "
                                           f"its rows are kept in {self.path!r}"), stacklevel=2)
 
@@ -260,8 +261,7 @@ class CompletionFile:
         return open(self.path, "ab", buffering=0)
 
     def _write_run_record(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as run_file:
-            json.dump(self.run_record, run_file, indent=1)
+        _write_json(path, self.run_record)
 
     def _read_line(self, line: bytes, index: int) -> tuple[object, str | None]:
         """``line`` parsed, and why it is not the line of row ``index`` written by ``accelgen run`` (or None)."""
@@ -282,6 +282,11 @@ class CompletionFile:
             self._lock.release()
 
 
+
+
+def _write_json(path: str, record: dict) -> None:
+    with open(path, "w", encoding="utf-8") as run_file:
+        json.dump(record, run_file, indent=1)
 
 
 def _write_all(file: IO[bytes], data: bytes) -> None:
