@@ -43,6 +43,8 @@ class GenerationStats:
     longest_decode_gap: float = 0.0
     longest_prefill_pass: float = 0.0
     longest_wait_positions: int = 0  # the most prompt positions prefilled while running rows waited for a decode step
+    adapter_loads: int = 0  # LoRA adapters copied into a buffer slot as their rows arrived
+    adapter_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows given out per adapter ("" : the base)
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
 
     @property

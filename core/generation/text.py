@@ -19,7 +19,7 @@ from accelgen.common.settings import RunSettings
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
-OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request")
+OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "adapter")
 
 
 @dataclasses.dataclass
@@ -39,6 +39,7 @@ class Completion:
     logprobs: list[float] | None = None  # each new token's log-probability under the model, with --logprobs
     completions: list[dict] | None = None  # with --num-samples N > 1: every sample's own fields (the row's are the first's)
     request: dict | None = None  # a prompt request's fields (an OpenAI batch line's custom_id and url)
+    adapter: str | None = None  # the LoRA adapter it was completed with, by name (None: the base model)
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
@@ -192,6 +193,7 @@ class PromptCodec:
             messages=None if conversation is None else conversation.answered(text),
             logprobs=None if row.logprobs is None else row.logprobs[: len(new_token_ids)],
             request=request,
+            adapter=row.settings.adapter,
         )
 
 

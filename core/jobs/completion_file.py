@@ -20,6 +20,7 @@ from typing import IO, Callable, Iterator, Sequence
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
+from accelgen.common.prompts import PromptRequest
 from accelgen.generation.text import OPTIONAL_FIELDS, Completion
 from accelgen.jobs.output_lock import OutputLock
 from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
@@ -78,7 +79,7 @@ class CompletionLines:
 
     @staticmethod
     def request_key(text: object) -> object:
-        return text
+        return text.prompt if isinstance(text, PromptRequest) else text  # a row with its adapter (--lora-column)
 
 
 #: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``): never an

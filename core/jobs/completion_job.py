@@ -159,7 +159,7 @@ def open_job(
             check_not_dataset(output, dataset.source)
         batch = is_batch_file(dataset.source)
         if batch:
-            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=_model_names(request))
+            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=request.model.names, adapter_names=request.run.lora.names)
         else:
             open_dataset = open_rows
         rows = open_dataset(dataset)
@@ -185,18 +185,12 @@ def open_job(
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
 
 
-def _model_names(request: Request) -> tuple[str, ...]:
-    """What a batch request's ``model`` may say to be served by this run: the model as named, or its last part."""
-    name = request.model.name or BUILT_IN_NAME
-    return (name, os.path.basename(os.path.normpath(name)))
-
-
 def _batch_lines(request: Request) -> BatchOutputLines:
     """The output lines of a batch file's run (refusing what they cannot hold)."""
     if request.run.logprobs:
         raise UsageError("--logprobs is not written into OpenAI batch output lines: drop --logprobs for a batch file, "
                          "or complete a text or messages column to have them.")
-    return BatchOutputLines(_model_names(request)[0])
+    return BatchOutputLines(request.model.names[0])
 
 
 def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
@@ -238,7 +232,7 @@ def chat_template_hash(request: Request) -> str:
 def run_record(request: Request, source: dict) -> dict:
     """What decides an output file's rows, written beside it: a resumed run must match it."""
     return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
-                **request.run.output_deciding())
+                **request.run.output_deciding(), **request.adapters.record())
 
 
 def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:

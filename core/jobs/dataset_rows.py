@@ -17,7 +17,8 @@ import re
 from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
-from accelgen.common.prompts import BadPrompt, Conversation, as_conversation, prompt_problem
+from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
+from accelgen.common.settings import AdapterSettings, RowSettings
 from accelgen.common.value_ranges import check_settings
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
 
@@ -35,6 +36,8 @@ class DatasetRequest:
     limit: int | None = None  # the first N rows only
     streaming: bool = False  # read rows as they are needed instead of loading the split
     skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
+    adapter_column: str | None = None  # the column naming each row's LoRA adapter (--lora-column; empty: the base model)
+    adapters: AdapterSettings = AdapterSettings()  # the adapters such a column may name
 
 
 @dataclasses.dataclass
@@ -61,6 +64,8 @@ def open_rows(request: DatasetRequest) -> TextRows:
     logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     dataset, revision = _load_split(request)
     kind = _check_column(dataset, request)
+    if request.adapter_column is not None:
+        _check_column(dataset, request, adapters=True)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
     if not request.streaming:
@@ -81,7 +86,7 @@ ROWS_PER_READ = 1024
 def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Conversation | BadPrompt]:
     """The column's prompts in dataset order (``kind``: see :func:`_check_column`); a row that cannot be read, or is
     no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
-    rows = dataset.select_columns([request.column])
+    rows = dataset.select_columns(list(dict.fromkeys([request.column, request.adapter_column or request.column])))
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
     index = 0
@@ -90,18 +95,33 @@ def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Co
             batch = next(batches, None)
         if batch is None:
             return
-        for text in batch[request.column]:
+        adapters = batch[request.adapter_column] if request.adapter_column else [None] * len(batch[request.column])
+        for text, adapter in zip(batch[request.column], adapters):
             if kind == "conversation" or (kind == "mixed" and isinstance(text, list)):
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
+            column = request.column
+            if not problem and request.adapter_column is not None:
+                adapter, problem = _adapter_of_row(adapter, request)
+                column = request.adapter_column
             if problem and request.skip_bad_rows:
                 text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
             elif problem:
-                raise UsageError(f"Dataset {request.source!r} row {index}, column {request.column!r}, {problem} "
+                raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem} "
                                  f"(rows count from 0, as the output's \"index\").")
-            yield text
+            yield text if adapter is None or problem else PromptRequest(text, RowSettings(adapter=adapter), None)
             index += 1
+
+
+def _adapter_of_row(value: object, request: DatasetRequest) -> tuple[str | None, str | None]:
+    """The LoRA adapter a row names in its ``--lora-column`` value (None: the base model, for an empty value), and what
+    is wrong with the name, as a clause with its fix (None when this run serves it)."""
+    if value is None or value == "":
+        return None, None
+    if not isinstance(value, str):
+        return None, f"holds {type(value).__name__}, not an adapter's name: write one, or leave it empty for the base model"
+    return value, request.adapters.problem(value)
 
 
 def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
@@ -236,9 +256,10 @@ def _saved_split(saved, request: DatasetRequest):
     return saved.to_iterable_dataset() if request.streaming else saved
 
 
-def _check_column(dataset, request: DatasetRequest) -> str:
+def _check_column(dataset, request: DatasetRequest, adapters: bool = False) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
-    "mixed" (values of several types, each row read as what it is)."""
+    "mixed" (values of several types, each row read as what it is); with ``adapters``, the --lora-column, which must
+    hold text (adapters' names)."""
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
@@ -247,11 +268,18 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         if first_row is None:
             raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
         features = {name: None for name in first_row}
-    if request.column not in features:
-        raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
-    feature = features[request.column]
+    column = request.adapter_column if adapters else request.column
+    if column not in features:
+        option = " (--lora-column)" if adapters else ""
+        raise UsageError(f"Column {column!r}{option} is not in the dataset; its columns: {', '.join(features)}.")
+    feature = features[column]
     if feature is None or type(feature).__name__ == "Json":  # known row by row
         return "mixed"
+    if adapters:
+        if getattr(feature, "dtype", None) not in (*TEXT_TYPES, "null"):
+            raise UsageError(f"Column {column!r} (--lora-column) holds {getattr(feature, 'dtype', type(feature).__name__)}, "
+                             f"not the names of LoRA adapters: pass the column that names them.")
+        return "text"
     if _is_conversation(feature):
         return "conversation"
     if getattr(feature, "dtype", None) not in TEXT_TYPES:
