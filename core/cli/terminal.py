@@ -75,7 +75,7 @@ def print_summary(report: "RunReport") -> None:
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
-        + _prompt_figures(report.prompts),
+        + _prompt_figures(report.prompts) + ("" if report.adapters is None else f"; {report.adapters.describe()}"),
         file=sys.stderr,
     )
     if report.replicas:
@@ -181,4 +181,6 @@ def bench_progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
         f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
         f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
         + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
+        + ("" if not row.get("lora_rows") else "; LoRA rows " + ", ".join(
+            f"{name} {count}" for name, count in row["lora_rows"].items()) + f", {row['lora_loads']} loads")
     )

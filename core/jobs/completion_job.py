@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import Callable, Iterator, Sequence
 
+from accelgen.adapters.figures import AdapterFigures
 from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
@@ -108,6 +109,7 @@ class RunReport:
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
+    adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
 
     @property
     def rows_per_second(self) -> float:
@@ -143,6 +145,8 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
+        adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
+                                   else 0, replicas or [stats]),
     )
 
 
@@ -351,7 +355,7 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits))
+                                     stats.reused_tokens, stats.prefix_hits, stats.adapter_loads, stats.adapter_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()
