@@ -34,6 +34,8 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 SAVED_PREFIX = "base_model.model."
 #: The two tensors of an adapted linear layer, by the suffix of their names.
 MATRICES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+#: The names of an embedding's LoRA matrices end so.
+EMBEDDING_MATRIX = re.compile(r"\.lora_embedding_[AB](\.weight)?$")
 #: Config fields that change what an adapted layer computes (or adapt something other than linear layers): a value other
 #: than off refuses the adapter, naming the field.
 UNSUPPORTED_FIELDS = {
@@ -106,7 +108,7 @@ class AdapterFiles:
         path = os.path.join(self.folder, CONFIG_FILE)
         if not os.path.isfile(path):
             raise self.refuse(f"folder {self.folder!r} has no {CONFIG_FILE}", "pass a folder written by PEFT's save_pretrained")
-        with user_errors(f"{self.described}: {CONFIG_FILE} cannot be read", "save the adapter again with PEFT"):
+        with user_errors(f"{self.described}: the adapter's {CONFIG_FILE} cannot be read", "save the adapter again with PEFT"):
             with open(path, encoding="utf-8") as config_file:
                 config = json.load(config_file)
         if not isinstance(config, dict):
@@ -140,15 +142,18 @@ class AdapterFiles:
             problem = reason(error)
         if problem:
             raise self.refuse(f"weights are damaged ({problem})", "download or save the adapter again")
+        tensors = [tensor for tensor in header if tensor != "__metadata__"]
+        embedding = next((tensor for tensor in tensors if EMBEDDING_MATRIX.search(tensor)), None)
+        if embedding is not None:
+            module = EMBEDDING_MATRIX.sub("", embedding.removeprefix(SAVED_PREFIX))
+            raise self.refuse(f"adapts {module!r}, an embedding", "accelgen adapts linear layers only")
         shapes: dict[str, dict[str, list[int]]] = {}
-        for tensor, entry in header.items():
-            if tensor == "__metadata__":
-                continue
+        for tensor in tensors:
             module, matrix = _module_and_matrix(tensor)
             if matrix is None:
-                raise self.refuse(f"holds {tensor!r}, which is not a LoRA matrix of a linear layer (an embedding's, a "
-                                  f"variant's, a bias or a whole module)", "accelgen runs plain LoRA on linear layers")
-            shapes.setdefault(module, {})[matrix] = entry["shape"]
+                raise self.refuse(f"holds {tensor!r}, which is not a LoRA matrix of a linear layer (a variant's, a bias "
+                                  f"or a whole module)", "accelgen runs plain LoRA on linear layers")
+            shapes.setdefault(module, {})[matrix] = header[tensor]["shape"]
         if not shapes:
             raise self.refuse("holds no LoRA matrices", "save the adapter again with PEFT")
         return {module: self._layer(module, pair) for module, pair in sorted(shapes.items())}
@@ -169,7 +174,7 @@ def _adapter_folder(described: str, source: str, world: World) -> str:
     if looks_local(source):
         folder = os.path.expanduser(source)
         if not os.path.isdir(folder):
-            raise UsageError(f"{described}: folder {folder!r} does not exist: pass a folder holding {CONFIG_FILE} and "
+            raise UsageError(f"{described}: the adapter folder {folder!r} does not exist: pass a folder holding {CONFIG_FILE} and "
                              f"{WEIGHTS_FILE} (PEFT's save_pretrained), or a Hub id.")
         return folder
     return checkpoint_folder(source, world, what="LoRA adapter")
