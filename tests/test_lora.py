@@ -151,7 +151,7 @@ def test_the_buffers_hold_max_loras_adapters_at_the_max_lora_rank(adapters_of):
                               max_loras=2, max_lora_rank=16)
     layer = generator.model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(layer, LoraLinear) and tuple(layer.lora_a.shape) == (2 * 16, 128)
-    assert tuple(layer.lora_b.shape) == (2 * 16, 64)
+    assert tuple(layer.lora_b.shape) == (64, 2 * 16)
     assert generator.loaded.adapters.buffer_bytes == sum(
         (module.lora_a.numel() + module.lora_b.numel()) * 4 for module in generator.model.modules()
         if isinstance(module, LoraLinear))

@@ -1,13 +1,16 @@
 """A linear layer with the LoRA adapters of fixed-size device buffers added, each token computed with its own adapter,
 in shapes that never depend on which adapters the tokens chose: a captured step serves every mix.
 
-The buffers of one layer stack ``slots`` adapters of rank up to ``rank`` as C = slots x rank columns: ``lora_a``
-[C, in] holds adapter s's A in rows (s - 1) x rank to s x rank (its rank r first, zeros after), ``lora_b`` [C, out]
-its B transposed, times its scaling. Buffer slot 0 is the base model's: no columns. A forward pass computes every
-column, keeps each token's own adapter's (a mask, [M, C] over the pass's M tokens, 1 in its adapter's columns) and
-multiplies back:
+The buffers of one layer stack ``slots`` adapters of rank up to ``rank`` as C = slots x rank columns, both stored as
+a linear layer's weight [out, in]: ``lora_a`` [C, in] holds adapter s's A in rows (s - 1) x rank to s x rank (its rank
+r first, zeros after), ``lora_b`` [out, C] its B (times its scaling) in those columns. Buffer slot 0 is the base
+model's: no columns. A forward pass computes every column, keeps each token's own adapter's (a mask, [M, C] over the
+pass's M tokens, 1 in its adapter's columns) and multiplies back:
 
-    y = base(x) + ((x @ lora_a^T) * mask) @ lora_b
+    y = base(x) + ((x @ lora_a^T) * mask) @ lora_b^T
+
+Each product is the device's own over its layout of the buffer where it has one (``Accelerator.linear_layout``: a few
+rows times a small weight is where a general product does worst), else torch's.
 
 so a token of the base model (slot 0) adds exact zeros. This is how vLLM's Gaudi backend computes mixed batches of
 adapters (a mask over stacked adapters, no gather); punica and S-LoRA gather each token's own matrices instead, which
@@ -25,6 +28,8 @@ import dataclasses
 from typing import Callable
 
 import torch
+
+from accelgen.plugin.contract import LinearLayout
 
 
 class AdapterRows:
@@ -58,40 +63,49 @@ class LoraLinear(torch.nn.Module):
     partial outputs are summed over ranks (the low-rank output joins them before the sum)."""
 
     def __init__(self, base: torch.nn.Module, rows: AdapterRows, in_features: int, out_features: int,
-                 device: torch.device, row_parallel: RowParallelParts | None = None):
+                 device: torch.device, row_parallel: RowParallelParts | None = None,
+                 lay_out: Callable[[torch.Tensor], LinearLayout | None] = lambda weight: None):
         super().__init__()
         self.base, self.rows, self.row_parallel = base, rows, row_parallel
         columns = rows.slots * rows.rank
         self.register_buffer("lora_a", torch.zeros(columns, in_features, dtype=rows.dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(columns, out_features, dtype=rows.dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(out_features, columns, dtype=rows.dtype, device=device), persistent=False)
+        self.layouts = (lay_out(self.lora_a), lay_out(self.lora_b))  # the device's, or None: torch's products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = self.rows.mask
         if self.row_parallel is None:
             output = self.base(x)
-            return output if mask is None else output + self._low_rank(x, mask).view(output.shape)
+            return output if mask is None else self._with_low_rank(output, x, mask)
         output = self.row_parallel.partial(x)
         if mask is not None:
-            output = output + self._low_rank(x, mask).view(output.shape)
+            output = self._with_low_rank(output, x, mask)
         self.row_parallel.all_reduce(output)
         return output if self.row_parallel.bias is None else output + self.row_parallel.bias
 
-    def _low_rank(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Each token's own adapter's output [M, out] for x [..., in] (M tokens)."""
-        tokens = x.reshape(-1, x.shape[-1])
-        return ((tokens @ self.lora_a.t()) * mask) @ self.lora_b
+    def _with_low_rank(self, output: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``output`` [..., out] plus each token's own adapter's output for x [..., in] (M tokens, mask [M, C])."""
+        tokens, outputs = x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1])
+        layout_a, layout_b = self.layouts
+        low_rank = (torch.mm(tokens, self.lora_a.t()) if layout_a is None else layout_a.product(tokens)).mul_(mask)
+        if layout_b is None:
+            return torch.addmm(outputs, low_rank, self.lora_b.t()).view(output.shape)
+        return (outputs + layout_b.product(low_rank)).view(output.shape)
 
     def write_slot(self, slot: int, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
         """Put an adapter in buffer slot ``slot`` (1 and up): a [r, in] and b [out, r] (this rank's parts, its scaling in
         b), or zeros (an adapter that leaves this layer alone)."""
         block = slice((slot - 1) * self.rows.rank, slot * self.rows.rank)
         self.lora_a[block].zero_()
-        self.lora_b[block].zero_()
+        self.lora_b[:, block].zero_()
         if a is not None:
             rank = a.shape[0]
             self.lora_a[block][:rank].copy_(a)
-            self.lora_b[block][:rank].copy_(b.t())
+            self.lora_b[:, block][:, :rank].copy_(b)
+        for layout in self.layouts:
+            if layout is not None:
+                layout.refresh()
 
     def extra_repr(self) -> str:
         return (f"slots={self.rows.slots}, rank={self.rows.rank}, in_features={self.lora_a.shape[1]}, "
-                f"out_features={self.lora_b.shape[1]}")
+                f"out_features={self.lora_b.shape[0]}")

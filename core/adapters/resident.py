@@ -9,6 +9,8 @@ are (``accelgen.loading.weight_loading.rank_part``: blocks in rank order, their 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from accelgen.adapters.adapter_files import AdapterFiles
@@ -19,15 +21,17 @@ from accelgen.loading.weight_loading import rank_part
 from accelgen.loading.weight_sources import TensorPart
 from accelgen.parallel.deepspeed_adapter import row_parallel_partial, row_parallel_sum, split_linear_kind
 from accelgen.parallel.process_groups import gather_from_ranks
+from accelgen.plugin.contract import LinearLayout
 from accelgen.quantization.int8_layer import Int8Linear
 
 
 class ResidentAdapters:
     """The named adapters of ``adapters`` over ``model`` (loaded, prepared and quantized: its layers are replaced
-    now), in buffers of ``run.lora.max_loras`` slots; :class:`accelgen.model.loaded_model.AdapterBuffers`."""
+    now), in buffers of ``run.lora.max_loras`` slots laid out by ``lay_out`` (``Accelerator.linear_layout``);
+    :class:`accelgen.model.loaded_model.AdapterBuffers`."""
 
     def __init__(self, model: torch.nn.Module, adapters: AdapterSet, run: RunSettings, world: World,
-                 device: torch.device):
+                 device: torch.device, lay_out: Callable[[torch.Tensor], LinearLayout | None] = lambda weight: None):
         self.adapters = adapters.named
         self.slots = run.lora.max_loras
         self.rows = AdapterRows(self.slots, adapters.rank, run.torch_dtype, device)
@@ -42,7 +46,7 @@ class ResidentAdapters:
             outputs = rank_part(module, (out_features,), [(shapes[module][1],) for shapes in by_rank], world.rank)
             base = model.get_submodule(module)
             self.parts[module] = (inputs, outputs)
-            self.layers[module] = LoraLinear(base, self.rows, *local[module], device, _row_parallel_parts(base))
+            self.layers[module] = LoraLinear(base, self.rows, *local[module], device, _row_parallel_parts(base), lay_out)
             model.set_submodule(module, self.layers[module])
 
     @property

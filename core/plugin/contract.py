@@ -20,7 +20,7 @@ installed plugin that is not built in).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import pluggy
 
@@ -44,6 +44,16 @@ def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) ->
     the same ``name``, the one registered later with the plugin manager wins (third-party plugins load
     after the built-ins, so an installed plugin can replace a built-in accelerator).
     """
+
+
+class LinearLayout(Protocol):
+    """A weight [out, in] that the core writes itself, and may write again, laid out for a device's own product."""
+
+    def product(self, x: "torch.Tensor") -> "torch.Tensor":
+        """x [M, in] times the weight as last laid out: x @ weight^T [M, out] (in captured steps too)."""
+
+    def refresh(self) -> None:
+        """The core wrote the weight: lay it out again, in place (captured steps keep the addresses they read)."""
 
 
 class Accelerator(abc.ABC):
@@ -183,6 +193,13 @@ class Accelerator(abc.ABC):
         ``is_out_of_memory`` recognises is reported as running out of memory instead.
         Default: the step itself (no graphs)."""
         return step
+
+    def linear_layout(self, weight: "torch.Tensor") -> LinearLayout | None:
+        """A layout of ``weight`` [out, in], a product's weight that the core keeps and may write again (the stacked
+        LoRA adapters of ``accelgen.adapters.lora_layer``, written when an adapter takes a buffer slot), for a product
+        of this device's own that is faster than torch's over the weight as stored; called once per weight, on this
+        device, after ``prepare_model``. Default: None (torch's product)."""
+        return None
 
     def mark_step(self) -> None:
         """Called after each forward pass the core issues (the prefill, then every decode step, captured

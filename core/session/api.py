@@ -54,7 +54,8 @@ def load_request(request: Request) -> Generator:
         calibrate = calibration_pass(loaded.tokenizer, device, accelerator.mark_step)
         model = accelerator.quantize(model, run.quantize, run, calibrate)
     # named adapters over the layers as the device runs them (split, laid out, int8)
-    adapters = ResidentAdapters(model, request.adapters, run, world, device) if request.adapters.named else None
+    adapters = (ResidentAdapters(model, request.adapters, run, world, device, accelerator.linear_layout)
+                if request.adapters.named else None)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,

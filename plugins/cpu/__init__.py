@@ -18,9 +18,9 @@ from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, hookimpl
 from accelgen_cpu.extension_lock import check_extension_build_lock
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
-from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.native_kernels import native_kernels, native_operator_built
 from accelgen_cpu.norms import use_fused_norms
-from accelgen_cpu.packed_linear import pack_linear_layers
+from accelgen_cpu.packed_linear import FloatPanels, pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
@@ -76,6 +76,13 @@ class CpuAccelerator(Accelerator):
         if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
             pack_linear_layers(model, run.batch_size)
         return model
+
+    def linear_layout(self, weight: torch.Tensor) -> FloatPanels | None:
+        # a few rows times a small weight (an adapter's): the panels kernel is several times torch's product here
+        # (RESULTS.md, "LoRA adapters")
+        if weight.dtype == torch.float32 and native_operator_built("float_panels_linear"):
+            return FloatPanels(weight)
+        return None
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
         return launch_environment(plan.processes_per_node)
