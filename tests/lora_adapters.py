@@ -20,6 +20,7 @@ TARGETS = {
     "bloom": (["query_key_value", "dense"], ["dense_h_to_4h", "dense_4h_to_h"]),
     "gpt2": (["c_attn", "c_proj"], ["c_fc", "c_proj"]),
     "opt": (["q_proj", "k_proj", "v_proj", "out_proj"], ["fc1", "fc2"]),
+    "falcon": (["query_key_value", "dense"], ["dense_h_to_4h", "dense_4h_to_h"]),
 }
 
 
@@ -52,9 +53,10 @@ def build_adapters(model_folder: Path, root: Path, architecture: str) -> dict[st
             for seed, (name, config) in enumerate(lora_configs(architecture).items())}
 
 
-def peft_completions(model_folder: Path, adapters: dict[str, Path], prompts: list[str], names: list[str | None],
-                     max_new_tokens: int, merged: bool = False) -> list[list[int]]:
-    """PEFT's greedy tokens for each prompt alone with its adapter (None: the base model), cut after EOS; ``merged``:
+def peft_completions(model_folder: Path, adapters: dict[str, Path], prompts: list[str | list[int]],
+                     names: list[str | None], max_new_tokens: int, merged: bool = False) -> list[list[int]]:
+    """PEFT's greedy tokens for each prompt (a text, or token ids) alone with its adapter (None: the base model), cut
+    after EOS; ``merged``:
     with the model of ``merge_and_unload()`` of each prompt's adapter."""
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
     base = AutoModelForCausalLM.from_pretrained(model_folder)  # float32, as saved
@@ -79,10 +81,14 @@ def peft_completions(model_folder: Path, adapters: dict[str, Path], prompts: lis
     return completions
 
 
-def _greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False)
+def _greedy(model, tokenizer, prompt: str | list[int], max_new_tokens: int) -> list[int]:
+    """The new tokens of ``prompt`` (a text, or token ids), cut after EOS."""
+    if isinstance(prompt, str):
+        inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False)
+    else:
+        inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                 pad_token_id=tokenizer.pad_token_id)
-    row = output[0, inputs.input_ids.shape[1]:].tolist()
+    row = output[0, inputs["input_ids"].shape[1]:].tolist()
     return row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row

@@ -51,6 +51,16 @@ def test_each_row_is_peft_with_its_adapter_in_batches_that_mix_them(adapters_of,
     assert generator.stats.adapter_loads == 3  # each copied in once: three buffer slots
 
 
+@pytest.mark.parametrize("architecture", ["opt", "falcon"])
+def test_the_other_families_rows_are_peft_with_their_adapters_too(adapters_of, architecture):
+    """OPT's decoder layers flatten their rows before the MLP; Falcon's fused projection is a Linear of its own."""
+    folder, adapters = adapters_of(architecture)
+    expected = peft_completions(folder, adapters, MIXED_PROMPTS, MIXED_NAMES, MAX_NEW_TOKENS)
+    generator = accelgen.load(folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS, batch_size=4, graphs=False,
+                              lora=named(adapters))
+    assert completions(generator, MIXED_PROMPTS, MIXED_NAMES) == expected
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_more_adapters_than_buffer_slots_are_copied_in_as_their_rows_come(adapters_of, architecture):
     folder, adapters = adapters_of(architecture)

@@ -15,6 +15,7 @@ from killed_runs import kill_after_rows
 from lora_adapters import build_adapters, lora_configs, peft_completions, save_adapter
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
+from test_conversations import CONVERSATIONS, TEMPLATE, template_ids
 from tiny_models import build_model, tiny_configs
 from transformers import AutoTokenizer
 
@@ -64,6 +65,23 @@ def test_a_dataset_column_chooses_each_rows_adapter(llama_adapters, dataset, tmp
     assert "LoRA: 3 adapters in 3 buffer slots" in summary and "3 loads; rows: base 2, a0 2, a1 2, a2 1" in summary
     record = json.loads((tmp_path / "out.jsonl.run.json").read_text())
     assert sorted(record["lora"]) == ["a0", "a1", "a2"] and set(record["lora"]["a0"]) == {"config_sha256", "weights_sha256"}
+
+
+def test_conversations_keep_their_rows_adapters(llama_adapters, tmp_path):
+    folder, adapters = llama_adapters
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    names = ["a0", None, "a2", "a1"]
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps({"messages": messages, "adapter": name}) + "\n"
+                            for messages, name in zip(CONVERSATIONS, names)))
+    output = tmp_path / "out.jsonl"
+    assert run("--model", folder, "--dataset", rows, "--column", "messages", "--lora-column", "adapter",
+               "--chat-template", template, *lora_options(adapters), "--batch-size", "2", "--output", output) == 0
+    prompts = [template_ids(folder, messages, TEMPLATE) for messages in CONVERSATIONS]
+    expected = peft_completions(folder, adapters, prompts, names, MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == expected
+    assert [row.get("adapter") for row in rows_of(output)] == names
 
 
 def test_a_killed_run_resumes_exactly_and_refuses_adapters_of_other_content(llama_adapters, dataset, tmp_path,
