@@ -6,5 +6,5 @@ fixed-size device buffers of every adapted layer (``lora_layer``: each token's o
 the layer's output, in shapes that never change), over which ``resident`` replaces the loaded model's layers and copies
 adapters into buffer slots as the scheduler asks (the generator reaches it through
 ``accelgen.model.loaded_model.AdapterBuffers``). One adapter given without a name is added into the weights at load
-(``merge``).
+(``merge``). ``figures`` says what they did, for the summary line and result files.
 """

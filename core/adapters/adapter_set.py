@@ -28,7 +28,7 @@ class AdapterSet:
     @property
     def rank(self) -> int:
         """The rank of the buffers: ``--max-lora-rank``, or the largest among the named adapters."""
-        return self.settings.max_lora_rank or max(adapter.rank for adapter in self.named.values())
+        return self.settings.max_lora_rank or max((adapter.rank for adapter in self.named.values()), default=1)
 
     def targets(self) -> dict[str, tuple[int, int]]:
         """The modules any named adapter adapts, with their (in, out) features (whole, before any split)."""

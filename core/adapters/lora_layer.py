@@ -34,17 +34,20 @@ from accelgen.plugin.contract import LinearLayout
 
 class AdapterRows:
     """Which buffer slot each token of the next forward pass is computed with, shared by a model's LoRA layers: the
-    mask [M, C] of their columns, or None (every token the base model's, nothing added)."""
+    mask of their columns, [rows, tokens, C] as most layers see the tokens and [M, C] as the others do (M = rows x
+    tokens: OPT's MLP sees them flattened), or None (every token the base model's, nothing added)."""
 
     def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device):
         self.slots, self.rank, self.dtype = slots, rank, dtype
         self.column_slots = torch.arange(1, slots + 1, device=device).repeat_interleave(rank)  # [C] each column's slot
         self.mask: torch.Tensor | None = None
+        self.flat_mask: torch.Tensor | None = None
 
     def select(self, token_slots: torch.Tensor | None) -> None:
-        """The tokens of the next forward pass, token_slots [M] (their order as the layers see them flattened: row after
-        row), computed with the adapters of those buffer slots; None: all with the base model."""
-        self.mask = None if token_slots is None else (token_slots[:, None] == self.column_slots).to(self.dtype)
+        """The tokens of the next forward pass, token_slots [rows, tokens], computed with the adapters of those buffer
+        slots; None: all with the base model."""
+        self.mask = None if token_slots is None else (token_slots[..., None] == self.column_slots).to(self.dtype)
+        self.flat_mask = None if self.mask is None else self.mask.view(-1, self.mask.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +87,15 @@ class LoraLinear(torch.nn.Module):
         return output if self.row_parallel.bias is None else output + self.row_parallel.bias
 
     def _with_low_rank(self, output: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``output`` [..., out] plus each token's own adapter's output for x [..., in] (M tokens, mask [M, C])."""
-        tokens, outputs = x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1])
+        """``output`` [..., out] plus each token's own adapter's output for x [..., in] (the ``mask`` of its tokens, as
+        :class:`AdapterRows` shapes it), in as few operations as the products allow (each one's dispatch costs as much
+        as a small product)."""
         layout_a, layout_b = self.layouts
-        low_rank = (torch.mm(tokens, self.lora_a.t()) if layout_a is None else layout_a.product(tokens)).mul_(mask)
-        if layout_b is None:
-            return torch.addmm(outputs, low_rank, self.lora_b.t()).view(output.shape)
-        return (outputs + layout_b.product(low_rank)).view(output.shape)
+        if layout_a is None or layout_b is None:
+            low_rank = torch.mm(x.reshape(-1, x.shape[-1]), self.lora_a.t()).mul_(self.rows.flat_mask)
+            return torch.addmm(output.reshape(-1, output.shape[-1]), low_rank, self.lora_b.t()).view(output.shape)
+        low_rank = layout_a.product(x)  # [..., C]
+        return output.add_(layout_b.product(low_rank.mul_(mask if x.dim() == mask.dim() else self.rows.flat_mask)))
 
     def write_slot(self, slot: int, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
         """Put an adapter in buffer slot ``slot`` (1 and up): a [r, in] and b [out, r] (this rank's parts, its scaling in

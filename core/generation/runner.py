@@ -6,9 +6,10 @@ for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the d
 (:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
 before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
 first time it is met (where prefills are not captured and the model allows, prompts with nothing found stored
-run instead packed one after another in one row, none padded). A later run of the same shapes replays what was
-captured. It never calls back up:
-what it needs (the model called on a cache, the accelerator, the settings) it is given when made.
+run instead packed one after another in one row, none padded). Each row's LoRA adapter is a buffer slot its steps
+read (``DecodeState.adapter_slots``; a prefill's, per prompt), the adapters an insertion needs copied in before it.
+A later run of the same shapes replays what was captured. It never calls back up: what it needs (the model called
+on a cache, the accelerator, the settings) it is given when made.
 """
 
 from __future__ import annotations

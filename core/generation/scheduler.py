@@ -23,6 +23,9 @@ next row ends.
   that needs more waits until the slots are empty, and the slots are then made anew for it.
 - ``static``: fixed batches. B rows are inserted together into empty slots, in one prefill, with a cache
   sized for that batch's bucket; no slot is refilled until every row of the batch has ended.
+
+Under either policy a row of a LoRA adapter starts once its adapter holds a buffer slot of the device
+(``adapter_slots``): the insertion says which adapters the runner copies in first.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class AdapterBuffers(Protocol):
 
     def load_into(self, name: str, slot: int) -> None: ...  # copy the adapter ``name`` into buffer slot ``slot``
 
-    def select(self, token_slots: torch.Tensor | None) -> None: ...  # [M]: each token's slot in the next forward pass
+    def select(self, token_slots: torch.Tensor | None) -> None: ...  # [rows, tokens]: each token's slot, next pass
 
 
 @dataclasses.dataclass(frozen=True)

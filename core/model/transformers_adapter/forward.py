@@ -84,7 +84,7 @@ class ModelForward:
         if self._takes_logits_to_keep:
             arguments["logits_to_keep"] = 1
         if self.adapters is not None and adapter_slots is not None:  # each row's adapter for each of its tokens
-            adapter_slots = adapter_slots[:, None].expand(input_ids.shape).reshape(-1)
+            adapter_slots = adapter_slots[:, None].expand(input_ids.shape)
         return self._with_adapters(adapter_slots, arguments).logits[:, -1, :]
 
     def packed_logits(self, input_ids, prompt_of, position_ids, ends, cache, adapter_slots=None) -> torch.Tensor:
@@ -103,12 +103,12 @@ class ModelForward:
             logits_to_keep=ends,
         )
         if self.adapters is not None and adapter_slots is not None:  # each prompt's adapter for each of its tokens
-            adapter_slots = adapter_slots.index_select(0, prompt_of)
+            adapter_slots = adapter_slots.index_select(0, prompt_of)[None]
         return self._with_adapters(adapter_slots, arguments).logits[0]
 
     def _with_adapters(self, token_slots: torch.Tensor | None, arguments: dict):
-        """The model's output for ``arguments``, each token (token_slots [M], in the order the layers see them: row
-        after row) computed with the adapter in its buffer slot (0, or None for all: the base model's)."""
+        """The model's output for ``arguments``, each token (token_slots [rows, tokens]) computed with the adapter in its
+        buffer slot (0, or None for all: the base model's)."""
         if self.adapters is None:
             return self.model(**arguments)
         self.adapters.select(token_slots)
