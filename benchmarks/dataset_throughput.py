@@ -138,8 +138,9 @@ NEVER_STOPS = ["<|never|>", "<|nor this|>"]
 
 def write_adapters(folder: Path, model_folder: Path, arguments) -> list[Path]:
     """Four LoRA adapters of rank ``--lora-rank`` over ``--lora-targets`` of the workload's model, written as PEFT writes
-    them (``adapter_config.json``, ``adapter_model.safetensors``), seeded: A drawn as PEFT initialises it, B small (an
-    adapter's change of the model is small; the tokens, and so the lengths, stay close to the base model's)."""
+    them (``adapter_config.json``, ``adapter_model.safetensors``), seeded: A drawn as PEFT initialises it, B so small
+    that the sampled tokens stay the base model's: every contender then decodes the same rows to the same lengths, and
+    the figures differ by what computing the adapters costs, not by the work (an adapter's values cost nothing more)."""
     from safetensors.torch import save_file
 
     config = LlamaConfig.from_pretrained(model_folder)
@@ -158,7 +159,7 @@ def write_adapters(folder: Path, model_folder: Path, arguments) -> list[Path]:
                 inputs, outputs = features[target]
                 module = f"model.layers.{layer}.{'self_attn' if target.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{target}"
                 tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, inputs, generator=generator) / inputs ** 0.5
-                tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) * 1e-3
+                tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) * 1e-6
         adapter = folder / f"adapter-{number}"
         adapter.mkdir(parents=True)
         save_file(tensors, adapter / "adapter_model.safetensors")
