@@ -8,7 +8,8 @@ ends after about ``--mean-length`` tokens: lengths are spread geometrically (med
 a few percent reaching ``--max-new-tokens``), and every contender meets the same distribution. The lengths
 each contender actually produced are printed with its figures.
 
-Contenders, in one process, interleaved round by round (machine noise hits all alike), medians reported:
+Contenders, in one process, interleaved round by round (machine noise hits all alike; the order reversed every other
+round, so that none always runs after the same one), medians reported:
 
     accelgen_static      accelgen run's fixed batches (--batching static)
     accelgen_continuous  accelgen's continuous batching inside static shapes (--batching continuous)
@@ -336,7 +337,8 @@ def main() -> None:
         results = {name: [] for name in names}
         for round_number in range(arguments.rounds):
             prompts = prompts_of(round_number)
-            for name, run in contenders.items():
+            in_turn = list(contenders.items())
+            for name, run in in_turn if round_number % 2 == 0 else in_turn[::-1]:  # each goes first and last alike
                 started = time.perf_counter()
                 lengths, occupancy, step_ms, prefilled, *waited = run(prompts)
                 seconds = time.perf_counter() - started
