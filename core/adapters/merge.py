@@ -1,7 +1,7 @@
 """One LoRA adapter added into the model's weights at load (``--lora PATH`` without a name): every row is then computed
 by the adapted model, at no cost per step. The weights become those of PEFT's ``merge_and_unload()``: each adapted
 layer's ``W += (B @ A) * scaling`` (transposed for GPT-2's ``Conv1D``, whose weight is stored [in, out]), the product
-computed in float32 and rounded to the weight's dtype, as PEFT does on the CPU.
+computed in float32 and rounded to the weight's dtype, as PEFT computes it for weights of 16 bits on the host.
 
 It runs on the weights as loaded, before the device lays them out and before int8 quantizes them (the int8 values are
 then the merged model's). Under tensor parallelism each rank adds the part of the product its slice of the weight

@@ -173,10 +173,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                           help="an adapter rows choose by NAME (--lora-column, or a batch request's model), run beside the "
                                "base model in the same steps; repeat for several. PATH alone: one adapter merged into the "
                                "weights for every row")
-    adapters.add_argument("--max-loras", type=_number("max_loras"),
+    adapters.add_argument("--max-loras", type=_number("max_loras"), metavar="N",
                           help=_with_range(f"named adapters held on the device at once; others are copied in as their "
                                            f"rows come (default: one per adapter, at most {DEFAULT_MOST_LORAS})", "max_loras"))
-    adapters.add_argument("--max-lora-rank", type=_number("max_lora_rank"),
+    adapters.add_argument("--max-lora-rank", type=_number("max_lora_rank"), metavar="R",
                           help=_with_range("the largest rank the device's buffers hold (default: the largest of the "
                                            "adapters')", "max_lora_rank"))
     parser.add_argument("--model", help=f"Hub id or local folder (default: the built-in demo model, the folder {DEFAULT_MODEL})")
