@@ -19,6 +19,7 @@ from test_conversations import CONVERSATIONS, TEMPLATE, template_ids
 from tiny_models import build_model, tiny_configs
 from transformers import AutoTokenizer
 
+from accelgen.adapters.adapter_files import AdapterFiles
 from accelgen.cli import main
 
 MAX_NEW_TOKENS = 10
@@ -266,12 +267,10 @@ def test_an_unknown_adapter_in_a_row_is_an_error_row_with_skip_bad_rows(llama_ad
     assert rows[2]["error"].startswith("names LoRA adapter 'a1', which this run does not serve")
 
 
-def test_an_adapter_beyond_a_rank_of_the_base_keeps_its_scaling(llama_adapters):
-    """rsLoRA (alpha / sqrt(r)) and a per-module alpha are PEFT's scalings: the tokens above check them; here, the
-    numbers folded into B."""
+def test_each_layer_keeps_its_peft_scaling_and_rank(llama_adapters):
+    """rsLoRA (alpha / sqrt(r)) and a per-module rank and alpha are PEFT's: the tokens of tests/test_lora.py check
+    them whole; here, each layer's scaling and rank as read from the adapter's files."""
     folder, adapters = llama_adapters
-    from accelgen.adapters.adapter_files import AdapterFiles
-
     a1, a2 = AdapterFiles("a1", str(adapters["a1"])), AdapterFiles("a2", str(adapters["a2"]))
     assert a1.layers["model.layers.0.self_attn.q_proj"].scaling == pytest.approx(4 / 8 ** 0.5)
     assert a2.layers["model.layers.0.mlp.down_proj"].scaling == pytest.approx(9 / 3)
