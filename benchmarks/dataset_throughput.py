@@ -30,6 +30,13 @@ Asked for by name (``--contenders``), not run by default:
                               ``--lora-rank`` (16) on ``--lora-targets`` (every linear layer), all four in the buffers:
                               against accelgen_continuous, what computing each row's own adapter in the step costs
     accelgen_continuous_merged  continuous batching with one such adapter merged into the weights (--lora PATH)
+    accelgen_continuous_schemas  continuous batching, each row held to one of the four :data:`EXTRACTION_SCHEMAS` (row
+                              number modulo 4, as --schema-column gives them): against accelgen_continuous on the same
+                              rows, what structured output costs; every row that ended by its grammar is checked to
+                              parse and validate against its schema (``jsonschema``)
+    accelgen_continuous_open_mask  continuous batching, no row held to a schema, in a run set for rows that bring
+                              theirs: every decode step applies a mask that allows every token, and the host follows no
+                              row; against accelgen_continuous, what the mask costs inside the step alone
 
 Workloads (``--workload``): ``varied`` (the default, above); ``shared-prefix``, every row a few-shot block of
 ``--prefix-tokens`` tokens (512) shared by all rows, then 10 to 40 tokens of its own. Each round has prompts of its
@@ -37,7 +44,12 @@ own (same lengths' distribution), so that no round finds the one before's prompt
 ``varied`` prompts with two of ``--long-tokens`` tokens (4,000) among them, the first at the start (it makes the slots
 hold long prompts from then on, as a dataset's first long prompt does: growing them waits for every slot to empty)
 and the second in the middle, which comes while rows run. Every accelgen contender reports the longest wait of
-running rows between two decode steps and the longest prefill pass (ms, the longest of the rounds).
+running rows between two decode steps and the longest prefill pass (ms, the longest of the rounds). ``structured``:
+the ``varied`` prompts, run with and without the four extraction schemas (``accelgen_continuous`` against
+``accelgen_continuous_schemas``, the default contenders of this workload). Without a schema a row of random weights ends
+at its ending set (about ``--mean-length`` tokens); with one it ends when its grammar is complete, the ending set being
+what the grammar allows then: both sides run the same rows under the same cap and seed, and their kept tokens/s (each
+row's tokens up to its end) are compared, with the decode step's ms and the lengths each side produced.
 
 With ``--baseline REV``, a fifth contender, ``baseline_static``, is accelgen's fixed batches as commit REV has them:
 a worker process importing accelgen from a git worktree of REV, sent each round's prompts in turn with the
@@ -53,12 +65,14 @@ places computed. accelgen's two modes write the same text (same seed); Hugging F
     python benchmarks/dataset_throughput.py --workload shared-prefix --contenders accelgen_continuous,accelgen_continuous_noreuse
     python benchmarks/dataset_throughput.py --workload long-prompt --contenders accelgen_continuous,accelgen_continuous_unchunked
     python benchmarks/dataset_throughput.py --contenders accelgen_continuous,accelgen_continuous_lora4,accelgen_continuous_merged
+    python benchmarks/dataset_throughput.py --workload structured
     python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -78,6 +92,39 @@ from accelgen.generation.text import Completion
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer
 
 CONTENDERS = ("accelgen_static", "accelgen_continuous", "hf_generate", "hf_generate_batch")
+STRUCTURED_CONTENDERS = ("accelgen_continuous", "accelgen_continuous_schemas")
+
+#: Four schemas of the shapes people extract: nested objects, enums, arrays of objects, numbers with bounds, required
+#: fields. Their completions' lengths vary with the arrays' items and the strings' and numbers' lengths.
+EXTRACTION_SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False}},
+     "required": ["name", "age", "address"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "label": {"enum": ["positive", "negative", "neutral", "mixed"]},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4}},
+     "required": ["label", "confidence", "keywords"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+        "items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 8}, "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+            "price": {"type": "number", "minimum": 0, "maximum": 10000}},
+            "required": ["sku", "quantity", "price"], "additionalProperties": False}},
+        "paid": {"type": "boolean"}},
+     "required": ["order_id", "items", "paid"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 20},
+        "date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$"},
+        "priority": {"enum": ["low", "medium", "high"]},
+        "attendees": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 10}, "role": {"enum": ["host", "guest"]}},
+            "required": ["name", "role"], "additionalProperties": False}, "maxItems": 3}},
+     "required": ["title", "date", "priority", "attendees"], "additionalProperties": False},
+]
 
 
 def build_workload(arguments, folder: Path) -> tuple[Callable[[int], list[str]], list[int]]:
@@ -170,11 +217,19 @@ def write_adapters(folder: Path, model_folder: Path, arguments) -> list[Path]:
     return adapters
 
 
-def accelgen_contender(folder, arguments, batching, adapters=None, **settings):
+def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_mask: bool = False, adapters: bool = False,
+                       **settings):
+    """``schemas``: each row held to one of :data:`EXTRACTION_SCHEMAS` (its number modulo 4), its completion checked;
+    ``open_mask``: a run set for rows with schemas, given none; ``adapters``: the rows given in turn to the four LoRA
+    adapters named a0 to a3 (``lora`` among ``settings``)."""
     if arguments.workload == "long-prompt":
         settings["buckets"] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
                               max_new_tokens=arguments.max_new_tokens, do_sample=True, seed=0, batching=batching, **settings)
+    if schemas or open_mask:  # rows that may bring their own structure, as a --schema-column job's do
+        from accelgen.generation.generator import Generator  # here: a --baseline worker's accelgen may predate them
+
+        generator = Generator(generator.loaded, dataclasses.replace(generator.run, structured_rows=True))
     chose = getattr(generator.accelerator, "summary_phrase", lambda: None)()  # a baseline from before it has none
     if chose:
         print(f"accelgen {batching}: device {arguments.device} ({chose})", flush=True)
@@ -191,8 +246,12 @@ def accelgen_contender(folder, arguments, batching, adapters=None, **settings):
         waits = hasattr(stats, "longest_decode_gap")  # a baseline from before these has none
         if waits:
             stats.longest_decode_gap = stats.longest_prefill_pass = 0.0
-        rows = prompts[::samples]
-        completions = generator.generate(rows, adapters=[names[row % 4] for row in range(len(rows))] if names else None)
+        mask_before = getattr(stats, "mask_seconds", 0.0)
+        rows = structured_rows(prompts) if schemas else prompts[::samples]
+        chosen = {"adapters": [names[row % 4] for row in range(len(rows))]} if names else {}  # a baseline has no adapters
+        completions = generator.generate(rows, **chosen)
+        if schemas:
+            run.checks.append(check_structured(completions, stats, stats.mask_seconds - mask_before))
         if samples > 1:  # one row per sample
             completions = [Completion(**sample | {"index": 0, "prompt": "", "prompt_token_count": 0})
                            for completion in completions for sample in completion.completions]
@@ -204,7 +263,37 @@ def accelgen_contender(folder, arguments, batching, adapters=None, **settings):
         waited = (1000 * stats.longest_decode_gap, 1000 * stats.longest_prefill_pass) if waits else None
         return [len(completion.completion_token_ids) for completion in completions], kept / places, step_ms, prefilled, waited
 
+    run.checks = []  # with schemas: each round's check_structured
     return run
+
+
+def structured_rows(prompts: list[str]) -> list:
+    """The prompts, row n held to schema n modulo 4."""
+    from accelgen.common.prompts import PromptRequest
+    from accelgen.common.settings import RowSettings
+    from accelgen.common.structure import schema_structure
+
+    return [PromptRequest(prompt, RowSettings(structure=schema_structure(EXTRACTION_SCHEMAS[number % 4])), None)
+            for number, prompt in enumerate(prompts)]
+
+
+def check_structured(completions: list[Completion], stats, mask_seconds: float) -> dict:
+    """Rows that ended by their grammar, how many of them parse and validate against their schema, and what following
+    their grammars cost: the host's mask work over the round's decode seconds, the grammars' compile seconds (so far)."""
+    import jsonschema
+
+    ended = [(completion, EXTRACTION_SCHEMAS[number % 4]) for number, completion in enumerate(completions)
+             if completion.finish_reason == "stop"]
+    valid = 0
+    for completion, schema in ended:
+        try:
+            jsonschema.validate(json.loads(completion.completion), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            print(f"INVALID: {completion.completion!r}", flush=True)
+    decode_seconds = stats.timings[-1].decode_seconds
+    return {"rows": len(completions), "ended": len(ended), "valid": valid, "mask_share": mask_seconds / decode_seconds,
+            "compile_seconds": stats.grammar_compile_seconds}
 
 
 def baseline_contender(folder, arguments, scratch: Path):
@@ -287,22 +376,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--workload", choices=("varied", "shared-prefix", "long-prompt"), default="varied",
+    parser.add_argument("--workload", choices=("varied", "shared-prefix", "long-prompt", "structured"), default="varied",
                         help="shared-prefix: every row begins with the same --prefix-tokens tokens; long-prompt: two "
-                             "prompts of --long-tokens among the varied ones")
+                             "prompts of --long-tokens among the varied ones; structured: the varied prompts with and "
+                             "without four extraction schemas")
     parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA contenders' adapters")
     parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                         help="the layers the LoRA contenders' adapters adapt")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", help=f"default: {','.join(CONTENDERS)} ({','.join(STRUCTURED_CONTENDERS)} for "
+                                             f"--workload structured)")
     parser.add_argument("--baseline", help="a git revision whose fixed batches run as a contender too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.worker:
         serve_as_worker(arguments.worker, arguments)
         return
-    names = arguments.contenders.split(",")
+    names = (arguments.contenders or ",".join(STRUCTURED_CONTENDERS if arguments.workload == "structured"
+                                              else CONTENDERS)).split(",")
     closers = []
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -324,6 +416,10 @@ def main() -> None:
                     else str(adapters[0])
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", adapters=name.endswith("lora4"),
                                                       lora=lora)
+            elif name == "accelgen_continuous_schemas":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", schemas=True)
+            elif name == "accelgen_continuous_open_mask":
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", open_mask=True)
             elif name.startswith("accelgen"):
                 contenders[name] = accelgen_contender(folder, arguments, name.removeprefix("accelgen_"))
             else:
@@ -349,14 +445,16 @@ def main() -> None:
 
     what = {"varied": "3-40 words", "shared-prefix": f"a shared {arguments.prefix_tokens}-token prefix and 10-40 tokens "
                                                      f"of their own",
-            "long-prompt": f"3-40 words, two of them (first and middle) of {arguments.long_tokens} tokens"}[arguments.workload]
+            "long-prompt": f"3-40 words, two of them (first and middle) of {arguments.long_tokens} tokens",
+            "structured": "3-40 words, with and without four extraction schemas"}[arguments.workload]
+    base = "accelgen_static" if "accelgen_static" in results else names[0]
     print(f"workload: {len(prompts)} prompts of {what}, batch {arguments.batch_size}, cap {arguments.max_new_tokens} "
           f"new tokens, ending set of {len(ending)} tokens; Llama {arguments.layers} layers, hidden {arguments.hidden}, "
           f"{arguments.dtype} on {arguments.device}, {torch.get_num_threads()} threads; medians of {arguments.rounds} round(s)")
     print("| contender | kept tokens/s | s | kept tokens | mean / median length | at cap | slot occupancy | decode step ms "
-          "| prompt tokens prefilled | longest wait / prefill pass ms | vs static |")
+          f"| prompt tokens prefilled | longest wait / prefill pass ms | vs {base} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    static_rate = statistics.median(rate for rate, *_ in results["accelgen_static"]) if "accelgen_static" in results else None
+    static_rate = statistics.median(rate for rate, *_ in results[base]) if base in results else None
     for name, rows in results.items():
         rate = statistics.median(row[0] for row in rows)
         seconds = statistics.median(row[1] for row in rows)
@@ -371,6 +469,11 @@ def main() -> None:
               f"{'' if rows[-1][5] is None else f'{100 * statistics.median(row[5] for row in rows):.1f}%'} | "
               f"{'' if rows[-1][6] is None else '%.0f / %.0f' % tuple(max(row[6][n] for row in rows) for n in (0, 1))} | "
               f"{'' if not static_rate else f'{rate / static_rate:.2f}x'} |")
+    for name, run in contenders.items():
+        for number, check in enumerate(getattr(run, "checks", [])[1:]):  # the warm-up's first
+            print(f"{name} round {number}: {check['ended']} of {check['rows']} rows ended by their grammar, "
+                  f"{check['valid']} of them valid JSON of their schema; the host's mask work "
+                  f"{100 * check['mask_share']:.1f}% of decode time; grammars compiled in {check['compile_seconds']:.3f} s")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from accelgen.common.errors import UsageError
     from accelgen.generation.generator import Generator
     from accelgen.generation.text import Completion
-    from accelgen.plugin.contract import Accelerator, hookimpl
+    from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
     from accelgen.plugin.manager import get_plugin_manager
     from accelgen.session.api import generate, load
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Accelerator": "accelgen.plugin.contract",
     "hookimpl": "accelgen.plugin.contract",
+    "Tuning": "accelgen.plugin.contract",
     "get_plugin_manager": "accelgen.plugin.manager",
     "UsageError": "accelgen.common.errors",
     "Completion": "accelgen.generation.text",
@@ -29,7 +30,8 @@ _EXPORTS = {
     "load": "accelgen.session.api",
 }
 
-__all__ = ["Accelerator", "Completion", "Generator", "UsageError", "generate", "get_plugin_manager", "hookimpl", "load"]
+__all__ = ["Accelerator", "Completion", "Generator", "Tuning", "UsageError", "generate", "get_plugin_manager", "hookimpl",
+           "load"]
 __version__ = "0.1.0"
 
 

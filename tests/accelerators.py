@@ -5,6 +5,8 @@ Import them as ``from accelerators import CapturingCpu, plugin_manager_with`` (c
 the one method it is about (usually ``capture``), instead of writing a whole accelerator again.
 """
 
+import dataclasses
+
 import accelgen
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen_cpu import CpuAccelerator
@@ -15,9 +17,8 @@ class CapturingCpu(CpuAccelerator):
     (so captures are counted) and its capture is the plain step, which a replay runs: fast, and the same output as
     the eager run."""
 
-    captures_by_default = True
-    capture_pays_after_steps = 0
-    captures_prefill = True
+    tuning = dataclasses.replace(CpuAccelerator.tuning, captures_by_default=True, capture_pays_after_steps=0,
+                                 captures_prefill=True)
 
     def capture(self, step, example_inputs, run):
         return step
@@ -47,4 +48,4 @@ class RefillingCpu(CpuAccelerator):
     """The CPU accelerator, except that a slot freed while rows run takes the next row at the next look, as on a device
     whose prefill passes cost nothing beyond their prompts' work (the plain continuous policy)."""
 
-    prefill_pass_steps = 0
+    tuning = dataclasses.replace(CpuAccelerator.tuning, prefill_pass_steps=0)

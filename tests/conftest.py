@@ -1,9 +1,14 @@
+import contextlib
+import fcntl
+import functools
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -46,35 +51,150 @@ def _seeded_and_quiet(monkeypatch):
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+@contextlib.contextmanager
+def _one_process_at_a_time(lock: Path) -> Iterator[None]:
+    """Inside the block, no other test process of this run (pytest-xdist's workers) is inside a block of ``lock``."""
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _run_folder(tmp_path_factory) -> Path:
+    """The base temporary folder every test process of this run shares (the workers' own are inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+#: The user's own extensions folder (TORCH_EXTENSIONS_DIR as the run found it, else torch's default), where finished
+#: builds are copied from: the tests' jobs build and load in a folder of the run's own.
+_USUAL_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR")
+
+
+@contextlib.contextmanager
+def _extensions_dir(folder: str | None) -> Iterator[None]:
+    """Inside the block, TORCH_EXTENSIONS_DIR is ``folder`` (unset for None); put back after."""
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    if folder is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        if before is not None:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_extensions_folder(tmp_path_factory) -> Path:
-    """This session's own TORCH_EXTENSIONS_DIR, so that a compile of DeepSpeed's CPU all-reduce extension by another
-    job or test session on the machine (its lock, a half-built folder) never meets these tests. A finished build
-    from the machine's usual folder (the library there, no lock) is copied in; else the first tensor-parallel job
-    of the session compiles it here. The CPU plugin's C++ kernels likewise (copied, or built before any test)."""
-    from accelgen_cpu.extension_lock import EXTENSION, extension_build_folder
-    from accelgen_cpu.native_kernels import KERNELS_FOLDER, native_kernels
+    """This run's own TORCH_EXTENSIONS_DIR, shared by its test processes, so that a compile of DeepSpeed's CPU
+    all-reduce extension by another job or test run on the machine (its lock, a half-built folder) never meets these
+    tests. The CPU plugin's C++ kernels: every variant this processor executes is built in the user's folder (once per
+    machine and source: under the builds' own lock, checked before use), then copied in by the run's first test
+    process, so that a run adds a build's minutes only when the kernels' sources changed."""
+    from accelgen_cpu.kernel_variants import executable_variants
+    from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK, BuildFailure, built_library
+    from accelgen_cpu.native_kernels import native_kernels
 
-    usual = Path(extension_build_folder(EXTENSION))
-    folder = tmp_path_factory.mktemp("torch_extensions")
-    if (usual / f"{EXTENSION}.so").is_file() and not (usual / "lock").exists():
-        shutil.copytree(usual, folder / EXTENSION, ignore=shutil.ignore_patterns("lock"))
-    if (usual.parent / KERNELS_FOLDER).is_dir():
-        shutil.copytree(usual.parent / KERNELS_FOLDER, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns("*.partial"))
+    with _extensions_dir(_USUAL_EXTENSIONS_DIR):
+        from accelgen_cpu.extension_lock import torch_extensions_root
+
+        usual_root = Path(torch_extensions_root())
+        for variant in executable_variants():
+            try:
+                built_library(variant)
+            except BuildFailure:
+                pass  # the kernels' tests show it, with its reason
+    run_folder = _run_folder(tmp_path_factory)
+    folder = run_folder / "torch_extensions"
+    with _one_process_at_a_time(run_folder / "torch_extensions.lock"):
+        copied = folder.is_dir()
+        folder.mkdir(exist_ok=True)
+        if not copied and (usual_root / KERNELS_FOLDER).is_dir():
+            shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER,
+                            ignore=shutil.ignore_patterns(".building-*", LOCK))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
-    native_kernels()  # the CPU plugin's own kernels, built now (if not copied) rather than in the first test's output
+    native_kernels()  # this processor's variant, loaded (or its warning) before the first test's output
     return folder
 
 
+KERNEL_VARIANTS = ("avx512", "avx2", "portable")
+
+
+def loaded_variant(variant: str):
+    """The CPU plugin's C++ kernels of ``variant`` (built by the session), loaded: their operators are
+    ``loaded_variant(variant).operators``; the test is skipped, naming the instructions, where this processor lacks
+    some that the variant needs."""
+    from accelgen_cpu.kernel_variants import missing_instructions
+    from accelgen_cpu.native_kernels import load_variant
+
+    missing = missing_instructions(variant)
+    if missing:
+        pytest.skip(f"this processor lacks {', '.join(sorted(missing))}, which the {variant} kernels need")
+    return load_variant(variant)
+
+
+@pytest.fixture(params=KERNEL_VARIANTS)
+def kernel_variant(request):
+    """Each variant of the CPU plugin's C++ kernels this processor executes, loaded (:func:`loaded_variant`)."""
+    return loaded_variant(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Run the test at 1 and 2 torch threads (the kernels split their work across threads), the session's count put
+    back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
-def built_extension(_private_extensions_folder) -> Path:
-    """The session's extensions folder with DeepSpeed's CPU all-reduce extension compiled in it (now, if no job has
-    compiled it yet): ``<folder>/deepspeed_shm_comm``."""
-    built = _private_extensions_folder / "deepspeed_shm_comm"
-    if not (built / "deepspeed_shm_comm.so").is_file():
-        subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
-                        "ShareMemCommBuilder().load()"], check=True, capture_output=True)
+def built_extension(_private_extensions_folder, tmp_path_factory) -> Path:
+    """This install's build folder of DeepSpeed's CPU all-reduce extension in the run's extensions folder, the
+    extension built in it: copied from this install's build in the user's folder, built there first where it is not
+    (once per install, as the user's first tensor-parallel job would; in the run's folder where the user's cannot be
+    written), one test process at a time: ``<folder>/accelgen-deepspeed-<key>/deepspeed_shm_comm``."""
+    from accelgen_cpu.extension_lock import EXTENSION, deepspeed_build_folder
+
+    built = Path(deepspeed_build_folder())
+    with _one_process_at_a_time(_run_folder(tmp_path_factory) / "torch_extensions.lock"):
+        if not (built / f"{EXTENSION}.so").is_file():
+            with _extensions_dir(_USUAL_EXTENSIONS_DIR):
+                usual = Path(deepspeed_build_folder())
+            if _build_extension_in(usual.parent) and not (usual / "lock").exists():
+                shutil.copytree(usual, built, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
+            else:
+                _build_extension_in(built.parent)
     return built
+
+
+def _build_extension_in(root: Path) -> bool:
+    """Build DeepSpeed's CPU all-reduce extension with ``root`` as torch's extensions folder (nothing when built there
+    already); whether it could."""
+    built = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+                            "ShareMemCommBuilder().load()"], capture_output=True,
+                           env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(root)))
+    return built.returncode == 0
+
+
+@functools.cache
+def _starts_ranks(module_file: str) -> bool:
+    """Whether tests of the module may start several ranks (it names --world-size)."""
+    return '"--world-size"' in Path(module_file).read_text()
+
+
+@pytest.fixture(autouse=True)
+def _extension_built_before_jobs_of_ranks(request):
+    """Tests that may start tensor-parallel jobs (slow ones, and any of a module naming --world-size) find DeepSpeed's
+    extension built: no test's job compiles it, or waits on another's compile, saying so in lines it would not expect."""
+    if importlib.util.find_spec("deepspeed") is not None and (
+            request.node.get_closest_marker("slow") is not None or _starts_ranks(str(request.node.path))):
+        request.getfixturevalue("built_extension")
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,18 @@ import subprocess
 import time
 
 
-def kill_after_rows(command: list[str], output, environment: dict, rows: int = 5, timeout: float = 120) -> int:
-    """Start ``command`` (which writes ``output``), SIGKILL it once ``output`` holds ``rows`` lines, and return
-    how many complete lines it had written."""
+def kill_after_rows(command: list[str], output, environment: dict, rows: int = 5, timeout: float = 120,
+                    watched=None) -> int:
+    """Start ``command`` (which writes ``output``), SIGKILL it once ``output`` (or the file ``watched``) holds ``rows``
+    lines, and return how many complete lines it had written to ``output``."""
     run = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watched = watched or output
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < rows):
+    while time.monotonic() < deadline and (not watched.exists() or watched.read_text().count("\n") < rows):
         time.sleep(0.01)
     run.send_signal(signal.SIGKILL)
     run.wait()
-    return output.read_text().count("\n")
+    return output.read_text().count("\n") if output.exists() else 0
 
 
 def killed_then_resumed_and_whole(command: list[str], folder, environment: dict, rows: int = 5) -> tuple:

@@ -180,6 +180,13 @@ def drop_a_field(output: Path) -> None:
     output.write_text(json.dumps(first) + "\n" + "".join(lines[1:]))
 
 
+def index_as_text(output: Path) -> None:
+    lines = output.read_text().splitlines(keepends=True)
+    third = json.loads(lines[2])
+    third["index"] = str(third["index"])
+    output.write_text("".join(lines[:2]) + json.dumps(third) + "\n" + "".join(lines[3:]))
+
+
 @pytest.mark.parametrize("damage, message", [
     (replace_run_record('{"model": '), "Run record '{record}' cannot be read: Expecting value: line 1 column 11 (char 10): "
                                        "it says which run wrote '{output}'; restore it, or pass --overwrite"),
@@ -190,6 +197,8 @@ def drop_a_field(output: Path) -> None:
     (drop_a_field, "--output '{output}' line 1 is not a completion written by accelgen run (its fields: index, prompt, "
                    "completion, completion_token_ids, prompt_token_count, finish_reason): the file is damaged; pass "
                    "--overwrite to start it again."),
+    (index_as_text, "--output '{output}' line 3 has index \"2\", not a whole row number (row 2 is expected there): the "
+                    "file is damaged; keep its first 2 lines (head -n 2) to resume after them, or pass --overwrite"),
 ])
 def test_a_damaged_output_or_run_record_is_refused_and_left_as_it_is(finished_output, capsys, damage, message):
     dataset, output = finished_output
@@ -359,3 +368,12 @@ def test_prompt_bytes_that_are_not_utf8_are_refused(cli_environment):
 def test_prompts_that_are_not_text_are_refused_by_the_python_api():
     with pytest.raises(accelgen.UsageError, match="Prompt 1 holds int, not text"):
         accelgen.generate(["Hello", 5], device="cpu", max_new_tokens=2)
+
+
+def test_a_lone_surrogate_is_said_to_be_one_not_a_byte_that_is_not_utf8():
+    with pytest.raises(accelgen.UsageError, match=r"^Prompt 1 holds a lone surrogate \(U\+D800 at character 2, half of a "
+                                                  r"UTF-16 pair without its other half, which is no character\): remove "
+                                                  r"it, or give it its pair\.$"):
+        accelgen.generate(["Hello", "ab\ud800"], device="cpu", max_new_tokens=2)
+    with pytest.raises(accelgen.UsageError, match=r"^Prompt 0 message 0 holds a lone surrogate \(U\+DFFF at character 0"):
+        accelgen.generate([[{"role": "user", "content": "\udfff"}]], device="cpu", max_new_tokens=2)

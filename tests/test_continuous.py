@@ -78,6 +78,7 @@ def cli_rows(capsys, *arguments):
     return [json.loads(line) for line in output.read_text().splitlines()], capsys.readouterr().err
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_row_is_what_hugging_face_generates_for_its_prompt_alone(ending_model, architecture, tmp_path, capsys):
     folder, eos = ending_model(architecture)
@@ -127,6 +128,7 @@ def test_on_the_cpu_freed_slots_wait_for_others_so_that_one_prefill_pass_starts_
     assert gathering.stats.prefill_passes == 2 * passes
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama"])
 def test_a_sampled_run_writes_the_same_rows_in_both_modes(ending_model, architecture, tmp_path, capsys):
     # the end-of-sequence token is one that these sampled rows choose (their draws do not depend on the ending)
@@ -156,6 +158,7 @@ def test_an_output_resumes_in_the_other_mode(ending_model, tmp_path, capsys):
     assert [json.loads(line) for line in output.read_text().splitlines()] == reference
 
 
+@pytest.mark.transformers_release
 def test_prompts_longer_than_the_slots_hold_wait_and_the_slots_grow(ending_model, tmp_path):
     folder, eos = ending_model("opt")
     long_prompt = " ".join(PROMPTS[:6])
@@ -166,6 +169,7 @@ def test_prompts_longer_than_the_slots_hold_wait_and_the_slots_grow(ending_model
     assert generator.cache_length_in_use == 128 + NEW_TOKENS
 
 
+@pytest.mark.transformers_release
 def test_an_eager_prefill_starts_prompts_of_several_buckets_in_one_pass(ending_model):
     """On a device whose prefills run eagerly (the CPU), the prompts that start together take one forward pass, at the
     largest of their buckets: a pass costs more for being a pass than a short prompt's padding does. Each row's text
@@ -191,6 +195,7 @@ def test_an_eager_prefill_starts_prompts_of_several_buckets_in_one_pass(ending_m
     assert parked.stats.prefill_passes == 1
 
 
+@pytest.mark.transformers_release
 def test_a_model_the_slot_step_cannot_serve_runs_in_fixed_batches_with_one_line(tmp_path, capsys):
     """Falcon's ALiBi variant builds its attention bias inside the model from one position for the batch."""
     sys.path.insert(0, str(Path(__file__).parent))

@@ -1,5 +1,6 @@
 """The CPU's attention for one query per row (plugins/cpu/decode_attention.py) computes what SDPA computes: grouped
-query heads, additive and boolean masks, float32 and bfloat16. Token-for-token parity of whole runs with Hugging
+query heads, additive and boolean masks, float32, bfloat16 and float16, in every variant of the C++ kernels this
+processor executes (AVX-512, AVX2, portable), at 1 and 2 threads. Token-for-token parity of whole runs with Hugging
 Face ``generate`` (which uses SDPA) is in test_parity.py, on the families that take this attention."""
 
 import os
@@ -8,29 +9,40 @@ import sys
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import KERNEL_VARIANTS, PROMPTS, loaded_variant
 from transformers import DynamicCache
 
 import accelgen
 from accelgen.common.settings import World
 from accelgen.model.transformers_adapter.forward import ModelForward
 from accelgen_cpu.decode_attention import NAME, decode_attention
-from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.native_kernels import loaded_kernels, native_operator
 
-KERNELS = {"products": decode_attention,
-           "native": lambda *arguments: torch.ops.accelgen_cpu_kernels.decode_attention(*arguments)}
+pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
 
-
-@pytest.fixture(params=KERNELS)
-def kernel(request):
-    """Each decode attention: batched products over whole cache rows, and the C++ kernel over the positions seen
-    (built by the test; this machine has a compiler, as inductor's CPU backend needs)."""
-    if request.param == "native":
-        assert native_kernels()
-    return KERNELS[request.param]
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)]
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.fixture(params=["products", *KERNEL_VARIANTS])
+def kernel(request, threads):
+    """Each decode attention: batched products over whole cache rows, and each variant's C++ kernel over the positions
+    seen (built by the session; this machine has a compiler, as inductor's CPU backend needs); at 1 and 2 threads."""
+    if request.param == "products":
+        return decode_attention
+    return loaded_variant(request.param).operators.decode_attention
+
+
+def sdpa_in_float32(query, key, value, mask, scale):
+    """SDPA's attention computed in float32 (grouped heads repeated), as the reference of every dtype."""
+    groups = query.shape[1] // key.shape[1]
+    if mask.dtype != torch.bool:
+        mask = mask.float()
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float().repeat_interleave(groups, 1), value.float().repeat_interleave(groups, 1),
+        attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @pytest.mark.parametrize("key_heads", [8, 2])
 @pytest.mark.parametrize("boolean_mask", [False, True])
 @pytest.mark.parametrize("unseen_tail", [0, 15])
@@ -49,12 +61,11 @@ def test_one_query_per_row_attends_as_sdpa_does(kernel, dtype, tolerance, key_he
         own = positions - 1 - unseen_tail - 4 * row
         seen[row, ..., own], seen[row, ..., own + 1:], seen[row, ..., : 5 * row] = True, False, False
     mask = seen if boolean_mask else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
-    groups, scale = heads // key_heads, size**-0.5  # as a model scales
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
+    scale = size**-0.5  # as a model scales
+    expected = sdpa_in_float32(query, key, value, mask, scale)
     ours = kernel(query, key, value, mask, scale)
     assert ours.shape == expected.shape and ours.dtype == dtype
-    assert torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.allclose(ours.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("boolean_mask", [False, True])
@@ -72,16 +83,8 @@ def test_a_row_that_sees_nothing_gets_zero(kernel, boolean_mask):
     assert torch.allclose(ours[1:], expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("key_heads", [4, 2])
-@pytest.mark.parametrize("size", [16, 32, 64])  # 32 and 64: rotated sixteen values at a time
-def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key_heads, size):
-    """decode_self_attention: the new token's keys rotated as transformers' apply_rotary_pos_emb rotates them, written
-    with its values at each row's own position (the cache left exactly as transformers' path leaves it, in bfloat16
-    too), and the rows' queries, rotated, attending as SDPA does."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    assert native_kernels()
+def decode_step(dtype, key_heads, size):
+    """A decode step's new tokens (3 rows, 4 query heads), rotary cos and sin, cache, write positions and mask."""
     torch.manual_seed(0)
     rows, heads, positions = 3, 4, 24
     query, key, value = (torch.randn(rows, 1, count * size, dtype=dtype) for count in (heads, key_heads, key_heads))
@@ -93,37 +96,62 @@ def test_a_decode_steps_whole_attention_is_what_transformers_computes(dtype, key
     for row, (start, end) in enumerate([(4, 21), (0, 10), (6, 24)]):
         seen[row, ..., start:end] = True
     mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+    return query, key, value, cos, sin, keys, values, write_positions, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("key_heads", [4, 2])
+@pytest.mark.parametrize("size", [16, 32, 64])  # 32 and 64: rotated sixteen values at a time
+def test_a_decode_steps_whole_attention_is_what_transformers_computes(kernel_variant, threads, dtype, key_heads, size):
+    """decode_self_attention: the new token's keys rotated as transformers' apply_rotary_pos_emb rotates them, written
+    with its values at each row's own position (the cache left exactly as transformers' path leaves it, in bfloat16
+    too), and the rows' queries, rotated, attending as SDPA does."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    query, key, value, cos, sin, keys, values, write_positions, mask = decode_step(dtype, key_heads, size)
+    rows, heads = query.shape[0], query.shape[2] // size
 
     heads_of = lambda states: states.view(rows, 1, -1, size).transpose(1, 2)  # noqa: E731  [B, heads, 1, D]
     rotated_query, rotated_key = apply_rotary_pos_emb(heads_of(query), heads_of(key), cos, sin)
     expected_keys, expected_values = keys.clone(), values.clone()
     expected_keys[torch.arange(rows), :, write_positions] = rotated_key[:, :, 0]
     expected_values[torch.arange(rows), :, write_positions] = heads_of(value)[:, :, 0]
-    groups = heads // key_heads
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        rotated_query, expected_keys.repeat_interleave(groups, 1), expected_values.repeat_interleave(groups, 1),
-        attn_mask=mask, scale=0.25).transpose(1, 2).reshape(rows, 1, heads * size)
+    expected = sdpa_in_float32(rotated_query, expected_keys, expected_values, mask, 0.25).transpose(1, 2).reshape(
+        rows, 1, heads * size)
 
-    ours = torch.ops.accelgen_cpu_kernels.decode_self_attention(query, key, value, cos, sin, keys, values,
-                                                                write_positions, mask, 0.25)
+    ours = kernel_variant.operators.decode_self_attention(query, key, value, cos, sin, keys, values, write_positions,
+                                                          mask, 0.25)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert ours.shape == expected.shape and torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    tolerance = dict((dtype, tolerance) for dtype, tolerance in DTYPES)[dtype]
+    assert ours.shape == expected.shape and torch.allclose(ours.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("position", [-1, 24, 1000])
+def test_a_write_position_outside_the_cache_is_refused_and_nothing_is_written(kernel_variant, position):
+    """A row's write position past the cache (or before it) would write outside the cache's memory: the operator
+    refuses it before writing anything."""
+    query, key, value, cos, sin, keys, values, write_positions, mask = decode_step(torch.float32, 2, 32)
+    write_positions[1] = position
+    keys_before, values_before = keys.clone(), values.clone()
+    with pytest.raises(RuntimeError, match=rf"write_positions\[1\] is {position}, outside the cache's 24 positions"):
+        kernel_variant.operators.decode_self_attention(query, key, value, cos, sin, keys, values, write_positions, mask,
+                                                       0.25)
+    assert torch.equal(keys, keys_before) and torch.equal(values, values_before)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @pytest.mark.parametrize("key_heads", [4, 2])
 @pytest.mark.parametrize("boolean_mask", [False, True])
 @pytest.mark.parametrize("stored", [0, 8])
 @pytest.mark.parametrize("size", [20, 32, 64])
-def test_a_prompts_queries_attend_as_sdpa_does(dtype, tolerance, key_heads, boolean_mask, stored, size):
+def test_a_prompts_queries_attend_as_sdpa_does(kernel_variant, threads, dtype, tolerance, key_heads, boolean_mask,
+                                               stored, size):
     """prompt_attention: right-aligned prompts of different lengths in a bucket (the core's causal mask over their
     padding), in the model's head layout (queries [B, H, T, D] transposed from [B, T, H, D]); ``stored``: positions
     held before the queries' own (a prefix found stored), seen by the prompts that reach back to them. Each real
     query's output is SDPA's; a padding query's, which sees nothing, is 0."""
     from accelgen.model.transformers_adapter.forward import additive_causal_mask
 
-    assert native_kernels()
     torch.manual_seed(0)
     rows, heads, queries = 3, 4, 12
     lengths = [12 + stored, 7, 1]  # the first reaches back into the stored positions
@@ -134,19 +162,20 @@ def test_a_prompts_queries_attend_as_sdpa_does(dtype, tolerance, key_heads, bool
         prompt_mask[row, stored + queries - length:] = 1
     mask = additive_causal_mask(prompt_mask, torch.arange(stored, stored + queries), dtype)  # [B, 1, T, L]
     seen = mask == 0
-    groups, scale = heads // key_heads, size**-0.5
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
-    ours = torch.ops.accelgen_cpu_kernels.prompt_attention(query, key, value, seen if boolean_mask else mask, scale)
+    scale = size**-0.5
+    expected = sdpa_in_float32(query, key, value, mask, scale)
+    ours = kernel_variant.operators.prompt_attention(query, key, value, seen if boolean_mask else mask, scale)
     real = seen.any(-1, keepdim=True).expand(rows, heads, queries, size)  # [B, H, T, D]: queries that see a key
     assert ours.shape == expected.shape and ours.dtype == dtype and int((~real).sum()) > 0
-    assert torch.allclose(ours[real].float(), expected[real].float(), atol=tolerance, rtol=tolerance)
+    assert torch.allclose(ours[real].float(), expected[real], atol=tolerance, rtol=tolerance)
     assert bool((ours[~real] == 0).all())
 
 
 def test_models_whose_attention_goes_through_transformers_interface_decode_with_it(tiny_model_folder):
     """Llama's attention modules do a decode step's attention in one operator, and a prefill attends with the prompt
-    kernel, a call a layer (test_parity.py: the tokens are Hugging Face's)."""
+    kernel where this processor's variant takes it (else SDPA), a call a layer (test_parity.py: the tokens are Hugging
+    Face's)."""
+    assert native_operator("decode_self_attention") is not None  # every variant takes it
     generator = accelgen.load(tiny_model_folder("llama"), device="cpu", max_new_tokens=4)
     assert generator.model.config._attn_implementation == NAME
     # the first run builds the static cache, which under transformers 4.55 reads its shapes off a one-token forward
@@ -157,9 +186,14 @@ def test_models_whose_attention_goes_through_transformers_interface_decode_with_
         assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = generator.model.config.num_hidden_layers
-    assert calls.get("accelgen_cpu_kernels::decode_self_attention") == (generator.stats.decode_steps - steps_before) * layers > 0
-    assert calls.get("accelgen_cpu_kernels::prompt_attention") == (generator.stats.prefill_passes - passes_before) * layers > 0
-    assert "aten::scaled_dot_product_attention" not in calls
+    namespace = loaded_kernels().operators.name
+    assert calls.get(f"{namespace}::decode_self_attention") == (generator.stats.decode_steps - steps_before) * layers > 0
+    prompt_calls = calls.get(f"{namespace}::prompt_attention", 0)
+    if native_operator("prompt_attention") is not None:
+        assert prompt_calls == (generator.stats.prefill_passes - passes_before) * layers > 0
+        assert "aten::scaled_dot_product_attention" not in calls
+    else:  # this processor's kernels leave prompts to SDPA
+        assert prompt_calls == 0 and calls.get("aten::scaled_dot_product_attention", 0) > 0
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
@@ -199,8 +233,8 @@ def test_without_a_compiler_a_run_attends_with_products_after_one_warning(tiny_m
     environment = dict(cli_environment, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "x"))
     result = run_tiny_llama(folder, environment)
     assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "C++ kernels" in line]
-    assert len(warnings) == 1 and "could not be built" in warnings[0] and "install a C++ compiler" in warnings[0]
+    warnings = [line for line in result.stderr.splitlines() if "C++ kernels" in line]  # no build announced
+    assert len(warnings) == 1 and "cannot run the compiler" in warnings[0] and "install a C++ compiler" in warnings[0]
     assert "Traceback" not in result.stderr
     with_kernels = run_tiny_llama(folder, cli_environment)
     assert result.stdout == with_kernels.stdout  # the same completion, whichever kernel attended

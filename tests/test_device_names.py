@@ -5,21 +5,36 @@ import pathlib
 import re
 
 import pytest
+from test_layers import module_name
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
 
-#: Devices, their vendors and their collective libraries, as words of code.
+#: Devices, their vendors and their collective libraries, as words of code; a word of code that begins with one of
+#: them names the device too (``cudagraphs``, ``hpugraph``, ``ncclComm``).
 DEVICE_WORDS = ("cuda", "nvidia", "nccl", "hpu", "habana", "gaudi", "hccl", "xpu", "npu", "mps", "rocm")
+#: The devices' own libraries and terms, as whole words only (their letters begin ordinary words too: ``hipster``).
+DEVICE_TERMS = ("cudnn", "cublas", "cublaslt", "cusparse", "cufft", "curand", "cutlass", "nvml", "nvtx", "nvcc", "cupti",
+                "tensorrt", "hip", "hipblas", "miopen", "rccl", "synapse", "tpu", "xla")
 #: Libraries only a device's plugin may import.
-DEVICE_LIBRARIES = ("habana_frameworks", "optimum", "torch_npu", "intel_extension_for_pytorch", "pynvml")
-#: A device word standing alone in a string ("cuda", "cuda:0", "CUDA out of memory"), not inside a
-#: module name such as "accelgen_cuda" (the built-in plugins' names, which the plugin manager registers).
-DEVICE_IN_TEXT = re.compile(r"\b(" + "|".join(DEVICE_WORDS) + r")\b", re.IGNORECASE)
+DEVICE_LIBRARIES = ("habana_frameworks", "optimum", "torch_npu", "intel_extension_for_pytorch", "pynvml", "triton")
+#: The plugins' own packages: the core reaches a plugin through the plugin manager only, never by importing it (the
+#: manager registers the built-ins by these names, as strings).
+PLUGIN_PACKAGE = re.compile(r"accelgen_\w+")
+#: A device word or term standing alone in a string ("cuda", "cuda:0", "CUDA out of memory", "cudagraphs"), not inside
+#: a module name such as "accelgen_cuda" (the built-in plugins' names, which the plugin manager registers).
+DEVICE_IN_TEXT = re.compile(r"\b((" + "|".join(DEVICE_WORDS) + r")[a-z0-9]*|" + "|".join(DEVICE_TERMS) + r")\b",
+                            re.IGNORECASE)
 
 
 def names_a_device(identifier: str) -> bool:
-    """Whether a name or attribute (``cuda``, ``is_cuda``, ``use_hpu_graphs``) has a device word as a part."""
-    return any(part.lower() in DEVICE_WORDS for part in identifier.split("_"))
+    """Whether a name or attribute (``cuda``, ``is_cuda``, ``use_hpu_graphs``, ``cudagraphs``, ``cudnn``) has a device
+    word or term as a part, or a part that begins with a device word."""
+    return any(part.lower() in DEVICE_TERMS or part.lower().startswith(DEVICE_WORDS) for part in identifier.split("_"))
+
+
+def imports_a_plugin(module: str) -> bool:
+    """Whether importing ``module`` reaches into a plugin's package (``accelgen_cpu``, ``accelgen_cpu.threads``)."""
+    return PLUGIN_PACKAGE.fullmatch(module.split(".")[0]) is not None
 
 
 def docstrings(tree: ast.Module) -> set[int]:
@@ -48,14 +63,22 @@ def device_names(root: pathlib.Path) -> list[str]:
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            if (literal := module_name(node)) is not None:  # importlib.import_module("...") / __import__("...")
+                modules = [literal]
             for module in modules:
                 parts = module.split(".")
-                if parts[0] in DEVICE_LIBRARIES or any(names_a_device(part) for part in parts):
+                if parts[0] in DEVICE_LIBRARIES or any(names_a_device(part) for part in parts) or imports_a_plugin(module):
                     problems.append(f"{where}:{node.lineno}: imports {module}")
             if isinstance(node, ast.Attribute) and names_a_device(node.attr):
                 problems.append(f"{where}:{node.lineno}: .{node.attr}")
             elif isinstance(node, ast.Name) and names_a_device(node.id):
                 problems.append(f"{where}:{node.lineno}: {node.id}")
+            elif isinstance(node, ast.arg) and names_a_device(node.arg):  # a parameter
+                problems.append(f"{where}:{node.lineno}: {node.arg}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and names_a_device(node.name):
+                problems.append(f"{where}:{node.lineno}: {node.name}")
+            elif isinstance(node, ast.keyword) and node.arg and names_a_device(node.arg):  # f(cudagraphs=True)
+                problems.append(f"{where}:{node.lineno}: {node.arg}=")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
                 if DEVICE_IN_TEXT.search(node.value):
                     problems.append(f"{where}:{node.lineno}: {node.value!r}")
@@ -78,6 +101,15 @@ PROSE = '"""Prose may name cuda and torch.cuda."""\n\n# so may comments: torch.c
     ("def step():\n    import habana_frameworks.torch.core as htcore\n", [(2, "imports habana_frameworks.torch.core")]),
     ("from torch.cuda import graphs\n", [(1, "imports torch.cuda"), (1, "imports torch.cuda.graphs")]),
     ("def fail(card):\n    raise RuntimeError(f'Gaudi {card} is busy')\n", [(2, "'Gaudi '")]),
+    ("import accelgen_cpu\n", [(1, "imports accelgen_cpu")]),
+    ("def threads():\n    from accelgen_cpu.threads import ThreadChooser\n",
+     [(2, "imports accelgen_cpu.threads"), (2, "imports accelgen_cpu.threads.ThreadChooser")]),
+    ("import importlib\nplugin = importlib.import_module('accelgen_cuda')\n", [(2, "imports accelgen_cuda")]),
+    ("def capture(step, cudagraphs):\n    return cudagraphs\n", [(1, "cudagraphs"), (2, "cudagraphs")]),
+    ("def use_hpu_graphs():\n    return compile(mode='x', cudagraphs=True)\n", [(1, "use_hpu_graphs"), (2, "cudagraphs=")]),
+    ("import torch\nfast = torch.backends.cudnn.enabled\n", [(2, ".cudnn")]),
+    ("options = {'triton.cudagraphs': True}\n", [(1, "'triton.cudagraphs'")]),
+    ("def fast(module):\n    return module.hpugraph_wrapped\n", [(2, ".hpugraph_wrapped")]),
 ])
 def test_a_device_planted_in_a_nested_module_is_found(tmp_path, code, found):
     layer = tmp_path / "deep" / "layer"

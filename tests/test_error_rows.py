@@ -48,7 +48,7 @@ def test_bad_text_rows_become_error_rows_and_the_others_complete_as_alone(tiny_m
     alone = accelgen.generate(GOOD, model=folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS, batch_size=2)
     assert [row["completion_token_ids"] for row in rows if "error" not in row] == [
         completion.completion_token_ids for completion in alone]
-    assert "accelgen: 4 row(s) could not be completed and were written as error rows" in error
+    assert f"accelgen: 4 of 8 rows could not be completed and were written as error rows in {output}" in error
 
     before = output.read_bytes()
     status, error = run(capsys, *command)  # the same command again: the error rows are answers, not retried
@@ -64,6 +64,29 @@ def test_a_run_of_bad_rows_alone_still_writes_every_row(tiny_model_folder, tmp_p
                         "--skip-bad-rows")
     assert status == 0, error
     assert [row["finish_reason"] == "error" for row in rows_of(output)] == [True] * 5 + [False]
+
+
+@pytest.mark.parametrize("value", [None, "  "])
+def test_a_run_whose_every_row_is_an_error_row_says_so_and_exits_3(tiny_model_folder, tmp_path, capsys, value):
+    """Five rows of nulls (a column of type null) or of blanks: five error rows, and a status a script tells from success."""
+    dataset, output = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+    dataset.write_text((json.dumps({"text": value}) + "\n") * 5)
+    status, error = run(capsys, "--model", tiny_model_folder("llama"), "--dataset", dataset, "--output", output,
+                        "--skip-bad-rows")
+    assert status == 3, error
+    assert [(row["index"], row["finish_reason"]) for row in rows_of(output)] == [(index, "error") for index in range(5)]
+    assert error.splitlines()[-1] == (f"accelgen: error: none of the 5 rows could be completed: each was written as an "
+                                      f"error row in {output} (finish_reason \"error\", the reason in \"error\"): fix "
+                                      f"them, then run again with --overwrite.")
+    assert "Traceback" not in error
+
+
+def test_a_column_of_nulls_without_the_flag_names_its_first_row(tiny_model_folder, tmp_path, capsys):
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text('{"text": null}\n' * 5)
+    status, error = run(capsys, "--model", tiny_model_folder("llama"), "--dataset", dataset)
+    assert status == 2 and error == (f"accelgen: error: Dataset '{dataset}' row 0, column 'text', is null (no text): fill "
+                                     f"it in, or remove that row (rows count from 0, as the output's \"index\").\n")
 
 
 def test_bad_conversations_become_error_rows(tiny_model_folder, tmp_path, capsys):
@@ -84,14 +107,18 @@ def test_bad_conversations_become_error_rows(tiny_model_folder, tmp_path, capsys
         [{"role": "tool", "content": "refused by the template"}],
         [{"role": "user", "content": TOO_LONG}],
         [{"role": "user", "content": "The quick brown fox"}],
+        [{"from": "martian", "value": "ack"}],
+        "a text among conversations",
     ]
     dataset, output = write_rows(tmp_path / "chats.jsonl", conversations), tmp_path / "out.jsonl"
     status, error = run(capsys, "--model", folder, "--dataset", dataset, "--column", "messages", "--output", output,
                         "--skip-bad-rows")
     assert status == 0, error
     rows = rows_of(output)
-    assert [row["finish_reason"] == "error" for row in rows] == [False, True, True, True, False]
+    assert [row["finish_reason"] == "error" for row in rows] == [False, True, True, True, False, True, True]
+    assert rows[6]["error"] == "is a text, not a conversation (a list of {role, content} messages)"
     assert "no text" in rows[1]["error"] and "no tools here" in rows[2]["error"]
+    assert rows[5]["error"].startswith("message 0 is from 'martian', not one of ShareGPT's speakers (human, gpt")
 
 
 @pytest.mark.parametrize("value, message", [("", "row 1, column 'text', is empty"), (TOO_LONG, "row 1 (column 'text'): A prompt of")])

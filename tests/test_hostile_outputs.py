@@ -55,6 +55,10 @@ def _hard_link_to(victim: Path):
     (".lock", "folder", "Lock file '{real}.lock' (of --output '{output}') is a folder"),
     (".run.json", "link", "Run record '{real}.run.json' is a symbolic link (to '{victim}'); accelgen makes this file "
                           "itself and never writes through a link: remove the link."),
+    (".samples", "link", "Kept samples file '{real}.samples' is a symbolic link (to '{victim}'); accelgen makes this "
+                         "file itself and never writes through a link: remove the link."),
+    (".samples", "hard link", "Kept samples file '{real}.samples' (beside --output '{output}') is not a file accelgen "
+                              "wrote (a hard link): move it away."),
 ])
 def test_a_file_planted_where_accelgen_writes_its_own_is_refused_and_never_written(tmp_path, capsys, suffix, plant, message):
     victim = tmp_path / "precious.txt"
@@ -77,7 +81,7 @@ def test_a_file_planted_where_accelgen_writes_its_own_is_refused_and_never_writt
     assert sorted(path.name for path in tmp_path.iterdir()) == before  # the plant kept, nothing made
 
 
-@pytest.mark.parametrize("companion", [".run.json", ".lock"])
+@pytest.mark.parametrize("companion", [".run.json", ".lock", ".samples"])
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["", "overwrite"])
 def test_an_outputs_companion_file_is_never_an_output(tmp_path, capsys, companion, overwrite):
     """Another output's run record or lock named as --output: refused, so the first output still resumes."""

@@ -283,6 +283,31 @@ def test_a_plugin_calling_sys_exit_at_import_does_not_end_a_real_run(tmp_path, t
 
 
 @pytest.mark.parametrize("source", [
+    "import os\nos._exit(3)\n",
+    "from os import _exit\ntry:\n    _exit(4)\nexcept Exception:\n    pass\n",  # catching what it can does not help it
+], ids=["os._exit", "os._exit caught"])
+def test_a_plugin_calling_os_exit_at_import_is_listed_and_every_command_goes_on(source, tmp_path, tiny_model_folder,
+                                                                                cli_environment):
+    """os._exit ends a process at once, without a word: run in this process, the test itself would end."""
+    site = install_plugin(tmp_path / "site", source)
+    status = source.split("_exit(")[1][0]
+    environment = dict(cli_environment, PYTHONPATH=str(site))
+    devices = subprocess.run([sys.executable, "-m", "accelgen.cli", "devices"], env=environment, capture_output=True,
+                             text=True, timeout=300)
+    assert devices.returncode == 0 and "Traceback" not in devices.stderr, devices.stderr
+    assert device_lines(devices.stdout, "broken") == [
+        f"broken   plugin {PLUGIN} ({PACKAGE}): cannot be loaded: its import called os._exit({status})"]
+    assert device_lines(devices.stdout, "cpu")[0].startswith("cpu      available")
+    run = subprocess.run([sys.executable, "-m", "accelgen.cli", *run_cpu(tiny_model_folder("gpt2"))], env=environment,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert warnings_in(run.stderr) == [
+        f"accelgen: warning: plugin {PLUGIN} ({PACKAGE}) is left out: cannot be loaded: its import called "
+        f"os._exit({status}) ({FIX} to stop this warning)"
+    ]
+
+
+@pytest.mark.parametrize("source", [
     "import time\ntime.sleep(3600)\n",
     "import time\ntry:\n    time.sleep(3600)\nexcept KeyboardInterrupt:\n    pass\n",  # swallows the user's Ctrl-C
 ], ids=["sleeps", "sleeps and catches KeyboardInterrupt"])

@@ -61,6 +61,22 @@ class Job:
             time.sleep(0.01)
         raise AssertionError(f"rank {rank} did not start")
 
+    def wait_until_it_handles(self, number: int) -> None:
+        """Wait until the launcher has a handler of its own for the signal ``number`` (its status's SigCgt mask)."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while not _handles(self.process.pid, number):
+            assert self.process.poll() is None and time.monotonic() < deadline, self.text()
+            time.sleep(0.01)
+
+    def wait_until_connected_to_its_store(self, pid: int) -> None:
+        """Wait until the process ``pid`` (a rank) has a TCP connection to its job's store (MASTER_PORT): it has
+        imported its libraries and is joining the process group."""
+        port = int(_environment_of(pid)["MASTER_PORT"])
+        deadline = time.monotonic() + START_TIMEOUT
+        while port not in _remote_ports_of(pid):
+            assert self.process.poll() is None and time.monotonic() < deadline, self.text()
+            time.sleep(0.01)
+
     def wait_for_line(self, text: str) -> str:
         return self.stderr.wait_for(text, START_TIMEOUT)
 
@@ -86,6 +102,38 @@ class Job:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _handles(pid: int, number: int) -> bool:
+    """Whether the process ``pid`` catches the signal ``number`` (a handler of its own, not the default)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (number - 1) & 1)
+
+
+def _environment_of(pid: int) -> dict[str, str]:
+    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def _remote_ports_of(pid: int) -> set[int]:
+    """The remote ports of the TCP connections the process ``pid`` holds open (its sockets' inodes found in
+    /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(descriptor)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
 
 
 @pytest.fixture
@@ -151,14 +199,17 @@ def test_a_launcher_killed_as_its_ranks_start_leaves_none_running(tiny_model_fol
 def test_a_signal_at_any_moment_ends_the_job_in_one_line(tiny_model_folder, start_job, signals, when, status, line):
     job = start_job(*run_arguments(tiny_model_folder("llama"), "--max-new-tokens", "200", "--ignore-eos"))
     if when == "starting":
-        time.sleep(0.5)
+        job.wait_until_it_handles(signal.SIGTERM)  # its handlers are in place (Python alone catches no SIGTERM)
+        job.process.send_signal(signal.SIGSTOP)  # held still while it is checked: no rank has started
+        assert [rank for rank in job.processes().values() if rank is not None] == []
     else:
-        job.rank_pid("1")
+        rank1 = job.rank_pid("1")
         if when == "joining":
-            time.sleep(2)  # the ranks import torch and DeepSpeed, then meet in the process group
+            job.wait_until_connected_to_its_store(rank1)  # torch and DeepSpeed imported: it meets the other rank
     for number in signals:
         job.process.send_signal(number)
         time.sleep(0.05)
+    job.process.send_signal(signal.SIGCONT)  # (held still while starting) the signals are delivered as it goes on
     assert job.end() == status, job.text()
     assert job.our_lines() == [line]
     assert "Traceback" not in job.text() and "KeyboardInterrupt" not in job.text()
@@ -236,18 +287,19 @@ def test_an_unwritable_home_is_one_line_naming_the_folder_and_the_fix(tiny_model
 
 
 def extensions_folder_with_a_lock(tmp_path, built_extension: Path) -> Path:
-    """A TORCH_EXTENSIONS_DIR holding the compiled extension (no compile in the test's job) and a lock file in its
-    build folder."""
+    """A TORCH_EXTENSIONS_DIR holding this install's compiled extension (no compile in the test's job) and a lock
+    file in its build folder."""
     extensions = tmp_path / "extensions"
-    shutil.copytree(built_extension, extensions / built_extension.name, ignore=shutil.ignore_patterns("lock"))
-    (extensions / built_extension.name / "lock").touch()
+    install_folder = built_extension.relative_to(built_extension.parent.parent)  # accelgen-deepspeed-<key>/...
+    shutil.copytree(built_extension, extensions / install_folder, ignore=shutil.ignore_patterns("lock"))
+    (extensions / install_folder / "lock").touch()
     return extensions
 
 
 def test_a_stale_build_lock_is_not_blamed_on_a_shell_working_in_its_folder(tiny_model_folder, tmp_path, start_job,
                                                                            job_environment, built_extension):
     extensions = extensions_folder_with_a_lock(tmp_path, built_extension)
-    lock = next(extensions.glob("*/lock"))
+    lock = next(extensions.glob("*/*/lock"))
     os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left an hour ago by a stopped compile
     shell = subprocess.Popen(["sleep", "600"], cwd=lock.parent)  # someone's shell, not a compile
     try:
@@ -337,7 +389,7 @@ def test_a_wait_on_a_compile_names_the_process_holding_the_lock_and_repeats_with
 def test_a_job_waiting_on_a_compile_says_for_what_and_ctrl_c_ends_it(tiny_model_folder, tmp_path, start_job,
                                                                      job_environment, built_extension):
     extensions = extensions_folder_with_a_lock(tmp_path, built_extension)
-    lock = next(extensions.glob("*/lock"))
+    lock = next(extensions.glob("*/*/lock"))
     compile_at_work = start_a_compile_in(lock.parent, tmp_path)
     try:
         job = start_job(*run_arguments(tiny_model_folder("llama")),

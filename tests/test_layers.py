@@ -68,13 +68,17 @@ def imported_packages(source: str, package: str) -> set[str]:
 
 
 def upward_imports(core: pathlib.Path) -> list[str]:
-    """``module imports package`` for every import of a package that is not below the module's own."""
+    """``module imports package`` for every import of a package that is not below the module's own, and every module
+    outside the layers (a top-level module of core/ other than the facade, a folder that is no layer)."""
     problems = []
     for path in sorted(core.rglob("*.py")):
         parts = path.relative_to(core).parts
         package = parts[0]
-        if package not in LAYERS:
+        if parts == ("__init__.py",):
             continue  # core/__init__.py: the facade over every layer
+        if package not in LAYERS:
+            problems.append(f"{path.relative_to(core).as_posix()} is in no layer (put it in one of {', '.join(LAYERS)})")
+            continue
         # The package a module's relative imports start from: its folder (for __init__.py, the package itself).
         module_package = ".".join(("accelgen",) + parts[:-1])
         for imported in sorted(imported_packages(path.read_text(), module_package)):
@@ -89,9 +93,43 @@ def test_every_layer_imports_only_layers_below_it():
     assert upward_imports(CORE) == []
 
 
+#: Folders of core/ that hold data, not code (the built-in model's files).
+DATA_FOLDERS = {"default_model"}
+
+
+def folders_that_are_not_packages(core: pathlib.Path) -> list[str]:
+    """Every folder under ``core`` (any depth) without an ``__init__.py``, but the data folders and caches: Python would
+    import it as a namespace package, which setuptools' package list leaves out of the installed distribution."""
+    return sorted(path.relative_to(core).as_posix() for path in core.rglob("*")
+                  if path.is_dir() and path.name != "__pycache__" and path.relative_to(core).parts[0] not in DATA_FOLDERS
+                  and not (path / "__init__.py").exists())
+
+
 def test_every_subpackage_of_core_is_a_layer():
-    packages = {path.name for path in CORE.iterdir() if (path / "__init__.py").exists()}
-    assert packages == set(LAYERS)
+    folders = {path.name for path in CORE.iterdir() if path.is_dir() and path.name not in DATA_FOLDERS | {"__pycache__"}}
+    assert folders == set(LAYERS)
+    assert folders_that_are_not_packages(CORE) == []
+
+
+def test_a_folder_without_init_is_found_at_any_depth(tmp_path):
+    (tmp_path / "loading" / "nested" / "deeper").mkdir(parents=True)
+    (tmp_path / "loading" / "__init__.py").write_text("")
+    (tmp_path / "loading" / "nested" / "__init__.py").write_text("")
+    (tmp_path / "default_model").mkdir()  # data: not read
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "planted.py").write_text("")
+    assert folders_that_are_not_packages(tmp_path) == ["jobs", "loading/nested/deeper"]
+
+
+def test_a_module_outside_every_layer_is_found(tmp_path):
+    (tmp_path / "__init__.py").write_text("from accelgen.cli import main\n")  # the facade may
+    (tmp_path / "helpers.py").write_text("from accelgen.cli import main\n")
+    (tmp_path / "extras").mkdir()
+    (tmp_path / "extras" / "__init__.py").write_text("")
+    assert upward_imports(tmp_path) == [
+        "extras/__init__.py is in no layer (put it in one of " + ", ".join(LAYERS) + ")",
+        "helpers.py is in no layer (put it in one of " + ", ".join(LAYERS) + ")",
+    ]
 
 
 @pytest.mark.parametrize(("statement", "layer"), [

@@ -64,6 +64,7 @@ def sharded_for_two(tiny_model_folder, tmp_path_factory):
     return folder_for
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
 def test_a_pre_sharded_model_generates_what_hugging_face_generates(sharded_for_two, tiny_model_folder, tmp_path,
                                                                    cli_environment, architecture):
@@ -253,6 +254,7 @@ def test_bad_shard_requests_are_one_line(tiny_model_folder, tmp_path, capsys, ar
     assert status == 2 and message in error and error.count("\n") == 1
 
 
+@pytest.mark.transformers_release
 def test_a_hub_model_is_read_from_the_cache_by_every_rank(tiny_model_folder, tmp_path, cli_environment):
     """A Hub id, offline, with the model in the Hugging Face cache (as a first download leaves it)."""
     cache = tmp_path / "hub"

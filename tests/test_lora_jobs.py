@@ -85,6 +85,28 @@ def test_conversations_keep_their_rows_adapters(llama_adapters, tmp_path):
     assert [row.get("adapter") for row in rows_of(output)] == names
 
 
+def test_a_row_held_to_its_schema_keeps_its_adapter(llama_adapters, tmp_path):
+    """A dataset row may bring its own JSON Schema (--schema-column) and its adapter: both are its slot's state."""
+    pytest.importorskip("llguidance")
+    folder, adapters = llama_adapters
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rows = tmp_path / "rows.jsonl"
+    chosen = [("a0", schema), (None, schema), ("a1", None), ("a2", schema)]  # the first two: one prompt, two models
+    texts = [TEXTS[0], TEXTS[0], TEXTS[2], TEXTS[3]]
+    rows.write_text("".join(json.dumps({"text": text, "adapter": name, "schema": held}) + "\n"
+                            for text, (name, held) in zip(texts, chosen)))
+    outputs = []
+    for batch_size in ("3", "1"):
+        outputs.append(tmp_path / f"out-{batch_size}.jsonl")
+        assert run("--model", folder, "--dataset", rows, "--lora-column", "adapter", "--schema-column", "schema",
+                   *lora_options(adapters), "--batch-size", batch_size, "--output", outputs[-1]) == 0
+    lines = rows_of(outputs[0])
+    assert [line.get("adapter") for line in lines] == [name for name, _ in chosen]
+    assert all(line["completion"].startswith('{"a":') for line, (_, held) in zip(lines, chosen) if held)
+    assert [line["completion_token_ids"] for line in lines] == [line["completion_token_ids"] for line in rows_of(outputs[1])]
+    assert lines[0]["completion"] != lines[1]["completion"]  # the same prompt and schema, another adapter
+
+
 def test_a_killed_run_resumes_exactly_and_refuses_adapters_of_other_content(llama_adapters, dataset, tmp_path,
                                                                             cli_environment, capsys):
     folder, adapters = llama_adapters
@@ -231,8 +253,8 @@ def test_adapters_of_another_model_or_rank_are_one_line(tiny_model_folder, llama
     (["--lora", "llama={a0}"], "--lora llama=... is named as the model is"),
     (["--lora", "{a0}", "--lora", "a1={a1}"], "--lora PATH without a name is merged into the weights for every row, and goes alone"),
     (["--lora-column", "adapter"], "--lora-column names each row's adapter among those given by name"),
-    (["--lora", "a0={a0}", "--lora-column", "missing"], "Column 'missing' \\(--lora-column\\) is not in the dataset"),
-    (["--lora", "a0={a0}", "--lora-column", "number"], "Column 'number' \\(--lora-column\\) holds int64"),
+    (["--lora", "a0={a0}", "--lora-column", "missing"], "--lora-column 'missing' is not in the dataset"),
+    (["--lora", "a0={a0}", "--lora-column", "number"], "--lora-column 'number' holds int64"),
     (["--lora", "a0={a0}", "--lora-column", "adapter"], "row 2, column 'adapter', names LoRA adapter 'a1', which this run "
                                                         "does not serve \\(it serves 'a0', and the base model"),
     (["--max-loras", "2"], "--max-loras sizes the buffers of named adapters"),

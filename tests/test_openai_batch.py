@@ -196,6 +196,24 @@ def test_a_batch_file_with_logprobs_is_one_line(chat_model, tmp_path, capsys):
     assert status == 2 and "--logprobs is not written into OpenAI batch output lines" in one_error_line(capsys)
 
 
+def test_a_batch_file_with_a_custom_id_twice_is_refused_naming_both_lines_before_the_model_loads(
+        chat_model, tmp_path, capsys, monkeypatch):
+    import accelgen.jobs.completion_job
+
+    requests = [request(number) for number in range(4)]
+    requests[3]["custom_id"] = requests[1]["custom_id"]
+    dataset, output = tmp_path / "requests.jsonl", tmp_path / "out.jsonl"
+    dataset.write_text("".join(json.dumps(line) + "\n" + ("\n" if number == 1 else "")  # a blank line: lines, not rows
+                               for number, line in enumerate(requests)))
+    monkeypatch.setattr(accelgen.jobs.completion_job, "load_request", lambda request: pytest.fail("the model was loaded"))
+    status = main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--output",
+                   str(output), "--limit", "2"])  # the file is refused whole, as OpenAI refuses it
+    assert status == 2 and one_error_line(capsys) == (
+        f"accelgen: error: Batch file '{dataset}' has custom_id 'request-1' on line 2 and again on line 5: each request "
+        f"needs its own custom_id (its result is found by it); rename one of them.\n")
+    assert not output.exists()
+
+
 def test_a_changed_request_file_is_not_resumed(chat_model, tmp_path, capsys):
     requests = [request(number, temperature=0) for number in range(4)]
     dataset, output = write_requests(tmp_path / "requests.jsonl", requests), tmp_path / "out.jsonl"

@@ -25,7 +25,7 @@ class UnavailableAccelerator(accelgen.Accelerator):
     name = "npu"
     supported_dtypes = ("bfloat16",)
     default_dtype = "bfloat16"
-    captures_by_default = True
+    tuning = accelgen.Tuning(captures_by_default=True)
     priority = 50
 
     def is_available(self):
@@ -209,10 +209,25 @@ class UnknownScheme(UnavailableAccelerator):
     quantization_schemes = ("int8", "int3")
 
 
+class KnobsOnItself(UnavailableAccelerator):
+    """Written before the tuning knobs moved into ``accelgen.Tuning``: the core would never read them here."""
+
+    name = "vpu"
+    packs_prompts = True
+
+
+class TuningOfAnotherKind(UnavailableAccelerator):
+    name = "dpu"
+    tuning = {"captures_by_default": True}
+
+
 @pytest.mark.parametrize("accelerator, device, problem", [
     (OldStyleAccelerator(), "tpu", "registers OldStyleAccelerator, which lacks dist_backend, supported_dtypes, "),
     (WrongDtypes(), "xpu", "registers 'xpu' with supported_dtypes ('bfloat16', 'float8') and default_dtype 'float16'"),
     (UnknownScheme(), "ipu", "registers 'ipu' with quantization_schemes ('int8', 'int3'): each must be one of int8, fp8"),
+    (KnobsOnItself(), "vpu", "registers KnobsOnItself setting packs_prompts on itself: these are accelgen.Tuning's"),
+    (TuningOfAnotherKind(), "dpu", "registers TuningOfAnotherKind with tuning {'captures_by_default': True}: it must "
+                                   "be an accelgen.Tuning"),
 ])
 def test_a_broken_accelerator_is_refused_at_registration_with_one_line(accelerator, device, problem, capsys):
     plugin_manager = get_plugin_manager(load_entry_points=False)

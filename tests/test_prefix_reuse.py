@@ -36,6 +36,7 @@ def block_bytes(folder) -> int:
     return kv_cache_bytes_per_position(AutoConfig.from_pretrained(folder), "float32", 1) * BLOCK_TOKENS
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_a_row_has_the_same_tokens_with_and_without_reuse(tiny_model_folder, family, sampled):
@@ -53,6 +54,7 @@ def test_a_row_has_the_same_tokens_with_and_without_reuse(tiny_model_folder, fam
     assert warm.stats.prefilled_tokens <= prompt_tokens - warm.stats.reused_tokens + len(PROMPTS) * BLOCK_TOKENS
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("settings", [dict(batching="static"), dict(num_samples=3, do_sample=True, seed=2),
                                       dict(dtype="bfloat16", quantize="int8")], ids=["static", "samples", "int8"])
 def test_reuse_with_fixed_batches_several_samples_and_int8_weights(tiny_model_folder, settings):
@@ -62,14 +64,29 @@ def test_reuse_with_fixed_batches_several_samples_and_int8_weights(tiny_model_fo
     assert with_reuse == without and generator.stats.prefix_hits > 0
 
 
-def test_a_store_too_small_for_one_block_reuses_nothing_and_changes_nothing(tiny_model_folder):
+@pytest.mark.parametrize("size", ["1.5", "1KiB"])
+def test_a_store_too_small_for_one_block_is_one_line_naming_the_smallest_size(tiny_model_folder, capsys, monkeypatch,
+                                                                              size):
+    """Such a store would hold nothing: reuse off, the summary saying "store 0 MiB"."""
+    import accelgen.jobs.completion_job
+
     folder = tiny_model_folder("opt")
-    without, _ = token_ids(folder, prefix_cache=0, batch_size=2)
-    with_reuse, generator = token_ids(folder, prefix_cache=block_bytes(folder) - 1, batch_size=2)
-    assert with_reuse == without
-    assert generator.stats.reused_tokens == 0 and generator.stats.prefilled_tokens == generator.stats.prompt_tokens
+    block = block_bytes(folder)
+    capsys.readouterr()
+    monkeypatch.setattr(accelgen.jobs.completion_job, "load_request", lambda request: pytest.fail("the model was loaded"))
+    status = main(["run", "--device", "cpu", "--model", str(folder), "--prompt", "Hello", "--prefix-cache", size])
+    asked = {"1.5": 1, "1KiB": 1024}[size]
+    assert status == 2 and one_error_line(capsys) == (
+        f"accelgen: error: --prefix-cache {asked:,} bytes holds no block of prompt keys and values: one block (16 "
+        f"positions over every layer, in float32) takes {block:,} bytes of this model; pass at least "
+        f"{-(-block // 1024)}KiB (a store holds many blocks), or 0 to turn prefix reuse off.\n")
+    monkeypatch.undo()
+    with pytest.raises(accelgen.UsageError, match="holds no block of prompt keys and values"):
+        accelgen.load(folder, device="cpu", prefix_cache=block - 1)
+    assert token_ids(folder, prefix_cache=block)[1].stats.prefix_store_bytes == block  # one block: reuse on
 
 
+@pytest.mark.transformers_release
 def test_a_store_holding_part_of_a_prefix_reuses_that_part(tiny_model_folder):
     folder = tiny_model_folder("llama")
     without, _ = token_ids(folder, prefix_cache=0, batch_size=1)
@@ -159,6 +176,14 @@ def test_the_memory_advice_counts_the_store_beside_the_kv_cache(tiny_model_folde
     assert "of the prefix store (--prefix-cache SIZE, or 0):" in line
 
 
+def test_a_store_larger_than_any_machine_is_parsed_and_refused_in_a_true_sentence(tiny_model_folder, capsys):
+    folder = str(tiny_model_folder("llama"))
+    capsys.readouterr()
+    status = main(["run", "--device", "cpu", "--model", folder, "--prompt", "Hello", "--prefix-cache", "1PiB"])
+    line = one_error_line(capsys)  # not "is not a memory size"
+    assert status == 2 and "--prefix-cache 1,048,576.00 GiB is more than the" in line and "free on the device" in line
+
+
 @pytest.mark.parametrize("value", ["lots", "-1GiB"])
 def test_a_bad_store_size_is_one_line(tiny_model_folder, capsys, value):
     folder = str(tiny_model_folder("llama"))
@@ -167,6 +192,7 @@ def test_a_bad_store_size_is_one_line(tiny_model_folder, capsys, value):
     assert status == 2 and "--prefix-cache" in one_error_line(capsys)
 
 
+@pytest.mark.transformers_release
 def test_conversations_share_their_system_prompt_as_a_prefix(tiny_model_folder, tmp_path, capsys):
     folder = tmp_path / "chat-llama"
     shutil.copytree(tiny_model_folder("llama"), folder)

@@ -82,6 +82,7 @@ def test_int8_parameters_take_at_most_0_55_of_bfloat16s(tmp_path):
     assert sizes["int8"] <= 0.55 * sizes[None]
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
 def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architecture):
     """Rounding a weight to the nearest of 255 levels per row moves it by at most half a step, absmax / 254;
@@ -95,6 +96,7 @@ def test_int8_logits_stay_within_the_rounding_bound(tiny_model_folder, architect
     assert 0 < error < 0.05
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize("architecture", ["bloom", "llama", "opt"])
 @pytest.mark.parametrize("one_token_per_pass, batch_size", [(True, 1), (False, 4)], ids=["one-row", "rows"])
 def test_int8_logits_of_quantized_rows_stay_within_the_rounding_bound(tiny_model_folder, architecture,
@@ -245,23 +247,40 @@ def test_layers_taking_one_input_in_turn_see_it_as_it_is_when_each_runs(kernel):
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
-def test_whichever_kernel_a_shape_is_measured_fastest_with_the_completions_are_the_same(tiny_model_folder, monkeypatch,
-                                                                                     graphs):
-    """Which int8 kernel each weight shape takes is measured at load (so it may differ from run to run and from
-    machine to machine); the completions must not depend on it, eager or captured."""
+def test_whichever_kernel_a_layer_takes_the_completions_are_the_same(tiny_model_folder, monkeypatch, graphs):
+    """Which int8 kernel a layer takes depends on the processor's instructions and the decode step's rows
+    (``int8_kernel_for``), so it differs from machine to machine; the completions must not depend on it, eager or
+    captured."""
     folder = str(tiny_model_folder("llama"))
     completions_by_kernel = {}
     for kernel in available_kernels():
-        monkeypatch.setattr(int8_kernels, "_seconds_of_product", lambda weight, scales, rows, candidate, kernel=kernel,
-                            **_: 0.0 if candidate == kernel else 1.0)
+        monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels, kernel=kernel: kernel)
         completions_by_kernel[kernel], generator = completions(
             folder, dtype="float32", quantize="int8", batch_size=4, graphs=graphs,
             plugin_manager=plugin_manager_with(CapturingCpu()) if graphs else None)
         products = {type(layer.product) for layer in generator.model.modules() if isinstance(layer, Int8Linear)}
         assert (PackedInt8Product in products) == (kernel == "packed")
         assert (FusedInt8Product in products) == (kernel == "fused")
-    assert set(completions_by_kernel) == set(KERNELS)  # this machine runs them all (AVX-512 VNNI, oneDNN)
+    assert {"rows", "columns"} <= set(completions_by_kernel)  # torch's own run everywhere; the others where built
     assert all(completions == completions_by_kernel["rows"] for completions in completions_by_kernel.values())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64])
+@pytest.mark.parametrize("in_features", [256, 682])
+def test_the_kernel_a_layer_takes_is_a_rule_over_the_instructions_and_the_rows(rows, in_features):
+    """The fused kernel where it is built (AVX-512 VNNI) up to FUSED_ROWS_AT_MOST rows, oneDNN's packed product past
+    them and wherever the fused one is missing, ``_int_mm`` over the stored weight where oneDNN's is missing too; a
+    layer whose rows are not a multiple of 16 values takes the fused kernel, else the plain product."""
+    with_fused, without = ("rows", "columns", "packed", "fused"), ("rows", "columns", "packed")
+    for kernels in (with_fused, without):
+        kernel = int8_kernels.int8_kernel_for(rows, in_features, kernels)
+        if in_features % 16:
+            assert kernel == ("fused" if "fused" in kernels else None)
+        elif "fused" in kernels and rows <= int8_kernels.FUSED_ROWS_AT_MOST:
+            assert kernel == "fused"
+        else:
+            assert kernel == "packed"
+    assert int8_kernels.int8_kernel_for(rows, 256, ("rows", "columns")) == "rows"  # no oneDNN in this torch
 
 
 def test_a_compiled_bfloat16_product_rounds_as_the_eager_one_whichever_kernel_a_shape_takes():
@@ -282,6 +301,7 @@ def test_a_compiled_bfloat16_product_rounds_as_the_eager_one_whichever_kernel_a_
         assert torch.equal(out, eager), kernel
 
 
+@pytest.mark.transformers_release
 def test_the_quantized_decode_step_is_captured_once_and_writes_what_the_eager_one_writes(tiny_model_folder):
     folder = str(tiny_model_folder("llama"))
     eager, _ = completions(folder, dtype="bfloat16", quantize="int8", batch_size=2, graphs=False)

@@ -131,3 +131,23 @@ def test_a_mistake_in_the_rows_is_not_tried_again(tiny_model_folder, tmp_path, j
     assert ended.returncode == 2
     assert not restart_lines(ended.stderr)
     assert "more than the largest bucket" in one_error_line_in(ended.stderr.splitlines(keepends=True)[-1])
+
+
+@pytest.mark.parametrize("parallel", [["--world-size", "2"], ["--world-size", "2", "--data-parallel", "2"]],
+                         ids=["tensor-parallel", "data-parallel"])
+def test_a_job_whose_every_row_is_an_error_row_exits_3_once_without_a_restart(tiny_model_folder, tmp_path,
+                                                                              job_environment, parallel):
+    """Rank 0 says it and exits 3; the launcher passes the status on, adds no line and starts no worker again."""
+    pytest.importorskip("deepspeed")
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text('{"text": null}\n' * 5)
+    output = tmp_path / "out.jsonl"
+    ended = subprocess.run(command_of(tiny_model_folder("bloom"), str(dataset), *parallel, "--skip-bad-rows",
+                                      "--output", str(output)), env=job_environment, capture_output=True, text=True,
+                           timeout=300)
+    assert ended.returncode == 3, ended.stderr
+    assert not restart_lines(ended.stderr) and "Traceback" not in ended.stderr
+    assert ended.stderr.splitlines()[-1] == (
+        f"accelgen: error: none of the 5 rows could be completed: each was written as an error row in {output} "
+        f"(finish_reason \"error\", the reason in \"error\"): fix them, then run again with --overwrite.")
+    assert [json.loads(line)["finish_reason"] for line in output.read_text().splitlines()] == ["error"] * 5

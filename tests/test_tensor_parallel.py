@@ -57,6 +57,7 @@ def rows_of(path):
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line]
 
 
+@pytest.mark.transformers_release
 @pytest.mark.parametrize(
     "architecture, batch_size", [("bloom", 2), ("bloom", 1), ("llama", 2), ("llama", 1), ("opt", 2)]
 )
@@ -170,6 +171,7 @@ def test_ctrl_c_stops_every_worker(tiny_model_folder, job_environment):
     assert processes_of(job_environment) == []
 
 
+@pytest.mark.transformers_release
 def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environment):
     port = free_port()
     result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--master-port", str(port), "--model",
@@ -258,6 +260,7 @@ def test_bad_parallel_settings_are_one_line(tiny_model_folder, capsys, arguments
     assert error.count("\n") == 1 and message in error
 
 
+@pytest.mark.transformers_release
 def test_multi_query_model_cannot_split_its_single_key_value_head(tiny_model_folder, capsys):
     argv = ["run", "--device", "cpu", "--model", str(tiny_model_folder("falcon")), "--prompt", "a", "--world-size", "2"]
     assert main(argv) == 2

@@ -11,6 +11,7 @@ A batch size that runs out of device memory is recorded as ``"oom"`` and the swe
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -55,6 +56,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
             sized.generate(prompts, adapters)
         kept_before, places_before = sized.stats.new_tokens, sized.stats.slot_tokens
         prompts_before = prompt_counts(sized.stats)
+        mask_seconds_before = sized.stats.mask_seconds
         for _ in range(protocol.runs):
             accelerator.synchronize()
             started = time.perf_counter()
@@ -88,6 +90,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "slot_occupancy": (sized.stats.new_tokens - kept_before) / max(sized.stats.slot_tokens - places_before, 1),
         # over the timed runs (the prefix store is off unless asked, so that each run prefills as published)
         **{name: count - prompts_before[name] for name, count in prompt_counts(sized.stats).items()},
+        **structure_figures(sized, timings, sized.stats.mask_seconds - mask_seconds_before),
         "graph_captures": sized.stats.graph_captures,
         "capture_seconds": sized.stats.capture_seconds,
         "memory": accelerator.memory_stats(),
@@ -98,6 +101,16 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         "lora_rows": dict(sized.stats.adapter_rows) if names else None,
         "lora_loads": sized.stats.adapter_loads if names else None,
     }
+
+
+def structure_figures(generator: Generator, timings, mask_seconds: float) -> dict[str, Any]:
+    """With a structure (``bench --json-schema`` ...): the rows held to it per run, its grammar's compile time (once,
+    in the warm-up), and the host's work of following their tokens over the timed runs' decode time."""
+    if generator.run.structure is None:
+        return {}
+    decode_seconds = sum(timing.decode_seconds for timing in timings)
+    return {"constrained_rows": generator.run.batch_size, "grammar_compile_seconds": generator.stats.grammar_compile_seconds,
+            "mask_share": mask_seconds / decode_seconds if decode_seconds else None}
 
 
 def prompt_counts(stats) -> dict[str, int]:
@@ -180,6 +193,8 @@ def measurement_record(
         "world_size": generator.world.size,
         "dtype": generator.run.dtype,
         "quantize": generator.run.quantize,  # the weights' scheme (None: the weights are in dtype)
+        # what every completion was held to (bench --json-schema, --regex, --choice), None when nothing
+        "structure": None if generator.run.structure is None else dataclasses.asdict(generator.run.structure),
         "graphs": bool(generator.run.use_graphs) and generator.capture_failure is None,
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,

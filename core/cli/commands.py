@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import json
 import signal
 import sys
 import warnings
@@ -24,11 +24,12 @@ from accelgen.cli.terminal import (
     discard_output_to,
     flush_output,
     print_batch,
+    print_error_rows,
     print_summary,
     quiet_libraries,
     show_our_warnings_as_lines,
 )
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError, user_errors
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS, UsageError
 from accelgen.common.output_files import holds_rows
 from accelgen.common.settings import World
 from accelgen.parallel.launcher import record_worker_failure, running_as_worker
@@ -37,6 +38,10 @@ from accelgen.parallel.worker_processes import lost_a_peer, restarts_so_far, wri
 if TYPE_CHECKING:
     from accelgen.plugin.manager import PluginManager
     from accelgen.session.request import Request
+
+
+#: The largest --json-schema file read: a schema of many kilobytes is large; a file of megabytes is not one.
+SCHEMA_MOST_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +55,8 @@ class Invocation:
 
 
 def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None = None) -> int:
-    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 141 when the
+    """Entry point of the ``accelgen`` script; returns the exit status (2 for a user mistake, 3 when every row of
+    the run's output is an error row (``--skip-bad-rows``), 141 when the
     reader of the output closed it: the command stops quietly, what it wrote to files is kept; 128 + the
     signal's number when SIGTERM or SIGHUP stopped it, what it made for itself removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -115,22 +121,30 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
 
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
-        return devices_command(plugin_manager)
+        return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
     return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
 
 
-def devices_command(plugin_manager: PluginManager) -> int:
+def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
+    """List every accelerator, and under each available one what its plugin's own kernels are (``describe()``'s
+    ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first."""
     from accelgen.plugin.isolation import SKIP_VARIABLE
     from accelgen.plugin.registry import accelerator_registry
 
     registry = accelerator_registry(plugin_manager)
     for accelerator in registry.accelerators.values():
-        if accelerator.is_available():
+        available = accelerator.is_available()
+        if available and prepare:
+            for line in accelerator.prepare_machine():
+                print(f"{accelerator.name}: {line}", file=sys.stderr)
+        if available:
             status = f"available, {accelerator.device_count()} device(s)" + "".join(
                 f", --quantize {scheme}" for scheme in accelerator.quantization_schemes)
         else:
             status = f"unavailable: {accelerator.unavailable_reason()}"
         print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
+        if available and (kernels := accelerator.describe().get("kernels")):
+            print(f"{'':<8} {kernels}")
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
     for plugin in registry.skipped:
@@ -151,8 +165,15 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         from accelgen.jobs.completion_job import open_job
         from accelgen.jobs.dataset_rows import DatasetRequest
 
+        if arguments.schema_column and not arguments.dataset:
+            raise UsageError("--schema-column names a column of --dataset holding each row's schema: pass --dataset, "
+                             "or --json-schema FILE for the --prompt texts.")
         request = _request(arguments, plugin_manager, _replica_world(invocation),
-                           chat_template=_chat_template(arguments.chat_template_file))
+                           chat_template=_chat_template(arguments.chat_template_file),
+                           json_schema=_json_schema(arguments.json_schema_file))
+        # before the output is opened: each rank of a replica holds a store of its share of the heads
+        request.check_prefix_store(request.world.size if invocation.worker
+                                   else max(1, (arguments.world_size or 1) // arguments.data_parallel))
         if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
@@ -163,7 +184,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
-        adapter_column=arguments.lora_column, adapters=request.run.lora,
+        schema_column=arguments.schema_column, adapter_column=arguments.lora_column, adapters=request.run.lora,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
@@ -178,12 +199,25 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
 
 
 def _chat_template(path: str | None) -> str | None:
-    """The text of the ``--chat-template`` file, or None."""
+    """The text of the ``--chat-template`` file, checked, or None."""
     if path is None:
         return None
-    with user_errors(f"Cannot read --chat-template {path!r}", "pass a readable UTF-8 file holding a Jinja chat template"):
-        with open(os.path.expanduser(path), encoding="utf-8") as file:
-            return file.read()
+    from accelgen.jobs.chat_template import read_chat_template
+
+    return read_chat_template(path)
+
+
+def _json_schema(path: str | None) -> object:
+    """The JSON Schema of the ``--json-schema`` file (a small regular file; checked further by the request), or None."""
+    if path is None:
+        return None
+    from accelgen.common.errors import user_errors
+    from accelgen.common.input_files import read_small_text_file
+
+    fix = "pass a UTF-8 file holding a JSON Schema, e.g. {\"type\": \"object\", \"properties\": {...}}"
+    text = read_small_text_file(path, "--json-schema", SCHEMA_MOST_BYTES, fix)
+    with user_errors(f"--json-schema {path!r} is not JSON", fix):
+        return json.loads(text)
 
 
 def _replica_world(invocation: Invocation) -> World:
@@ -209,14 +243,17 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         if is_main:
             print(f"accelgen: all {job.rows.total} rows are already in {job.output}; nothing to do.", file=sys.stderr)
         return 0
-    if job.done and is_main:
-        print(f"accelgen: resuming: {job.done} rows already in {job.output}", file=sys.stderr)
+    if (job.done or job.samples_kept) and is_main:
+        samples = f", and {job.samples_kept} samples of row {job.done}" if job.samples_kept else ""
+        print(f"accelgen: resuming: {job.done} rows already in {job.output}{samples}", file=sys.stderr)
     report = complete(request, job, on_batch=None if arguments.quiet else print_batch,
-                      show_progress=bool(arguments.dataset))
+                      show_progress=bool(arguments.dataset) or arguments.num_samples > 1)
+    every_row_failed = False
     if is_main:
         print_summary(report)
+        every_row_failed = print_error_rows(*job.error_rows(report), job.output)
     leave_process_group()
-    return 0
+    return EVERY_ROW_FAILED_STATUS if every_row_failed else 0
 
 
 def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
@@ -236,7 +273,7 @@ def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         check_output_path(arguments.output, arguments.overwrite)
     # sized for the largest batch of the sweep: what --offload keeps room for on the device
     request = _request(arguments, plugin_manager, invocation.world, ignore_eos=True,
-                       batch_size=max(protocol.batch_sizes))
+                       batch_size=max(protocol.batch_sizes), json_schema=_json_schema(arguments.json_schema_file))
     return _here_or_launched(invocation, request, lambda: _measure(arguments, request, protocol))
 
 
@@ -357,12 +394,13 @@ def _here_or_launched(invocation: Invocation, request: Request, command: Callabl
         if arguments.world_size not in (None, job_size):
             raise UsageError(f"--world-size {arguments.world_size} differs from the launcher's {job_size} ranks.")
     elif arguments.world_size not in (None, 1) or data_parallel > 1:
-        from accelgen.parallel.launcher import launch_job, plan_launch
+        from accelgen.parallel.launcher import check_node_devices, launch_job, plan_launch
 
         # restarted workers resume an output; without one they would print every completion again
         restarts = getattr(arguments, "max_restarts", 0) if getattr(arguments, "output", None) else 0
         plan = plan_launch(arguments.world_size or 1, arguments.nnodes, arguments.node_rank, arguments.master_addr,
                            arguments.master_port, data_parallel, restarts, arguments.node_wait)
+        check_node_devices(request.accelerator, plan)
         request.check_world_size(plan.world_size, data_parallel)
         quiet_libraries()
         ended = launch_job(request.accelerator, plan, invocation.argv)

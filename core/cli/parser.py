@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import textwrap
 
 from accelgen.bench.compare import METRICS
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "{role, content} or ShareGPT {from, value} messages) (default: text)")
     data.add_argument("--limit", type=_number("limit"), help=_with_range("complete only the first N rows", "limit"))
     data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
+    data.add_argument("--schema-column", metavar="COLUMN",
+                      help="column holding each row's own JSON Schema (an object, or its JSON text): the row's "
+                           "completion is held to it (as --json-schema holds every row's)")
     data.add_argument("--lora-column", metavar="COLUMN",
                       help="column naming each row's LoRA adapter (a NAME of --lora NAME=PATH; empty or null: the base "
                            "model); an OpenAI batch file names it by each request's body.model instead")
@@ -74,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
     chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
                       help="a Jinja chat template to render conversations with, instead of the tokenizer's")
+    chat.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object("--chat-template-kwargs"),
+                      help="more variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'")
+    _add_structure_arguments(run, json_flag=True)
     run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=RunSettings.max_new_tokens,
                      help=_with_range(f"default {RunSettings.max_new_tokens}", "max_new_tokens"))
     run.add_argument("--max-input-tokens", type=_number("max_input_tokens"), help=_with_range("keep only the first N tokens of each prompt", "max_input_tokens"))
@@ -137,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", help="write the result file (JSON) here")
     bench.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     bench.add_argument("--json", action="store_true", help="print the result document to stdout")
+    _add_structure_arguments(bench, json_flag=False)  # its --json prints the result document
     _add_offload_arguments(bench)
     _add_parallel_arguments(bench)
 
@@ -162,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
     _add_parallel_arguments(shard)
 
-    commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
+    devices = commands.add_parser("devices", help="list every registered accelerator and whether it can run here")
+    devices.add_argument("--prepare", action="store_true",
+                         help="do each available device's once-per-machine work now (the CPU: build its C++ kernels), "
+                              "ahead of the first job: for images, cluster nodes and CI")
     return parser
 
 
@@ -187,6 +198,34 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="capture the decode step as a graph (default: the device decides)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the Hub to run")
+
+
+def _add_structure_arguments(parser: argparse.ArgumentParser, json_flag: bool) -> None:
+    """The options that hold every completion to a structure (one of them at most; needs accelgen[structured])."""
+    structure = parser.add_argument_group("structured output: every completion held to one structure "
+                                          "(pip install \"accelgen[structured]\")")
+    structure.add_argument("--json-schema", metavar="FILE", dest="json_schema_file",
+                           help="a JSON Schema (a .json file) every completion is a JSON value of")
+    if json_flag:
+        structure.add_argument("--json", action="store_true", dest="json_object", help="every completion a JSON object")
+    structure.add_argument("--regex", metavar="PATTERN", help="a regular expression every whole completion matches")
+    structure.add_argument("--choice", action="append", dest="choices", metavar="TEXT",
+                           help="a text every completion may be; repeat for each choice")
+
+
+def _json_object(flag: str):
+    """The argparse ``type`` of an option holding a JSON object."""
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise UsageError(f"{flag} is not JSON ({error}): give a JSON object, e.g. '{{\"enable_thinking\": false}}'.") from None
+        if not isinstance(value, dict):
+            raise UsageError(f"{flag} must be a JSON object of template variables, e.g. '{{\"enable_thinking\": false}}'.")
+        return value
+
+    return parse
 
 
 def _add_offload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -60,6 +60,23 @@ def describe_plugin(accelerator: Accelerator) -> str:
     return f"{module} from {package}" if package else module
 
 
+def print_error_rows(error_rows: int, rows: int, output: str | None) -> bool:
+    """Say on stderr how many of the job's ``rows`` are error rows (``--skip-bad-rows``), if any; when every one is, as
+    an error line. Whether every row is one (the run then exits with ``EVERY_ROW_FAILED_STATUS``)."""
+    if not error_rows:
+        return False
+    where = f" in {output}" if output else ""
+    if error_rows == rows:
+        fix = "fix them, then run again with --overwrite" if output else "fix them and run again"
+        none = f"none of the {rows} rows could be completed: each was" if rows > 1 else "the one row could not be completed: it was"
+        print(f"accelgen: error: {none} written as an error row{where} (finish_reason \"error\", the reason in \"error\"): "
+              f"{fix}.", file=sys.stderr)
+        return True
+    print(f"accelgen: {error_rows} of {rows} rows could not be completed and were written as error rows{where} "
+          f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
+    return False
+
+
 def print_summary(report: "RunReport") -> None:
     """On stderr: one line of tokens, speed, load time, device, dtype, world size and graph captures; one of
     each replica's rows and tokens and the job's rows/s, with --data-parallel; one of where offloaded weights
@@ -75,7 +92,8 @@ def print_summary(report: "RunReport") -> None:
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
-        + _prompt_figures(report.prompts) + ("" if report.adapters is None else f"; {report.adapters.describe()}"),
+        + _prompt_figures(report.prompts) + _structure_figures(report.structure)
+        + ("" if report.adapters is None else f"; {report.adapters.describe()}"),
         file=sys.stderr,
     )
     if report.replicas:
@@ -83,9 +101,6 @@ def print_summary(report: "RunReport") -> None:
             f"replica {replica.replica}: {replica.rows} rows, {replica.new_tokens} kept tokens in {replica.seconds:.2f} s"
             for replica in report.replicas) + f"; the job: {report.rows} rows in {report.generate_seconds:.2f} s "
             f"({report.rows_per_second:.2f} rows/s)" + _held_back(report.replicas), file=sys.stderr)
-    if report.error_rows:
-        print(f"accelgen: {report.error_rows} row(s) could not be completed and were written as error rows "
-              f"(finish_reason \"error\", with the reason in \"error\")", file=sys.stderr)
     if report.offload is not None:
         print(f"accelgen: {report.offload}", file=sys.stderr)
     print_rank_memory(report.rank_memory, report.unsharded_parameter_bytes)
@@ -102,6 +117,15 @@ def _prompt_figures(prompts) -> str:
     hits = f"{prompts.prefix_hits} prompt{'' if prompts.prefix_hits == 1 else 's'}"
     return said + (f", {prompts.reused:,} from the prefix store ({hits} found a beginning there; store "
                    f"{prompts.prefix_store_bytes / 2**20:,.0f} MiB)")
+
+
+def _structure_figures(structure) -> str:
+    """What the summary line says of rows held to a structure: how many, their grammars' compile time, and the
+    host's share of the decode time spent following their tokens."""
+    if structure is None:
+        return ""
+    share = "" if structure.mask_share is None else f", masks {100 * structure.mask_share:.1f}% of decode time"
+    return f"; {structure.rows} rows constrained (grammars compiled in {structure.compile_seconds:.3f} s{share})"
 
 
 def _held_back(replicas: list) -> str:
@@ -181,6 +205,8 @@ def bench_progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
         f"{row['tokens_per_second']:.1f} tokens/s, {row['ms_per_token_per_sequence']:.2f} ms/token/sequence, "
         f"roofline {'unknown' if roofline is None else f'{roofline:.1f}%'}, graph captures {row['graph_captures']}"
         + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
+        + ("" if row.get("mask_share") is None else f", masks {100 * row['mask_share']:.1f}% of decode time "
+           f"({row['constrained_rows']} rows constrained, grammar compiled in {row['grammar_compile_seconds']:.3f} s)")
         + ("" if not row.get("lora_rows") else "; LoRA rows " + ", ".join(
             f"{name} {count}" for name, count in row["lora_rows"].items()) + f", {row['lora_loads']} loads")
     )

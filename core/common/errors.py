@@ -17,6 +17,10 @@ from typing import Callable, Iterator
 FILE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError)
 
 
+#: The exit status of a run that wrote only error rows (``--skip-bad-rows``): none of its rows could be completed, which
+#: a script must be able to tell from success (a run with some error rows among completed ones exits 0).
+EVERY_ROW_FAILED_STATUS = 3
+
 #: The exit status when the reader of our standard output went away (``accelgen run ... | head -1``): a shell's
 #: status of a process ended by SIGPIPE (128 + 13), which is what closing a pipe ends a command with by convention.
 CLOSED_OUTPUT_STATUS = 141

@@ -49,17 +49,26 @@ class Conversation:
 def as_conversation(value: object) -> tuple[Conversation | None, str | None]:
     """``value`` (a list of ``{role, content}`` or ShareGPT ``{from, value}`` messages) as a conversation, or
     why it cannot be one, as a clause."""
+    if isinstance(value, str):
+        return None, ("is a text, not a conversation (a list of {role, content} messages): make it one, e.g. "
+                      "[{\"role\": \"user\", \"content\": ...}], or remove that row")
     if not isinstance(value, (list, tuple)) or not value:
         return None, "is not a conversation (a non-empty list of {role, content} messages): fix it, or remove that row"
     messages = []
     for number, message in enumerate(value):
         if isinstance(message, dict) and "from" in message and "role" not in message:  # ShareGPT
-            role = SHAREGPT_ROLES.get(message.get("from"), message.get("from"))
-            message = {"role": role, "content": message.get("value")}
+            speaker = message.get("from")
+            if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+                return None, (f"message {number} is from {speaker!r}, not one of ShareGPT's speakers "
+                              f"({', '.join(SHAREGPT_ROLES)}): fix it, or remove that row")
+            message = {"role": SHAREGPT_ROLES[speaker], "content": message.get("value")}
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             return None, (f"message {number} is not {{role, content}} text (or ShareGPT's {{from, value}}): fix it, "
                           f"or remove that row")
+        problem = text_problem(message["content"])
+        if problem:
+            return None, f"message {number} {problem}"
         messages.append({"role": message["role"], "content": message["content"]})
     if not any(message["content"].strip() for message in messages):
         return None, "is a conversation with no text: give it some, or remove that row"
@@ -75,13 +84,13 @@ class BadPrompt:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRequest:
-    """A prompt that brings its own settings (a line of an OpenAI batch file): ``prompt`` is a text, a
-    conversation, or a BadPrompt (a request that cannot be served: an error row); ``fields`` are what its
-    output line names it by (``custom_id``, ``url``), handed back with its completion."""
+    """A prompt that brings its own settings (a line of an OpenAI batch file, a dataset row with its own schema):
+    ``prompt`` is a text, a conversation, or a BadPrompt (a request that cannot be served: an error row); ``fields``
+    are what its output line names it by (``custom_id``, ``url``), handed back with its completion."""
 
     prompt: str | Conversation | BadPrompt
     settings: RowSettings
-    fields: dict
+    fields: dict | None  # None: the row's output line holds no request (a dataset row held to its own schema)
 
 
 def prompt_problem(text: object) -> str | None:
@@ -102,12 +111,22 @@ def prompt_problem(text: object) -> str | None:
         return f"holds {type(text).__name__}, not text: give it text, or choose a text column"
     if not text.strip():
         return "is empty: give it some text, or remove it"
+    return text_problem(text)
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` holds something that is not text, with the fix, as a clause; None when it is all text. Bytes that
+    are not UTF-8 reach Python from a shell as surrogates 0xDC80 + byte (their ``surrogateescape`` form); any other
+    surrogate alone is half of a UTF-16 pair (a JSON ``\\ud800`` escape without its other half)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        byte = ord(text[error.start]) & 0xFF  # a surrogate 0xDC80 + b stands for the undecodable byte b
-        return (f"is not UTF-8 text (byte 0x{byte:02x} at character {error.start}): convert it to UTF-8, "
-                f"e.g. with iconv -t UTF-8")
+        code = ord(text[error.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            return (f"is not UTF-8 text (byte 0x{code & 0xFF:02x} at character {error.start}): convert it to UTF-8, "
+                    f"e.g. with iconv -t UTF-8")
+        return (f"holds a lone surrogate (U+{code:04X} at character {error.start}, half of a UTF-16 pair without its "
+                f"other half, which is no character): remove it, or give it its pair")
     return None
 
 

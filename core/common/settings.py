@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from accelgen.common.errors import UsageError
+from accelgen.common.structure import Structure
 
 #: The small BLOOM-architecture model shipped with accelgen, used when no --model is given (rebuilt by
 #: examples/build_default_model.py); named in ``--help`` so that it can be sharded or benched by its path.
@@ -64,6 +65,7 @@ class RowSettings:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     num_samples: int | None = None
+    structure: Structure | None = None  # what its completion is held to (a JSON schema, a regex, choices)
     adapter: str | None = None  # the name of the LoRA adapter it is completed with (``AdapterSettings``); None: the base
 
 
@@ -102,11 +104,13 @@ class AdapterSettings:
 class ChatSettings:
     """How prompts meet an instruction model's chat template. ``text_as_user`` (``--chat``): each text prompt is
     one user message; ``system_prompt``: a system message put first in every conversation that has none;
-    ``template``: a Jinja chat template used instead of the tokenizer's own."""
+    ``template``: a Jinja chat template used instead of the tokenizer's own; ``template_kwargs``: more variables
+    the template is rendered with (``{"enable_thinking": false}``)."""
 
     text_as_user: bool = False
     system_prompt: str | None = None
     template: str | None = None
+    template_kwargs: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,18 +150,28 @@ class RunSettings:
     rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
     prefix_cache: int | None = None  # bytes of prompt-prefix blocks kept on the device; 0: no reuse; None: a default
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt positions a prefill pass runs at most; 0: a prompt in one pass
+    structure: Structure | None = None  # what every row's completion is held to (--json-schema, --json, --regex, --choice)
+    structured_rows: bool = False  # rows may bring their own structure (a schema column, batch requests' response_format)
     lora: AdapterSettings = AdapterSettings()  # fine-tuned adapters: chosen row by row, or one merged for every row
+
+    @property
+    def constrained(self) -> bool:
+        """Whether rows may be held to a structure: the decode step then takes each slot's mask of allowed tokens."""
+        return self.structure is not None or self.structured_rows
 
     def row_settings(self, own: RowSettings | None = None) -> RowSettings:
         """A row's settings, every field set: its ``own`` where it has them, else the run's (a greedy run's
         temperature is 0). Raise UsageError, in the request's words, for own settings this run cannot take."""
         sampling = self.sampling
         run = RowSettings(self.max_new_tokens, sampling.temperature if sampling.do_sample else 0.0, sampling.top_p,
-                          sampling.seed, self.stop, self.num_samples, adapter=None)
+                          sampling.seed, self.stop, self.num_samples, self.structure, adapter=None)
         if own is None:
             return run
-        settings = RowSettings(*(mine if mine is not None else default
-                                 for mine, default in zip(dataclasses.astuple(own), dataclasses.astuple(run))))
+        settings = RowSettings(**{field.name: getattr(run, field.name) if getattr(own, field.name) is None
+                                  else getattr(own, field.name) for field in dataclasses.fields(RowSettings)})
+        if own.structure is not None and not self.constrained:  # its steps would take no mask: it would not hold
+            raise UsageError("A row brings its own structure, but this run takes none: open the rows as a job's "
+                             "(accelgen.jobs.completion_job) so that the run is set for them.")
         if settings.max_new_tokens > self.max_new_tokens:
             raise UsageError(f"max_tokens {settings.max_new_tokens} is over this run's --max-new-tokens "
                              f"{self.max_new_tokens} (the size of its slots): run with --max-new-tokens "
@@ -180,7 +194,7 @@ class RunSettings:
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
         del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
-        del settings["rows_choose"]  # the rows' own settings are the dataset's, which the job pins
+        del settings["rows_choose"], settings["structured_rows"]  # the rows' own settings are the dataset's, which the job pins
         del settings["prefix_cache"], settings["prefill_chunk"]  # what a whole prompt's one prefill writes
         del settings["lora"]  # adapters are pinned by their content (``accelgen.adapters.adapter_set``), not by path
         if self.quantize is None:
@@ -196,6 +210,8 @@ class RunSettings:
             del settings["logprobs"]
         if self.num_samples == 1:
             del settings["num_samples"]
+        if self.structure is None:
+            del settings["structure"]
         return {**settings, "buckets": list(self.buckets), **sampling, **chat}
 
 

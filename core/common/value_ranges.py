@@ -105,8 +105,8 @@ def check_settings(**settings: float | None) -> None:
 
 
 #: Units of memory sizes (``--max-device-memory 8GiB``): powers of 1024 with an "i", of 1000 without.
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15, "eb": 10**18,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50, "eib": 2**60}
 
 
 def parse_memory_size(value: str | int, option: str) -> int:

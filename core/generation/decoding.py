@@ -25,7 +25,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
-from accelgen.generation.sampling import RowSampling, choose_tokens, chosen_logprobs, uniform_draws
+from accelgen.generation.sampling import RowSampling, allowed_tokens, choose_tokens, chosen_logprobs, uniform_draws
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -54,17 +54,21 @@ class DecodeState(NamedTuple):
     temperatures: torch.Tensor  # [B] float32 \
     top_ps: torch.Tensor  # [B] float32         } each row's sampling (``sampling.RowSampling``)
     seed_keys: torch.Tensor  # [B] int64         /
+    allowed: torch.Tensor  # [B, W] int32: the tokens each row may take next, a bit each (``TokenRules.constrained``)
     adapter_slots: torch.Tensor  # [B] the buffer slot of each row's LoRA adapter (0: the base model's)
 
     @classmethod
-    def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device) -> "DecodeState":
+    def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device,
+                 mask_words: int = 0) -> "DecodeState":
+        """Buffers for ``slots`` rows; ``mask_words`` words of 32 tokens in a row of ``allowed`` (0: no mask)."""
         longs, floats = long_zeros(device), lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         return cls(
             input_ids=longs(slots, 1), position_ids=longs(slots, 1), write_positions=longs(slots),
             attention_mask=longs(slots, cache_length), steps=torch.full((slots,), new_tokens, dtype=torch.long, device=device),
             new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
             uniforms=floats(slots, new_tokens + 1), logprobs=floats(slots, new_tokens + 1), limits=longs(slots),
-            temperatures=floats(slots), top_ps=floats(slots), seed_keys=longs(slots), adapter_slots=longs(slots),
+            temperatures=floats(slots), top_ps=floats(slots), seed_keys=longs(slots),
+            allowed=torch.full((slots, mask_words), -1, dtype=torch.int32, device=device), adapter_slots=longs(slots),
         )
 
     @property
@@ -91,6 +95,7 @@ class TokenRules:
     stop_at_eos: bool  # False with ignore_eos: every row produces every new token
     logprobs: bool = False  # record each chosen token's log-probability
     per_row: bool = False  # rows choose their own sampling (greedy or not, temperature, top-p, seed)
+    constrained: bool = False  # rows may be held to a structure: tokens are chosen among those their mask allows
 
 
 def ending_table(token_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -120,22 +125,29 @@ class RowStart(NamedTuple):
     adapter_slots: torch.Tensor
 
 
-def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int) -> int:
-    """The smallest bucket that holds the longest prompt, shrunk to fit the model's context if needed."""
+#: What shortens a conversation: it is never cut (``--max-input-tokens`` refuses it: cutting it would cut its
+#: generation prompt), so the fix is the user's.
+SHORTEN_CONVERSATION = "shorten the conversation (fewer or shorter messages, a shorter --system-prompt or chat template)"
+
+
+def choose_bucket(longest_prompt: int, buckets: Sequence[int], context_limit: int | None, new_tokens: int,
+                  conversation: bool = False) -> int:
+    """The smallest bucket that holds the longest prompt, shrunk to fit the model's context if needed. A prompt too
+    long is refused with the fixes that apply to it (``conversation``: a conversation's, which is never cut)."""
+    what = "A conversation makes" if conversation else "A prompt has"
     fitting = [bucket for bucket in sorted(buckets) if bucket >= longest_prompt]
     if not fitting:
-        raise UsageError(
-            f"A prompt has {longest_prompt} tokens, more than the largest bucket ({max(buckets)}): "
-            f"pass --max-input-tokens N to keep its first N tokens, or a larger bucket with --buckets."
-        )
+        fix = SHORTEN_CONVERSATION if conversation else "pass --max-input-tokens N to keep its first N tokens"
+        raise UsageError(f"{what} {longest_prompt} tokens, more than the largest bucket ({max(buckets)}): {fix}, or "
+                         f"pass a larger bucket with --buckets.")
     bucket = fitting[0]
     if context_limit is not None and bucket + new_tokens > context_limit:
         bucket = context_limit - new_tokens
         if bucket < longest_prompt:
-            raise UsageError(
-                f"A prompt of {longest_prompt} tokens plus {new_tokens} new tokens exceeds the model's "
-                f"context of {context_limit} positions: lower --max-new-tokens or pass --max-input-tokens."
-            )
+            fix = f"{SHORTEN_CONVERSATION}, or" if conversation else "pass --max-input-tokens, or"
+            subject = "A conversation" if conversation else "A prompt"
+            raise UsageError(f"{subject} of {longest_prompt} tokens plus {new_tokens} new tokens exceeds the model's "
+                             f"context of {context_limit} positions: {fix} lower --max-new-tokens.")
     return bucket
 
 
@@ -204,20 +216,21 @@ def run_packed_prompts(forward: PackedForward, input_ids: torch.Tensor, prompt_m
 
 
 def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draw_from: torch.Tensor,
-            draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules,
-            start: int = 0, packed: PackedForward | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            draw_keys: torch.Tensor, sampling: RowSampling, rules: TokenRules, start: int = 0,
+            packed: PackedForward | None = None, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the padded prompts input_ids [k, P] (mask [k, P]) from position ``start`` on through ``forward``, which
     writes their keys and values (the positions before ``start`` are in the cache rows already: a stored prefix, or
     the chunks prefilled before), or whole and without their padding through ``packed`` (``run_packed_prompts``),
     and draw m first tokens [m] (step 0 of each draw): draw j from prompt ``draw_from[j]`` keyed by ``draw_keys[j]``
-    (one per prompt, or one per sample of it) with its own ``sampling`` [m]; with their log-probabilities [m] (zeros
-    unless ``rules.logprobs``)."""
+    (one per prompt, or one per sample of it) with its own ``sampling`` [m], among the tokens ``allowed`` [m, W] (with
+    ``rules.constrained``); with their log-probabilities [m] under the model (zeros unless ``rules.logprobs``)."""
     logits = (run_packed_prompts(packed, input_ids, prompt_mask) if packed is not None
               else run_prompt_positions(forward, input_ids, prompt_mask, start, input_ids.shape[1]))
     logits = logits.index_select(0, draw_from)
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     uniform = uniform_draws(sampling.seed_keys, draw_keys, first_step)
-    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row)
+    allowed = allowed_tokens(allowed, logits.shape[-1]) if rules.constrained else None
+    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row, allowed)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 
@@ -278,7 +291,8 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
         cache_position = torch.full((1,), cache_length - 1, dtype=torch.long, device=state.input_ids.device)
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
     uniform = state.uniforms.gather(1, state.steps.unsqueeze(-1)).squeeze(-1)
-    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row)
+    allowed = allowed_tokens(state.allowed, logits.shape[-1]) if rules.constrained else None  # each row's structure
+    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row, allowed)
     next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)

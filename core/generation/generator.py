@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -19,16 +19,31 @@ from accelgen.common.prompts import PromptRequest
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
 from accelgen.generation.adapter_slots import AdapterSlots
+from accelgen.generation.constraints import SlotConstraints
+from accelgen.generation.grammars import GrammarCompiler
+from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row, Scheduler
 from accelgen.generation.stats import BatchTiming, GenerationStats
-from accelgen.generation.text import Completion, PromptCodec, eos_token_ids
+from accelgen.generation.text import Completion, PromptCodec, PromptSamples, SampleCompletion, eos_token_ids
 from accelgen.model.loaded_model import LoadedModel
 from accelgen.model.shape import context_limit
 from accelgen.model.transformers_adapter.forward import ModelForward
 
 __all__ = ["BatchTiming", "Completion", "GenerationStats", "Generator"]
+
+
+class EncodedPrompt(NamedTuple):
+    """A prompt on its way into the scheduler: its number, its token ids (a string: why it is an error row), its own
+    settings (None: the run's), whether it is a conversation (a prompt too long is told what shortens one), and the
+    first of its samples to make."""
+
+    number: int
+    ids: list[int] | str
+    own: RowSettings | None = None
+    conversation: bool = False
+    first_sample: int = 0
 
 
 class Generator:
@@ -41,19 +56,23 @@ class Generator:
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
-        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run)
+        markers = ThinkMarkers.of(self.tokenizer)
+        eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run, markers, eos_ids)
         #: which adapter each buffer slot holds, None where rows do not choose adapters
         self.adapter_slots = adapter_slots or (AdapterSlots(loaded.adapters.slots) if loaded.adapters else None)
         forward = ModelForward(self.model, self.world, run.torch_dtype, loaded.adapters)
         self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
-        eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
             sampling=run.sampling, ending_tokens=decoding.ending_table(eos_ids, loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
-            per_row=run.rows_choose,
+            per_row=run.rows_choose, constrained=run.constrained,
         )
-        self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats)
+        self.constraints = SlotConstraints(GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos_ids),
+                                           run.batch_size, markers) if run.constrained else None
+        self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats,
+                                 self.constraints)
 
     def with_batch_size(self, batch_size: int) -> "Generator":
         """A generator of the same model for another batch size (its own caches and graphs)."""
@@ -90,52 +109,67 @@ class Generator:
         """Completions of (number, prompt) pairs, in the order given, a list at a time. The numbers need not
         follow each other (a data-parallel replica gets the rows it is handed): a prompt's number alone, not
         its place among the others, decides its sampling draws and names it in errors."""
-        texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
-        samples: list[Completion] = []  # of the prompt being given out (its rows come out one after another)
-
-        def encoded() -> Iterator[tuple[int, list[int] | str, RowSettings | None]]:
-            for number, prompt in numbered_prompts:
-                ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
-                texts[number] = (prompt, truncated)
-                yield number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None
-
-        for rows in self._run_rows(encoded()):
-            completions = []
-            for row in rows:
-                tokens, reason = self.ends.trim(row)
-                self.stats.new_tokens += len(tokens)
-                samples.append(self.text.completion(row, *texts[row.number], tokens, reason))
-                if len(samples) == row.samples:
-                    del texts[row.number]
-                    completions.append(Completion.of_samples(samples))
-                    samples = []
+        prompts = PromptSamples()
+        for samples in self.generate_samples(numbered_prompts):
+            completions = [completion for sample in samples if (completion := prompts.add(sample)) is not None]
             if completions:
                 yield completions
 
+    def generate_samples(self, numbered_prompts: Iterable[tuple[int, str]],
+                         first_samples: dict[int, int] | None = None) -> Iterator[list[SampleCompletion]]:
+        """Each sample's completion of (number, prompt) pairs as its row ends, in order (a prompt's samples one after
+        another), a list at each look: a prompt of many samples is seen to progress, and what it has done can be kept.
+        ``first_samples``: by prompt number, the first sample to make (those before it were made by a stopped run:
+        each sample's draws depend only on the seed, its prompt's number, its own and the step)."""
+        texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
+        first_samples = first_samples or {}
+
+        def encoded() -> Iterator[EncodedPrompt]:
+            for number, prompt in numbered_prompts:
+                ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
+                texts[number] = (prompt, truncated)
+                conversation = not isinstance(ids, str) and self.text.conversation(prompt) is not None
+                yield EncodedPrompt(number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None,
+                                    conversation, first_samples.get(number, 0))
+
+        for rows in self._run_rows(encoded()):
+            samples = []
+            for row in rows:
+                tokens, reason = self.ends.trim(row)
+                self.stats.new_tokens += len(tokens)
+                samples.append(SampleCompletion(self.text.completion(row, *texts[row.number], tokens, reason),
+                                                row.sample, row.samples))
+                if samples[-1].ends_prompt:
+                    del texts[row.number]
+            yield samples
+
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""
-        numbered = ((number, list(ids), None) for number, ids in enumerate(prompts, start=first_index))
+        numbered = (EncodedPrompt(number, list(ids)) for number, ids in enumerate(prompts, start=first_index))
         rows = [row for ready in self._run_rows(numbered) for row in ready]
         return [self.ends.trim(row) for row in rows]
 
     # -- the engine -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _run_rows(self, numbered_ids: Iterable[tuple[int, list[int] | str, RowSettings | None]]) -> Iterator[list[Row]]:
-        """Rows through the slots: read as the scheduler has room, run by the runner, given out in order. A row
-        comes with its own settings or None (the run's); given as a string it is an error row. One that cannot be
+    def _run_rows(self, numbered_ids: Iterable[EncodedPrompt]) -> Iterator[list[Row]]:
+        """Rows through the slots: read as the scheduler has room, run by the runner, given out in order (each
+        prompt's as many rows as it has samples left to make); a prompt given as a string is an error row. One that cannot be
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
-        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.prefill_pass_steps,
-                              self.adapter_slots)
+        scheduler = Scheduler(run, self.batching, context_limit(self.model.config),
+                              self.accelerator.tuning.prefill_pass_steps, self.adapter_slots)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
             read = 0
             try:
-                for number, ids, own in itertools.islice(source, scheduler.room()):
-                    scheduler.add_error(number, ids) if isinstance(ids, str) else scheduler.add(number, ids, own)
+                for prompt in itertools.islice(source, scheduler.room()):
+                    if isinstance(prompt.ids, str):
+                        scheduler.add_error(prompt.number, prompt.ids)
+                    else:
+                        scheduler.add(prompt.number, prompt.ids, prompt.own, prompt.conversation, prompt.first_sample)
                     read += 1
             except Exception as error:  # noqa: BLE001 - raised once the rows before it are out
                 source, source_error = iter(()), error
@@ -158,6 +192,9 @@ class Generator:
                 yield ready
         stats.timings.append(BatchTiming(stats.prefill_seconds - before[0], stats.decode_seconds - before[1],
                                          stats.decode_steps - before[2]))
+        if self.constraints is not None:
+            stats.constrained_rows = self.constraints.rows_started
+            stats.grammar_compile_seconds = self.constraints.compile_seconds
         if source_error is not None:
             raise source_error
 

@@ -1,6 +1,7 @@
 """Where a row's completion ends, decided on the host from its tokens: at its first end token (unless
 ``--ignore-eos``), at the token completing its first stop text (``--stop``, or a row's own), or at its token
-budget (the run's ``--max-new-tokens``, or a row's own).
+budget (the run's ``--max-new-tokens``, or a row's own). A row held to a structure ends at an end token only once its
+grammar is complete (its mask allows one then, and only then): it ends "stop", as at a stop text.
 
 End tokens are also found on the device, inside the decode step, which frees a row's slot at the next look;
 stop texts are found by decoding, at the looks, the tokens of the rows still running. Where a row ends
@@ -36,13 +37,14 @@ class RowEnds:
 
     def trim(self, row: Row) -> tuple[list[int], str]:
         """The row's new tokens up to and including its first end token or the token completing its first stop
-        text, whichever comes first, and why it ended ("eos", "stop" or "length"; "error" for an error row)."""
+        text, whichever comes first, and why it ended ("eos", "stop" or "length"; "error" for an error row; "stop" for
+        a row whose grammar completed)."""
         if row.error is not None:
             return [], "error"
         tokens, reason = row.new_tokens[: row.settings.max_new_tokens], "length"
         for position, token in enumerate(tokens):
             if token in self.eos_token_ids:
-                tokens, reason = tokens[: position + 1], "eos"
+                tokens, reason = tokens[: position + 1], "eos" if row.settings.structure is None else "stop"
                 break
         stop = self.text.tokens_to_stop(row.prompt_ids, tokens, row.settings.stop)
         if stop is not None:

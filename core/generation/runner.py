@@ -25,6 +25,7 @@ import torch
 from accelgen.common.errors import GraphCaptureWarning, first_line, interruption_in
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
+from accelgen.generation.constraints import SlotConstraints
 from accelgen.generation.prefix_reuse import PrefixReuse, store_bytes
 from accelgen.generation.sampling import RowSampling, seed_key
 from accelgen.generation.scheduler import Insertion, Row
@@ -52,7 +53,7 @@ class PrefillShape:
     them: one per prompt, or one per sample), and its step. Iterating gives the buffers in the order the step
     takes them."""
 
-    def __init__(self, rows: int, bucket_length: int, draws: int, start: int, device: torch.device):
+    def __init__(self, rows: int, bucket_length: int, draws: int, start: int, device: torch.device, mask_words: int = 0):
         self.first_position = start  # the first position its step runs (those before are in the cache rows: stored, or chunks)
         longs = decoding.long_zeros(device)
         self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
@@ -67,6 +68,7 @@ class PrefillShape:
         self.limits = longs(draws)  # [m] each started row's maximum of new tokens
         self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
         self.adapter_slots = longs(rows)  # [k] the buffer slot of each prompt's LoRA adapter (0: the base model's)
+        self.allowed = torch.full((draws, mask_words), -1, dtype=torch.int32, device=device)  # [m, W] its first token's mask
         self.step: Callable[..., object] | None = None
         self.packed_step: Callable[..., object] | None = None  # the step with its prompts packed in one row
         #: the steps of the chunks before ``first_position``, by span [start, end) of positions, over ``passes_over``
@@ -79,7 +81,7 @@ class PrefillShape:
 
     def __iter__(self):
         return iter((self.input_ids, self.prompt_mask, self.slots, self.draw_from, self.draw_keys, self.draw_slots,
-                     self.first_tokens, self.first_logprobs, *self.sampling))
+                     self.first_tokens, self.first_logprobs, self.allowed, *self.sampling))
 
     def start(self, rows: int) -> decoding.RowStart:
         """What starting the first ``rows`` draws in their slots takes (after the step has run)."""
@@ -102,18 +104,22 @@ class SlotShape:
 
 
 class SlotRunner:
-    """Runs plans for ``run.batch_size`` slots of ``model_forward``'s model on ``accelerator``."""
+    """Runs plans for ``run.batch_size`` slots of ``model_forward``'s model on ``accelerator``; ``constraints`` hold
+    the slots' rows to their structures (None: the run has none, and its steps take no mask)."""
 
     def __init__(self, model_forward: ModelForward, accelerator: Accelerator, device: torch.device, run: RunSettings,
-                 world: World, rules: decoding.TokenRules, stats: GenerationStats):
+                 world: World, rules: decoding.TokenRules, stats: GenerationStats,
+                 constraints: SlotConstraints | None = None):
         self.forward, self.accelerator, self.device = model_forward, accelerator, device
         self.run, self.world, self.rules, self.stats = run, world, rules, stats
+        self.constraints = constraints
+        self.mask_words = 0 if constraints is None else constraints.mask.shape[1]
         self.model = model_forward.model
         self.adapters = model_forward.adapters  # the LoRA adapters' buffers, where rows choose adapters
         #: a model that sizes its own masks from the cache position needs every row at one position
         self.rows_aligned = not model_forward.builds_4d_mask
         #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
-        self.packs_prompts = accelerator.packs_prompts and model_forward.packs_prompts
+        self.packs_prompts = accelerator.tuning.packs_prompts and model_forward.packs_prompts
         self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
         self._storage: CacheStorage | None = None
         self._shapes: dict[int, SlotShape] = {}  # by cache length
@@ -178,7 +184,7 @@ class SlotRunner:
         position); each split for prefix reuse in two when some prompts share a beginning not stored yet."""
         if not insertion.prefilled:
             return []
-        one_bucket = self.rows_aligned or not self.accelerator.captures_prefill
+        one_bucket = self.rows_aligned or not self.accelerator.tuning.captures_prefill
         buckets = [insertion.bucket_length] if one_bucket else sorted({row.bucket for row in insertion.prefilled})
         parts = [insertion] if len(buckets) == 1 else [
             insertion.of_prompts({row.number for row in insertion.prefilled if row.bucket == bucket}) for bucket in buckets]
@@ -200,17 +206,17 @@ class SlotRunner:
             shape.cache, prompts, prompt_slots, insertion.bucket_length)
         found_stored = window < insertion.bucket_length
         longest = max(len(row.prompt_ids) for row in prompts)
-        if not self.accelerator.captures_prefill:  # an eager prefill skips the padding before its longest prompt
+        if not self.accelerator.tuning.captures_prefill:  # an eager prefill skips the padding before its longest prompt
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
         prompt_tokens = sum(len(row.prompt_ids) for row in prompts)
         # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small,
         # never captured (a captured step keeps one shape)
         packed = (self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
-                  and not (self.run.use_graphs and self.accelerator.captures_prefill))
+                  and not (self.run.use_graphs and self.accelerator.tuning.captures_prefill))
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
-        rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.captures_prefill
+        rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.tuning.captures_prefill
                            else (len(prompts), len(draws)))
         self.stats.prompt_tokens += prompt_tokens
         self.stats.prefilled_tokens += sum(min(len(row.prompt_ids), insertion.bucket_length - spans[0][0]) for row in prompts)
@@ -219,7 +225,7 @@ class SlotRunner:
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
-            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device)
+            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device, self.mask_words)
         input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
                                                    rows, self.rules.pad_token_id)
         prefill_shape.input_ids.copy_(input_ids)
@@ -234,6 +240,9 @@ class SlotRunner:
         prefill_shape.limits.copy_(torch.tensor(_padded(limits, draw_rows)))
         for buffer, values in zip(prefill_shape.sampling, sampling):
             buffer.copy_(torch.tensor(_padded(values, draw_rows), dtype=buffer.dtype))
+        if self.constraints is not None:  # each draw's first token under its structure
+            masks = self.constraints.first_masks(draws, [prompts[source].prompt_ids for source in insertion.sources])
+            prefill_shape.allowed.copy_(masks[_padded(list(range(len(draws))), draw_rows)])
         if self._steps_left:  # the decode steps between the passes must not write into the rows being prefilled
             decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
         for span in spans[:-1]:
@@ -254,6 +263,8 @@ class SlotRunner:
         self.stats.prefill_rows += rows
         self.stats.slot_tokens += rows
         decoding.insert_rows(shape.state, prefill_shape.draw_slots[:started], prefill_shape.start(started), self.rules)
+        if self.constraints is not None and any(row.settings.structure is not None for row in draws[:started]):
+            self._start_constraints(draws[:started], draw_slots[:started], prefill_shape.first_tokens[:started].tolist())
         if self.prefixes is not None:
             self.prefixes.store(shape.cache, prompts, prompt_slots, insertion.bucket_length)
         if started < len(draws):  # the parked samples keep what they drew
@@ -300,6 +311,15 @@ class SlotRunner:
                 RowSampling(on_device(temperatures, dtype=torch.float32), on_device(top_ps, dtype=torch.float32),
                             on_device(seed_keys)), on_device([row.adapter_slot for row in rows]))
             decoding.insert_rows(self.shape.state, slots, start, self.rules)
+            if self.constraints is not None:
+                self._start_constraints(rows, slots.tolist(), [row.first_token for row in rows])
+
+    def _start_constraints(self, rows: list[Row], slots: list[int], first_tokens: list[int]) -> None:
+        """The rows just started in ``slots`` follow their structures from their ``first_tokens``."""
+        started = time.perf_counter()
+        for row, slot, token in zip(rows, slots, first_tokens):
+            self.constraints.start(slot, row, token)
+        self.stats.mask_seconds += time.perf_counter() - started
 
     def decode(self, steps: int) -> None:
         """Replay the decode step ``steps`` times (timed up to the next look, which reads the device)."""
@@ -308,9 +328,17 @@ class SlotRunner:
             self._decode_step()
 
     def _decode_step(self) -> None:
-        """One decode step of every slot, counted; the wait since the one before is kept when it is the longest."""
+        """One decode step of every slot, counted; the wait since the one before is kept when it is the longest. With
+        rows held to a structure, the host follows their tokens: the mask the step reads is brought up to date before
+        it, and the tokens it chose are read back after it."""
+        constraints = self.constraints
+        if constraints is not None and constraints.changed:
+            self.shape.state.allowed.copy_(constraints.mask)
+            constraints.changed = False
         self.shape.decode_step(*self.shape.state)
         self.accelerator.mark_step()
+        if constraints is not None and constraints.active:
+            self._advance_constraints()
         self.stats.decode_steps += 1
         self.stats.slot_tokens += self.run.batch_size
         now = time.perf_counter()
@@ -318,6 +346,15 @@ class SlotRunner:
             self.stats.longest_decode_gap = max(self.stats.longest_decode_gap, now - self._last_step_at)
             self.stats.longest_wait_positions = max(self.stats.longest_wait_positions, self._positions_waited)
         self._last_step_at, self._positions_waited = now, 0
+
+    def _advance_constraints(self) -> None:
+        """Read back the tokens the last decode step chose and whether each row has ended, and advance the rows'
+        grammars by them (the host's work timed apart from the wait for the step)."""
+        state = self.shape.state
+        tokens, finished = torch.stack((state.input_ids[:, 0], state.finished.long())).tolist()
+        started = time.perf_counter()
+        self.constraints.advance(tokens, finished)
+        self.stats.mask_seconds += time.perf_counter() - started
 
     def finished_slots(self) -> list[bool]:
         """Which slots' rows have ended: the one wait for the device between two plans."""
@@ -334,6 +371,9 @@ class SlotRunner:
         (``--logprobs``); nothing is read from the device for no slot."""
         if not slots:
             return {}, None
+        if self.constraints is not None:
+            for slot in slots:
+                self.constraints.release(slot)
         logprobs = self.shape.state.logprobs[slots, : self.run.max_new_tokens].tolist() if self.rules.logprobs else None
         return dict(zip(slots, self.new_tokens(slots))), None if logprobs is None else dict(zip(slots, logprobs))
 
@@ -343,11 +383,14 @@ class SlotRunner:
         """The cache, buffers and forward of slots with ``cache_length`` positions per row."""
         cache = new_static_cache(self.model, cache_length, self.run.torch_dtype, self.device, self._storage)
         self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
-        state = decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device)
+        state = decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device,
+                                              self.mask_words)
+        if self.constraints is not None:  # the new buffers allow every token: the host's mask goes in before a step
+            self.constraints.changed = True
         write_each_row_at(cache, state.write_positions)
         # rows that see nothing (finished, or none) run on zeros where the kernels skip them; a model whose masks need
         # rows at one position sees its rows' masks unchanged
-        zero_unseen_rows = self.accelerator.skips_zero_rows and not self.rows_aligned
+        zero_unseen_rows = self.accelerator.tuning.skips_zero_rows and not self.rows_aligned
         shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache, zero_unseen_rows=zero_unseen_rows))
         if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
             one = torch.ones((1, 1), dtype=torch.long, device=self.device)
@@ -383,10 +426,10 @@ class SlotRunner:
         shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
 
         def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
-                         *sampling):
+                         allowed, *sampling):
             into_rows = functools.partial(self._packed_forward, cache, slots, adapter_slots) if packed else None
             tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
-                                                RowSampling(*sampling), rules, start, into_rows)
+                                                RowSampling(*sampling), rules, start, into_rows, allowed)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
                 copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
             first_logprobs.copy_(logprobs)
@@ -437,7 +480,7 @@ class SlotRunner:
         stop signal that the compiler wrapped in its own error goes on as itself."""
         if not self.run.use_graphs or self.capture_failure is not None:
             return step
-        if counter == "prefill_captures" and not self.accelerator.captures_prefill:
+        if counter == "prefill_captures" and not self.accelerator.tuning.captures_prefill:
             return step
         started = time.perf_counter()
         try:

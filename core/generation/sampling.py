@@ -43,14 +43,17 @@ class RowSampling(NamedTuple):
 
 
 def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
-                      per_row: bool = False) -> torch.Tensor:
+                      per_row: bool = False, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's weight [B, V]: its probability after temperature, top-k and top-p (nucleus) filtering, in that
     order, times a row's own constant (the most likely token weighs 1, a filtered one 0); what a draw needs, without
     the division a normalised distribution costs. The run's top-k, each row's temperature and top-p (``rows``;
     default: the run's). Top-p sorts the vocabulary, so it runs only where a row may use it: the run's top-p is
-    below 1, or rows choose their own (``per_row``)."""
+    below 1, or rows choose their own (``per_row``). ``allowed`` [B, V] (bool): only those tokens may be drawn (rows held to
+    a structure); the others weigh 0."""
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
     logits = logits.float()
+    if allowed is not None:
+        logits = torch.where(allowed, logits, float("-inf"))
     # shifted to a largest of 0 before the temperature divides them (as a product by its inverse): the same
     # distribution, and no exponential overflows
     logits = (logits - logits.amax(-1, keepdim=True)) * (1 / rows.temperatures.clamp(min=1e-5)).unsqueeze(-1)
@@ -65,7 +68,15 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
         remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - rows.top_ps.unsqueeze(-1), keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    return logits.exp()
+    if allowed is None:
+        return logits.exp()
+    # most tokens are -inf here, which torch's CPU exp takes a slow path for (as any result below float32's smallest
+    # normal number): those weigh 0 without it
+    return logits.clamp(min=SMALLEST_EXPONENT).exp().masked_fill(logits < SMALLEST_EXPONENT, 0)
+
+
+#: The smallest x whose exp(x) is a normal float32 number.
+SMALLEST_EXPONENT = -87.0
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowSampling | None = None,
@@ -76,25 +87,27 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowS
 
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: torch.Tensor,
-                  rows: RowSampling | None = None, per_row: bool = False) -> torch.Tensor:
+                  rows: RowSampling | None = None, per_row: bool = False, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Next token ids [B] from logits [B, V]: the most likely when greedy, else a seeded draw.
 
     ``uniform`` [B] is each row's number for its draw (:func:`uniform_draws` of its seed, prompt number and step;
     see the module docstring), unread when greedy. ``rows``: each row's temperature and top-p (default: the
     run's). With ``per_row`` the rows choose
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
-    ``do_sample``."""
+    ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's)."""
     if not (sampling.do_sample or per_row):
-        return most_likely(logits)
+        return most_likely(logits, allowed)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
-    drawn = draw(logits_to_weights(logits, sampling, rows, per_row), uniform)
-    return torch.where(rows.temperatures > 0, drawn, most_likely(logits)) if per_row else drawn
+    drawn = draw(logits_to_weights(logits, sampling, rows, per_row, allowed), uniform)
+    return torch.where(rows.temperatures > 0, drawn, most_likely(logits, allowed)) if per_row else drawn
 
 
-def most_likely(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax [B] of logits [B, V], taken in float32: the same token (the conversion is exact), and torch's CPU
-    argmax over bfloat16 is 4x slower than a conversion and an argmax over float32."""
-    return logits.float().argmax(-1)
+def most_likely(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax [B] of logits [B, V] (among the ``allowed`` [B, V] tokens, when given), taken in float32: the same
+    token (the conversion is exact), and torch's CPU argmax over bfloat16 is 4x slower than a conversion and an argmax
+    over float32."""
+    logits = logits.float()
+    return (logits if allowed is None else torch.where(allowed, logits, float("-inf"))).argmax(-1)
 
 
 #: tokens per block of :func:`draw`
@@ -130,6 +143,14 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 def _last_true(flags: torch.Tensor) -> torch.Tensor:
     """The index [B] of the last True of each row of ``flags`` [B, N] (0 where none is)."""
     return (torch.arange(flags.shape[-1], device=flags.device) * flags).amax(-1)
+
+
+def allowed_tokens(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """Which of ``width`` tokens each row may take [B, width] (bool), from ``allowed`` [B, W] int32: bit t % 32 of word
+    t // 32 is set where token t is allowed (W * 32 >= width; a row of -1 allows all). Device operations only."""
+    bit_values = torch.ones(32, dtype=torch.int32, device=allowed.device).bitwise_left_shift_(
+        torch.arange(32, dtype=torch.int32, device=allowed.device))  # [32]: 1, 2, 4, ... (made on the device: capturable)
+    return (allowed.unsqueeze(-1) & bit_values).view(allowed.shape[0], -1)[:, :width] != 0
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

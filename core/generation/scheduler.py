@@ -62,6 +62,7 @@ class Row:
     error: str | None = None  # why it could not be completed (an error row, given out in its place)
     logprobs: list[float] | None = None  # read back with its tokens, with --logprobs
     sample: int = 0  # which of its prompt's samples it is (--num-samples)
+    first_sample: int = 0  # the first of its prompt's samples made by this run (those before it were kept by an earlier)
     settings: RowSettings = RowSettings()  # what it is completed with, every field set (but an error row's)
     #: a sample parked while its prompt was prefilled: its first token drawn then (and its log-probability), and
     #: the slot whose cache row holds its prompt's keys and values, from which it starts (set by the runner)
@@ -72,8 +73,18 @@ class Row:
 
     @property
     def samples(self) -> int:
-        """How many rows its prompt has (one per sample; an error row is alone)."""
+        """How many samples its prompt has (an error row is alone)."""
         return 1 if self.error is not None else self.settings.num_samples
+
+    @property
+    def prompt_rows(self) -> int:
+        """How many rows its prompt has in this run: one per sample not kept from an earlier run."""
+        return self.samples - self.first_sample
+
+    @property
+    def opens_prompt(self) -> bool:
+        """Whether it is the first of its prompt's rows in this run (the one whose prefill its samples share)."""
+        return self.sample == self.first_sample
 
     @property
     def draw_key(self) -> int:
@@ -135,8 +146,8 @@ class Scheduler:
                  adapter_slots: AdapterSlots | None = None):
         """Rows of ``run`` (its batch size is the slot count; its settings each row's, but for a row's own) by
         ``policy``, for a model of ``context_limit`` positions (None: no limit), on a device where a prefill pass
-        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.prefill_pass_steps``), with
-        the LoRA adapters rows choose in ``adapter_slots`` (None: rows of the base model only)."""
+        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.tuning.prefill_pass_steps``),
+        with the LoRA adapters rows choose in ``adapter_slots`` (None: rows of the base model only)."""
         self.run, self.policy, self.slots, self.max_new_tokens = run, policy, run.batch_size, run.max_new_tokens
         self.adapter_slots = adapter_slots
         #: the idle slot-steps free slots wait for before a pass starts rows in them (continuous batching)
@@ -161,20 +172,24 @@ class Scheduler:
         """How many more rows to read now: what the free slots can start, less the rows already waiting."""
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
-    def add(self, number: int, prompt_ids: list[int], own: RowSettings | None = None) -> Row:
-        """A prompt's new waiting rows, with its ``own`` settings over the run's (one row per sample, consecutive,
-        each with its own draws; the first is returned). A prompt too long for every bucket or the model's context,
-        or whose own settings the run cannot take, is refused by number (or ends at once as an error row, with
-        ``bad_rows_end``)."""
+    def add(self, number: int, prompt_ids: list[int], own: RowSettings | None = None, conversation: bool = False,
+            first_sample: int = 0) -> Row:
+        """A prompt's new waiting rows, with its ``own`` settings over the run's (one row per sample from
+        ``first_sample`` on, those before it kept by a stopped run; consecutive, each with its own draws; the first is
+        returned). A prompt too long for every bucket or the model's context (said with the fixes of a
+        ``conversation`` when it is one), or whose own settings the run cannot take, is refused by number (or ends at
+        once as an error row, with ``bad_rows_end``)."""
         try:
             settings = self.run.row_settings(own)
-            bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens)
+            bucket = choose_bucket(len(prompt_ids), self.buckets, self.context_limit, self.max_new_tokens, conversation)
         except UsageError as error:
             if not self.bad_rows_end:
                 raise PromptError(number, f": {error}") from None
             return self.add_error(number, str(error).removesuffix("."))
-        rows = [Row(self._places + sample, number, prompt_ids, bucket, budget=settings.max_new_tokens - 1,
-                    sample=sample, settings=settings) for sample in range(settings.num_samples)]
+        first_sample = min(first_sample, settings.num_samples - 1)
+        rows = [Row(self._places + place, number, prompt_ids, bucket, budget=settings.max_new_tokens - 1,
+                    sample=sample, first_sample=first_sample, settings=settings)
+                for place, sample in enumerate(range(first_sample, settings.num_samples))]
         self._places += len(rows)
         self.waiting.extend(rows)
         return rows[0]
@@ -237,15 +252,15 @@ class Scheduler:
             if head.bucket > self.cache_bucket:
                 break  # wait for the slots to empty, then grow
             room = len(free) - len(rows)
-            if head.sample == 0 and room < head.samples and self.policy == "static":
-                if room < min(head.samples, self.slots):
+            if head.opens_prompt and room < head.prompt_rows and self.policy == "static":
+                if room < min(head.prompt_rows, self.slots):
                     break  # a batch's samples of a prompt start together (one prefill) when the slots can hold them
             if not self._place_adapter(head, rows, loads):
                 break  # its adapter waits for a buffer slot that no running row's adapter holds
-            if head.sample == 0 and room < head.samples and self.policy != "static":
+            if head.opens_prompt and room < head.prompt_rows and self.policy != "static":
                 # the samples that do not fit draw their first token from this prefill and wait at the head of the
                 # queue: the next slots to free are theirs, and their prompt's cache row is not reused before
-                parked = list(itertools.islice(self.waiting, room, head.samples))
+                parked = list(itertools.islice(self.waiting, room, head.prompt_rows))
             rows.append(self.waiting.popleft())
         if not rows:
             return None

@@ -43,9 +43,17 @@ class GenerationStats:
     longest_decode_gap: float = 0.0
     longest_prefill_pass: float = 0.0
     longest_wait_positions: int = 0  # the most prompt positions prefilled while running rows waited for a decode step
+    constrained_rows: int = 0  # rows started with a structure (each sample a row)
+    grammar_compile_seconds: float = 0.0  # compiling their structures' grammars (once per distinct structure)
+    mask_seconds: float = 0.0  # the host's work of following their tokens and filling the masks of the next steps
     adapter_loads: int = 0  # LoRA adapters copied into a buffer slot as their rows arrived
     adapter_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows given out per adapter ("" : the base)
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
+
+    @property
+    def mask_share(self) -> float | None:
+        """The host's mask work over the time of the decode steps (None when no row had a structure)."""
+        return self.mask_seconds / self.decode_seconds if self.constrained_rows and self.decode_seconds else None
 
     @property
     def slot_occupancy(self) -> float | None:

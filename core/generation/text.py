@@ -3,7 +3,7 @@ new token ids become completions. The generator itself works on token ids only.
 
 A conversation is rendered and tokenized by the tokenizer's chat template in one call
 (``apply_chat_template(tokenize=True)``), so its ids are the tokenizer's own: no second BOS from tokenizing
-rendered text again."""
+rendered text again. A reasoning model's thinking (``reasoning.ThinkMarkers``) is decoded apart from its answer."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ from transformers import PreTrainedTokenizerBase
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, PromptRequest, as_conversation, check_prompts
 from accelgen.common.settings import RunSettings
+from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
-OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "adapter")
+OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "reasoning", "adapter")
 
 
 @dataclasses.dataclass
 class Completion:
     """One prompt's result. ``prompt`` is the text the model saw (the kept tokens, when truncated);
-    ``completion`` is the new text only; ``index`` the prompt's position (its row in a dataset)."""
+    ``completion`` is the new text only (a reasoning model's answer, its thinking in ``reasoning``); ``index`` the
+    prompt's position (its row in a dataset)."""
 
     index: int
     prompt: str
@@ -39,6 +41,7 @@ class Completion:
     logprobs: list[float] | None = None  # each new token's log-probability under the model, with --logprobs
     completions: list[dict] | None = None  # with --num-samples N > 1: every sample's own fields (the row's are the first's)
     request: dict | None = None  # a prompt request's fields (an OpenAI batch line's custom_id and url)
+    reasoning: str | None = None  # a reasoning model's thinking, between its markers (the completion is its answer)
     adapter: str | None = None  # the LoRA adapter it was completed with, by name (None: the base model)
 
     def as_row(self) -> dict:
@@ -54,10 +57,41 @@ class Completion:
         sample's completion, tokens, finish reason (and log-probabilities) in ``completions``."""
         if len(samples) == 1:
             return samples[0]
-        own = ("completion", "completion_token_ids", "finish_reason", "logprobs")
+        own = ("completion", "completion_token_ids", "finish_reason", "logprobs", "reasoning")
         listed = [{name: getattr(sample, name) for name in own if getattr(sample, name) is not None} for sample in samples]
         return dataclasses.replace(samples[0], completions=listed)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleCompletion:
+    """One sample's completion of its prompt, given out as its row ends: sample ``sample`` of the prompt's ``samples``
+    (a prompt without ``--num-samples`` is sample 0 of 1)."""
+
+    completion: Completion
+    sample: int
+    samples: int
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.sample == self.samples - 1
+
+
+class PromptSamples:
+    """Samples, given out in order, gathered into their prompts' completions (:meth:`Completion.of_samples`); the
+    first prompt's first samples may be ``kept`` ones (a stopped run's), the others then following them."""
+
+    def __init__(self, kept: Sequence[Completion] = ()):
+        self.gathered: list[Completion] = list(kept)  # of the prompt whose samples are coming out
+
+    def add(self, sample: SampleCompletion) -> Completion | None:
+        """Gather ``sample``; its prompt's completion once it is the prompt's last sample, else None."""
+        del self.gathered[sample.sample:]  # the samples before it, and only those
+        self.gathered.append(sample.completion)
+        if not sample.ends_prompt:
+            return None
+        completion, self.gathered = Completion.of_samples(self.gathered), []
+        return completion
 
 
 NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conversations with: pass --chat-template "
@@ -66,11 +100,13 @@ NO_CHAT_TEMPLATE = ("This model's tokenizer has no chat template to render conve
 
 class PromptCodec:
     """Encodes prompts for one model and decodes its completions, with ``tokenizer``, as ``run`` says (its
-    ``max_input_tokens``, ``chat`` and ``stop``)."""
+    ``max_input_tokens``, ``chat`` and ``stop``); ``markers``: the model's thinking markers (None: it does not think);
+    ``end_token_ids``: the tokens that end a sequence (one that closes a row's structure is not part of its text)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, run: RunSettings):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, run: RunSettings,
+                 markers: ThinkMarkers | None = None, end_token_ids: Sequence[int] = ()):
         self.tokenizer, self.vocab_size, self.max_input_tokens = tokenizer, vocab_size, run.max_input_tokens
-        self.chat = run.chat
+        self.chat, self.markers, self.end_token_ids = run.chat, markers, set(end_token_ids)
 
     def conversation(self, prompt: str | Conversation) -> Conversation | None:
         """The conversation ``prompt`` is (a list of messages is one; a text is one with ``--chat``), with the
@@ -138,8 +174,13 @@ class PromptCodec:
         try:
             encoded = self.tokenizer.apply_chat_template(
                 list(conversation.messages), chat_template=template, tokenize=True, return_dict=True,
-                add_generation_prompt=not continues, continue_final_message=continues)
+                add_generation_prompt=not continues, continue_final_message=continues, **(self.chat.template_kwargs or {}))
         except Exception as error:  # noqa: BLE001 - a template's own refusal (raise_exception) or a Jinja error
+            import jinja2
+
+            if isinstance(error, jinja2.TemplateSyntaxError):  # the template's fault, whatever the row
+                raise UsageError(f"The chat template line {error.lineno} is not valid Jinja ({error.message}): fix it, "
+                                 f"or pass another chat template.") from None
             raise PromptError(number, f": the chat template cannot render it ({first_line(error)}); fix the "
                                       f"conversation, or pass another --chat-template.") from None
         return list(encoded["input_ids"])
@@ -177,9 +218,13 @@ class PromptCodec:
             return Completion(index, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=row.error,
                               request=request)
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
-        text = self.new_text(prompt_token_ids, new_token_ids)
+        text_ids = new_token_ids
+        if finish_reason == "stop" and row.settings.structure is not None and new_token_ids[-1:] and \
+                new_token_ids[-1] in self.end_token_ids:  # its grammar's end: a model's end token may be a word
+            text_ids = new_token_ids[:-1]
+        reasoning, text = self._reasoning_and_answer(prompt_token_ids, text_ids)
         if finish_reason == "stop":
-            text = text[: _stop_at(text, row.settings.stop)]
+            reasoning, text = (None if part is None else part[: _stop_at(part, row.settings.stop)] for part in (reasoning, text))
         conversation = self.conversation(prompt)
         if conversation is not None:  # what the model saw: the rendered template, its markers included
             prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
@@ -193,8 +238,18 @@ class PromptCodec:
             messages=None if conversation is None else conversation.answered(text),
             logprobs=None if row.logprobs is None else row.logprobs[: len(new_token_ids)],
             request=request,
+            reasoning=reasoning,
             adapter=row.settings.adapter,
         )
+
+    def _reasoning_and_answer(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> tuple[str | None, str]:
+        """The text of the thinking among ``new_token_ids`` (None when they hold none) and of the answer after it."""
+        span = None if self.markers is None else self.markers.thinking_span(prompt_token_ids, new_token_ids)
+        if span is None:
+            return None, self.new_text(prompt_token_ids, new_token_ids)
+        start, end = span
+        return (self.new_text(prompt_token_ids + new_token_ids[:start], new_token_ids[start:end]),
+                self.new_text(prompt_token_ids + new_token_ids[: end + 1], new_token_ids[end + 1:]))
 
 
 def _stop_at(text: str, stop: Sequence[str]) -> int | None:

@@ -21,7 +21,8 @@ from typing import IO, Callable, Iterator, Sequence
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
 from accelgen.common.prompts import PromptRequest
-from accelgen.generation.text import OPTIONAL_FIELDS, Completion
+from accelgen.generation.text import OPTIONAL_FIELDS, Completion, SampleCompletion
+from accelgen.jobs.kept_samples import SAMPLES_SUFFIX, KeptSamples
 from accelgen.jobs.output_lock import OutputLock
 from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
 
@@ -67,9 +68,17 @@ class CompletionLines:
         """Why a written ``line`` (parsed) is not the completion of row ``index`` written by ``accelgen run``, or None."""
         if not isinstance(line, dict) or not set(LINE_FIELDS) <= set(line) <= {*LINE_FIELDS, *OPTIONAL_LINE_FIELDS}:
             return f"is not a completion written by accelgen run (its fields: {', '.join(LINE_FIELDS)})"
-        if line["index"] != index:
-            return f"is row {line['index']}, not row {index}"
+        written = line["index"]
+        if not isinstance(written, int) or isinstance(written, bool):
+            return f"has index {json.dumps(written)}, not a whole row number (row {index} is expected there)"
+        if written != index:
+            return f"is row {written}, not row {index}"
         return None
+
+    @staticmethod
+    def is_error(line: dict) -> bool:
+        """Whether a written line is an error row (``--skip-bad-rows``)."""
+        return line.get("finish_reason") == "error"
 
     @staticmethod
     def row_key(line: dict) -> object:
@@ -79,12 +88,12 @@ class CompletionLines:
 
     @staticmethod
     def request_key(text: object) -> object:
-        return text.prompt if isinstance(text, PromptRequest) else text  # a row with its adapter (--lora-column)
+        return text.prompt if isinstance(text, PromptRequest) else text  # a row with its own schema or adapter: its prompt
 
 
-#: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``): never an
-#: output themselves, with or without --overwrite.
-COMPANION_SUFFIXES = (".run.json", ".lock")
+#: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``; the samples
+#: of its next row, ``accelgen.jobs.kept_samples``): never an output themselves, with or without --overwrite.
+COMPANION_SUFFIXES = (".run.json", ".lock", SAMPLES_SUFFIX)
 
 
 class CompletionFile:
@@ -112,8 +121,12 @@ class CompletionFile:
         self._lock = OutputLock(path) if lock else None
         if self._lock:
             self._lock.acquire()
+        self.error_rows = 0  # of the completed rows, those that are error rows
+        #: the finished samples of the next row (``--num-samples``), kept by a run stopped before its line
+        self.kept: KeptSamples | None = None
         try:
             self.completed_rows = 0 if overwrite else self._count_completed_rows()
+            self.kept = KeptSamples(real_path(path), path, self.completed_rows, trusted=not overwrite and self._same_run())
         except BaseException:
             self.close()
             raise
@@ -146,8 +159,17 @@ class CompletionFile:
                         raise UsageError(f"--output {self.path!r} line {rows + 1} (row {rows}) {edit}: kept, it would "
                                          f"stand for a row that says otherwise; restore that line, {keep}pass "
                                          f"--overwrite to start it again.")
+                    self.error_rows += self.lines.is_error(written)
                     rows += 1
         return rows
+
+    def _same_run(self) -> bool:
+        """Whether the output's run record says this run wrote it (refused otherwise when the output holds rows)."""
+        try:
+            self._check_same_run(self._earlier_run_record())
+        except UsageError:
+            return False
+        return True
 
     def _earlier_run_record(self) -> dict:
         fix = f"it says which run wrote {self.path!r}; restore it, or pass --overwrite to start the output again"
@@ -179,6 +201,20 @@ class CompletionFile:
                     self._file = self._open_for_append()
                 _write_all(self._file, line)
             self.completed_rows += 1
+            self.error_rows += completion.finish_reason == "error"
+        self.kept.moved_to(self.completed_rows)
+
+    def keep_samples(self, samples: Sequence[SampleCompletion], row_digest: str) -> None:
+        """Keep ``samples``, the next finished samples of the next row (``accelgen.jobs.kept_samples``; ``row_digest``:
+        that row's), so that a stop before its line loses none; the output is opened first (its run record written, as
+        for its first line)."""
+        if not samples:
+            return
+        with user_errors(f"Cannot write the samples of --output {self.path!r}",
+                         f"{self.completed_rows} rows are kept; make room and run the same command again to resume"):
+            if self._file is None:
+                self._file = self._open_for_append()
+            self.kept.keep(samples, row_digest)
 
     def _open_for_append(self) -> IO[bytes]:
         if self.completed_rows == 0:  # a new file, or one being overwritten
@@ -205,6 +241,8 @@ class CompletionFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.kept is not None:
+            self.kept.close()
         if self._lock:
             self._lock.release()
 

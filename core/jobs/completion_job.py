@@ -23,10 +23,12 @@ from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
-from accelgen.generation.text import NO_CHAT_TEMPLATE, Completion
+from accelgen.generation.text import Completion, PromptSamples, SampleCompletion
+from accelgen.jobs.chat_template import chat_template_hash
 from accelgen.jobs.completion_file import CompletionFile, CompletionLines, run_record_path
 from accelgen.jobs.dataset_pin import dataset_pin, resumable_pin
 from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, open_rows
+from accelgen.jobs.kept_samples import row_digest
 from accelgen.jobs.openai_batch import BatchOutputLines, is_batch_file, open_requests
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
@@ -61,6 +63,18 @@ class CompletionJob:
     def finished(self) -> bool:
         return self.rows.total is not None and self.done >= self.rows.total
 
+    @property
+    def samples_kept(self) -> int:
+        """The finished samples of the next row that a stopped run kept (``--num-samples``)."""
+        return len(self.writer.kept.samples) if self.writer else 0
+
+    def error_rows(self, report: RunReport) -> tuple[int, int]:
+        """The error rows (``--skip-bad-rows``) of the job once ``report``'s run has ended, and its rows: its output's
+        (rows kept from a stopped run included), or this run's without an output. On the writer."""
+        if self.writer:
+            return self.writer.error_rows, self.writer.completed_rows
+        return report.error_rows, report.rows
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptFigures:
@@ -80,6 +94,22 @@ class PromptFigures:
         return cls(*(sum(getattr(count, field) for count in counts)
                      for field in ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")),
                    generator.stats.prefix_store_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructureFigures:
+    """Rows held to a structure (each sample a row; the job's), the seconds their grammars took to compile, and the
+    host's work of following their tokens (``mask_share``: over the decode steps' time; both this replica's)."""
+
+    rows: int
+    compile_seconds: float
+    mask_share: float | None
+
+    @classmethod
+    def of(cls, generator: Generator, replicas: list[ReplicaReport] | None) -> "StructureFigures | None":
+        stats = generator.stats
+        rows = sum(replica.constrained_rows for replica in replicas) if replicas else stats.constrained_rows
+        return cls(rows, stats.grammar_compile_seconds, stats.mask_share) if rows else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +139,7 @@ class RunReport:
     replicas: list[ReplicaReport] | None = None  # with --data-parallel, on the writer: what each replica did
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
+    structure: StructureFigures | None = None  # what holding rows to structures cost (this replica's), when some were
     adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
 
     @property
@@ -145,6 +176,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         offload=None if generator.loaded.placement is None else generator.loaded.placement.describe(),
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
+        structure=StructureFigures.of(generator, replicas),
         adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
                                    else 0, replicas or [stats]),
     )
@@ -163,11 +195,18 @@ def open_job(
             check_not_dataset(output, dataset.source)
         batch = is_batch_file(dataset.source)
         if batch:
-            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=request.model.names, adapter_names=request.run.lora.names)
+            lines = _batch_lines(request)
+            open_dataset = functools.partial(open_requests, model_names=request.model.names,
+                                             adapter_names=request.run.lora.names)
         else:
             open_dataset = open_rows
+        if dataset.schema_column is not None and request.run.structure is not None:
+            raise UsageError(f"--schema-column and {request.run.structure.flag} both say what a row's completion is held "
+                             f"to: pass one of them.")
         rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
+        if dataset.schema_column is not None:
+            source["schema_column"] = dataset.schema_column
 
         def dataset_keys() -> Iterator[object]:  # the rows read again, where a resume compares them with the output's
             return map(lines.request_key, open_dataset(dataset).texts)
@@ -186,6 +225,9 @@ def open_job(
     lock_output = request.world.is_main if lock_output is None else lock_output
     writer = CompletionFile(output, run_record(request, source), overwrite, lock=lock_output, lines=lines,
                             dataset_keys=dataset_keys) if output else None
+    if writer and writer.kept.samples:  # taken only by the row they complete, which may have been edited since
+        rows_again = open_dataset(dataset).texts if dataset is not None else iter(prompts)
+        writer.kept.of_row(row_digest(next(itertools.islice(rows_again, writer.completed_rows, None), None)))
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
 
 
@@ -224,15 +266,6 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
                              f"write the completions to a file outside it.")
 
 
-def chat_template_hash(request: Request) -> str:
-    """The hash of the chat template conversations are rendered with (``--chat-template``, else the
-    tokenizer's), read before any model loads; a model without one is refused in one line."""
-    template = request.run.chat.template or request.model.tokenizer().chat_template
-    if template is None:
-        raise UsageError(NO_CHAT_TEMPLATE)
-    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
-
-
 def run_record(request: Request, source: dict) -> dict:
     """What decides an output file's rows, written beside it: a resumed run must match it."""
     return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
@@ -256,8 +289,9 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
 
 
 def _row_samples_left(request: Request, job: CompletionJob) -> int:
-    """The completions the rows left take: each of their samples (a job whose rows number is known)."""
-    return (job.rows.total - job.done) * request.run.num_samples
+    """The completions the rows left take: each of their samples, but those kept by a stopped run (a job whose rows
+    number is known)."""
+    return (job.rows.total - job.done) * request.run.num_samples - job.samples_kept
 
 
 def _decode_steps_at_most(request: Request, job: CompletionJob) -> int | None:
@@ -279,27 +313,33 @@ def complete(
     is_main = request.world.is_main
     if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
+    if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
     request = _slots_for_the_rows(request, job)
     request = request.capture_decided(_decode_steps_at_most(request, job))
     try:
         started = time.perf_counter()
         generator = load_request(request)
         loaded = time.perf_counter()
-        progress = Progress(job.rows.total, job.done) if show_progress and is_main else None
-        first_batch = job.done // request.run.batch_size + 1
+        samples_per_row = 1 if request.run.rows_choose else request.run.num_samples  # a batch file's rows choose theirs
+        progress = (Progress(job.rows.total, job.done, samples_per_row=samples_per_row,
+                             samples_done=job.done * samples_per_row + job.samples_kept) if show_progress and is_main else None)
+        number = job.done // request.run.batch_size + 1
         completed = False
         written = RowCount()
-        batches = (_replicas_batches(request.world, job, generator, written, loaded) if request.world.replicas > 1
-                   else _batches(job, generator, written))
+        looks = (_replicas_looks(request.world, job, generator, written, loaded) if request.world.replicas > 1
+                 else _looks(job, generator, written))
         try:
-            for number, completions in enumerate(batches, start=first_batch):
-                written.errors += sum(completion.finish_reason == "error" for completion in completions)
+            for look in looks:
+                written.errors += sum(completion.finish_reason == "error" for completion in look.completions)
                 if is_main and job.writer:
-                    job.writer.write(completions)
-                if is_main and on_batch:
-                    on_batch(number, completions)
+                    job.writer.write(look.completions)
+                    job.writer.keep_samples(look.open_samples, look.open_row_digest)
+                if is_main and on_batch and look.completions:
+                    on_batch(number, look.completions)
+                    number += 1
                 if progress:
-                    progress.update(len(completions))
+                    progress.update(len(look.completions), look.samples)
             completed = True
         finally:
             if job.writer:
@@ -331,12 +371,47 @@ class RowCount:
         self.rows += len(completions)
 
 
-def _batches(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[list[Completion]]:
-    """The job's rows not yet written, completed by this process's model (split over the job's ranks)."""
-    texts = itertools.islice(job.rows.texts, job.done, None)
-    for completions in generator.generate_batches(texts, job.done):
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """What one look at the slots gave out: the rows completed, in order; the finished samples of the next row, whose
+    line is not written yet (kept beside the output: ``accelgen.jobs.kept_samples``), and that row's digest; how many
+    samples finished."""
+
+    completions: list[Completion]
+    open_samples: list[SampleCompletion]
+    open_row_digest: str | None
+    samples: int
+
+
+def _looks(job: CompletionJob, generator: Generator, count: RowCount) -> Iterator[Look]:
+    """The job's rows not yet written, completed by this process's model (split over the job's ranks), sample by
+    sample: the next row's samples kept by a stopped run are not made again."""
+    kept = job.writer.kept.samples if job.writer else []
+    prompts = PromptSamples(kept)
+    in_flight: dict[int, object] = {}  # by number: the rows read and not yet complete
+
+    def numbered() -> Iterator[tuple[int, object]]:
+        for number, text in enumerate(itertools.islice(job.rows.texts, job.done, None), start=job.done):
+            in_flight[number] = text
+            yield number, text
+
+    for samples in generator.generate_samples(numbered(), {job.done: len(kept)}):
+        completions = [completion for sample in samples if (completion := prompts.add(sample)) is not None]
         count.add(completions)
-        yield completions
+        ends = [place for place, sample in enumerate(samples) if sample.ends_prompt]
+        for sample in samples[: ends[-1] + 1 if ends else 0]:
+            in_flight.pop(sample.completion.index, None)
+        open_samples = samples[ends[-1] + 1 if ends else 0:]
+        digest = row_digest(in_flight[open_samples[0].completion.index]) if open_samples else None
+        yield Look(completions, open_samples, digest, len(samples))
+
+
+def _replicas_looks(world: World, job: CompletionJob, generator: Generator, count: RowCount,
+                    started: float) -> Iterator[Look]:
+    """:func:`_replicas_batches`' rows, each look's: a replica's rows are handed in whole (their samples are not kept
+    before their line is written: a stopped run makes them again, identical)."""
+    for completions in _replicas_batches(world, job, generator, count, started):
+        yield Look(completions, [], None, sum(len(completion.completions or [completion]) for completion in completions))
 
 
 def _replicas_batches(world: World, job: CompletionJob, generator: Generator, count: RowCount,
@@ -355,7 +430,8 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits, stats.adapter_loads, stats.adapter_rows))
+                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows, stats.adapter_loads,
+                                     stats.adapter_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

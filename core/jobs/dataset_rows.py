@@ -3,14 +3,15 @@
 A source is a Hub dataset id (with ``--dataset-config`` and ``--split``), a local JSON / JSONL / CSV /
 Parquet file or a folder of them, or a folder written by ``save_to_disk``. Rows come out in dataset
 order, one prompt (the chosen column) each: a text, or a conversation when the column holds lists of
-``{role, content}`` messages (or ShareGPT's ``{from, value}``).
+``{role, content}`` messages (or ShareGPT's ``{from, value}``). With a schema column, each row comes as a
+:class:`PromptRequest` holding its prompt and the JSON Schema its completion is held to (none where the column is
+null or empty).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import re
@@ -19,8 +20,11 @@ from typing import Iterator
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
 from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
 from accelgen.common.settings import AdapterSettings, RowSettings
+from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
+from accelgen.generation.grammars import structure_problem
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
+from accelgen.jobs.json_lines import first_bad_json_line, lone_surrogate_rows
 
 TEXT_TYPES = ("string", "large_string")
 #: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
@@ -38,6 +42,7 @@ class DatasetRequest:
     skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
     adapter_column: str | None = None  # the column naming each row's LoRA adapter (--lora-column; empty: the base model)
     adapters: AdapterSettings = AdapterSettings()  # the adapters such a column may name
+    schema_column: str | None = None  # the column holding each row's JSON Schema (--schema-column)
 
 
 @dataclasses.dataclass
@@ -50,6 +55,7 @@ class TextRows:
     revision: str | None = None  # the Hub revision the rows come from (None for local files and prompts)
     conversational: bool = False  # the rows are conversations (some of them, in a batch file)
     rows_choose: bool = False  # the rows bring their own settings (``PromptRequest``: an OpenAI batch file's requests)
+    constrained: bool = False  # some rows bring their own structure (a schema column, a request's response_format)
 
 
 def open_rows(request: DatasetRequest) -> TextRows:
@@ -64,64 +70,118 @@ def open_rows(request: DatasetRequest) -> TextRows:
     logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     dataset, revision = _load_split(request)
     kind = _check_column(dataset, request)
-    if request.adapter_column is not None:
-        _check_column(dataset, request, adapters=True)
     if request.limit is not None:
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
+    conversations = kind == "conversation" or (kind == "mixed" and _holds_conversations(dataset, request))
     if not request.streaming:
-        for _ in _row_texts(dataset, request, kind):
+        for _ in _row_texts(dataset, request, kind, conversations):
             pass
-    texts = _row_texts(dataset, request, kind)
+    texts = _row_texts(dataset, request, kind, conversations)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
     total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
-    return TextRows(itertools.chain([first], texts), total, revision, conversational=kind == "conversation")
+    return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations,
+                    constrained=request.schema_column is not None)
+
+
+def _holds_conversations(dataset, request: DatasetRequest) -> bool:
+    """Whether a column of values of several types is one of conversations: some row is a list of messages (its rows
+    that are not, a text among them, are then refused or error rows, never completed as text without the chat
+    template). A streamed split is judged by its first rows, as it cannot be read ahead."""
+    rows = dataset.select_columns([request.column])
+    with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, 0, ROWS_PER_READ, error)):
+        batches = rows.iter(batch_size=ROWS_PER_READ)
+        if request.streaming:
+            batches = itertools.islice(batches, 1)
+        return any(isinstance(value, list) for batch in batches for value in batch[request.column])
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest, kind: str) -> Iterator[str | Conversation | BadPrompt]:
-    """The column's prompts in dataset order (``kind``: see :func:`_check_column`); a row that cannot be read, or is
-    no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
-    rows = dataset.select_columns(list(dict.fromkeys([request.column, request.adapter_column or request.column])))
+def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
+    """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
+    one), held to the row's schema where a schema column is named, with the row's LoRA adapter where an adapter column
+    is; a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
+    --skip-bad-rows)."""
+    rows = dataset.select_columns(list(dict.fromkeys(
+        [request.column] + [column for column in (request.schema_column, request.adapter_column) if column])))
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
+    # in a column of mixed types, datasets drops a lone surrogate without a word: the file's own lines say where
+    not_text = lone_surrogate_rows(_json_lines_file(request), request.column) if kind == "mixed" and _json_lines_file(request) else {}
     index = 0
     while True:
         with user_errors("", "", explain=lambda error, index=index: _unreadable_row(rows, request, index, rows_per_read, error)):
             batch = next(batches, None)
         if batch is None:
             return
+        schemas = batch[request.schema_column] if request.schema_column else [None] * len(batch[request.column])
         adapters = batch[request.adapter_column] if request.adapter_column else [None] * len(batch[request.column])
-        for text, adapter in zip(batch[request.column], adapters):
-            if kind == "conversation" or (kind == "mixed" and isinstance(text, list)):
+        for text, schema, adapter in zip(batch[request.column], schemas, adapters):
+            column = request.column
+            if index in not_text:
+                text, problem = None, not_text[index]
+            elif conversations:
                 text, problem = as_conversation(text)
             else:
                 problem = prompt_problem(text)
-            column = request.column
-            if not problem and request.adapter_column is not None:
-                adapter, problem = _adapter_of_row(adapter, request)
-                column = request.adapter_column
-            if problem and request.skip_bad_rows:
-                text = BadPrompt(problem.split(": ")[0])  # what is wrong, without the fix to the file
+            if not problem and request.schema_column:
+                text, problem = _with_schema(text, schema)
+                column = request.schema_column if problem else column
+            if not problem and request.adapter_column:
+                text, problem = _with_adapter(text, adapter, request.adapters)
+                column = request.adapter_column if problem else column
+            if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
+                text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
+                                 else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
             elif problem:
                 raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem} "
                                  f"(rows count from 0, as the output's \"index\").")
-            yield text if adapter is None or problem else PromptRequest(text, RowSettings(adapter=adapter), None)
+            yield text
             index += 1
 
 
-def _adapter_of_row(value: object, request: DatasetRequest) -> tuple[str | None, str | None]:
-    """The LoRA adapter a row names in its ``--lora-column`` value (None: the base model, for an empty value), and what
-    is wrong with the name, as a clause with its fix (None when this run serves it)."""
-    if value is None or value == "":
-        return None, None
-    if not isinstance(value, str):
-        return None, f"holds {type(value).__name__}, not an adapter's name: write one, or leave it empty for the base model"
-    return value, request.adapters.problem(value)
+def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
+    """``prompt`` held to ``schema`` (a row's value of the schema column: a JSON Schema object or its text; null or
+    empty: the row has none), or why the schema cannot be one, as a clause with its fix."""
+    if schema is None or (isinstance(schema, str) and not schema.strip()):
+        return prompt, None
+    try:
+        structure = schema_structure(_without_nulls(schema))
+    except ValueError as error:
+        return prompt, f"{error}: fix it, or empty it to leave the row unconstrained"
+    problem = structure_problem(structure)
+    if problem:
+        return prompt, f"{problem}: fix it, or empty it to leave the row unconstrained"
+    return PromptRequest(prompt, RowSettings(structure=structure), None), None
+
+
+def _without_nulls(value: object) -> object:
+    """A schema object read from a dataset without the keys whose value is null: a reader that gives a column of
+    objects one type of all their keys fills those an object lacks with null (give ``{"const": null}`` as text)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
+                  adapters: AdapterSettings) -> tuple[PromptRequest | str | Conversation, str | None]:
+    """``prompt`` (held to its schema, or not) completed with the LoRA adapter ``name`` (a row's value of the
+    --lora-column; null or empty: the base model), or why it cannot be, as a clause with its fix."""
+    if name is None or name == "":
+        return prompt, None
+    if not isinstance(name, str):
+        return prompt, f"holds {type(name).__name__}, not an adapter's name: write one, or leave it empty for the base model"
+    if (problem := adapters.problem(name)) is not None:
+        return prompt, problem
+    if isinstance(prompt, PromptRequest):
+        return dataclasses.replace(prompt, settings=dataclasses.replace(prompt.settings, adapter=name)), None
+    return PromptRequest(prompt, RowSettings(adapter=name), None), None
 
 
 def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
@@ -218,32 +278,28 @@ def _unwritable_cache(error: BaseException) -> str | None:
     return None
 
 
-def _bad_json_line(request: DatasetRequest) -> str | None:
-    """The message naming the first line of a local JSON-lines dataset that does not parse, if there is one."""
+def _json_lines_file(request: DatasetRequest) -> str | None:
+    """The path of the dataset when it is a local JSON or JSON-lines file, else None."""
     source = os.path.expanduser(request.source)
-    if not (os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json"):
+    if os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json":
+        return source
+    return None
+
+
+def _bad_json_line(request: DatasetRequest) -> str | None:
+    """The message naming the first line of a local JSON-lines dataset that does not parse, or the first row whose
+    column holds a lone surrogate (which datasets cannot read, whatever the flags), if there is one."""
+    source = _json_lines_file(request)
+    if source is None:
         return None
     bad_line = first_bad_json_line(source)
-    return bad_line and f"Dataset {request.source!r} {bad_line}."
-
-
-def first_bad_json_line(path: str) -> str | None:
-    """Where a JSON-lines file first fails to parse, and the fix ("line 3 (row 2) is not valid JSON (...): fix or
-    remove that line"), or None when every line parses (or the file is one JSON document over several lines)."""
-    with open(path, "rb") as file:
-        lines = [(number, line) for number, line in enumerate(file, start=1) if line.strip()]
-    for row, (number, line) in enumerate(lines):
-        try:
-            json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
-        except UnicodeDecodeError as error:
-            return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
-                    f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
-        except ValueError as error:
-            if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
-                return None  # one JSON document over several lines, not JSON lines
-            last_unended = row == len(lines) - 1 and not line.endswith(b"\n")
-            torn = " (a torn last line: the file is still being written, or was cut short)" if last_unended else ""
-            return f"line {number} (row {row}) is not valid JSON{torn} ({first_line(error)}): fix or remove that line"
+    if bad_line:
+        return f"Dataset {request.source!r} {bad_line}."
+    not_text = lone_surrogate_rows(source, request.column)
+    if not_text:
+        row, problem = min(not_text.items())
+        return (f"Dataset {request.source!r} row {row}, column {request.column!r}, {problem} (the datasets library cannot "
+                f"read the file while it holds one, whatever the flags).")
     return None
 
 
@@ -256,10 +312,10 @@ def _saved_split(saved, request: DatasetRequest):
     return saved.to_iterable_dataset() if request.streaming else saved
 
 
-def _check_column(dataset, request: DatasetRequest, adapters: bool = False) -> str:
+def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
-    "mixed" (values of several types, each row read as what it is); with ``adapters``, the --lora-column, which must
-    hold text (adapters' names)."""
+    "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
+    (the adapter column holding text: adapters' names)."""
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
@@ -268,20 +324,23 @@ def _check_column(dataset, request: DatasetRequest, adapters: bool = False) -> s
         if first_row is None:
             raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
         features = {name: None for name in first_row}
-    column = request.adapter_column if adapters else request.column
-    if column not in features:
-        option = " (--lora-column)" if adapters else ""
-        raise UsageError(f"Column {column!r}{option} is not in the dataset; its columns: {', '.join(features)}.")
-    feature = features[column]
+    if request.column not in features:
+        raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
+    for option, column in (("--schema-column", request.schema_column), ("--lora-column", request.adapter_column)):
+        if column is not None and column not in features:
+            raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(features)}.")
+    adapter_names = features.get(request.adapter_column)  # None: known row by row
+    if adapter_names is not None and type(adapter_names).__name__ != "Json" \
+            and getattr(adapter_names, "dtype", None) not in (*TEXT_TYPES, "null"):
+        raise UsageError(f"--lora-column {request.adapter_column!r} holds {getattr(adapter_names, 'dtype', 'values')}, "
+                         f"not the names of LoRA adapters: pass the column that names them.")
+    feature = features[request.column]
     if feature is None or type(feature).__name__ == "Json":  # known row by row
         return "mixed"
-    if adapters:
-        if getattr(feature, "dtype", None) not in (*TEXT_TYPES, "null"):
-            raise UsageError(f"Column {column!r} (--lora-column) holds {getattr(feature, 'dtype', type(feature).__name__)}, "
-                             f"not the names of LoRA adapters: pass the column that names them.")
-        return "text"
     if _is_conversation(feature):
         return "conversation"
+    if getattr(feature, "dtype", None) == "null":  # every row is null: each said so, or an error row (--skip-bad-rows)
+        return "text"
     if getattr(feature, "dtype", None) not in TEXT_TYPES:
         text_columns = [name for name, kind in features.items() if getattr(kind, "dtype", None) in TEXT_TYPES]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"

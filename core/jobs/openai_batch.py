@@ -3,16 +3,18 @@ for them (https://platform.openai.com/docs/guides/batch).
 
 A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
 (``body.messages``) or ``/v1/completions`` (``body.prompt``). Its sampling fields (``max_tokens`` or
-``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) become the row's own settings;
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) and its ``response_format``
+(``json_schema`` or ``json_object``: the structure its completion is held to) become the row's own settings;
 a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
 ``--do-sample``). ``body.model`` names the model or one of the run's LoRA adapters (``--lora NAME=PATH``: the row is
-completed with that adapter, as vLLM serves adapters by name); a request naming anything else is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
-neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch API, one
-request's problem is its own line's ``error``, never the batch's.
+completed with that adapter, as vLLM serves adapters by name); a request naming anything else is an error row. So is a
+request that cannot be served (a field we do not honour set to anything but its neutral value, a value out of range,
+more tokens than the run's slots hold): as in OpenAI's batch API, one request's problem is its own line's ``error``,
+never the batch's.
 
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
-body OpenAI's chat completion or completion object (``choices``, one per sample; ``usage``: prompt and completion
-token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
+body OpenAI's chat completion or completion object (``choices``, one per sample, a reasoning model's thinking in a
+chat message's ``reasoning_content``; ``usage``: prompt and completion token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
 the row's number, so a resumed run writes the same lines an uninterrupted one would (``created`` is when a line
 was written).
 """
@@ -27,21 +29,23 @@ from typing import Callable, Iterator
 from accelgen.common.errors import UsageError, user_errors
 from accelgen.common.prompts import BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
 from accelgen.common.settings import RowSettings
+from accelgen.common.structure import response_format_structure
 from accelgen.common.value_ranges import RANGES
+from accelgen.generation.grammars import structure_problem
 from accelgen.generation.text import Completion
 from accelgen.jobs.dataset_paths import check_local_path
-from accelgen.jobs.dataset_rows import DatasetRequest, TextRows, first_bad_json_line
+from accelgen.jobs.dataset_rows import DatasetRequest, TextRows
+from accelgen.jobs.json_lines import first_bad_json_line
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 #: Body fields read as the row's settings, and the setting each one is.
 SETTING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "num_samples"}
+                  "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "num_samples", "response_format": "structure"}
 #: Body fields that do not change what is generated: taken and left alone.
 IGNORED_FIELDS = ("model", "messages", "prompt", "user", "metadata", "store", "service_tier")
 #: Body fields accelgen does not honour, accepted only at the value that means "off".
 NEUTRAL_VALUES = {"stream": (False,), "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "presence_penalty": (0,),
-                  "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False),
-                  "response_format": ({"type": "text"},)}
+                  "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False)}
 #: What accelgen's finish reasons are called in OpenAI's objects.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 #: Most samples one request may ask for (OpenAI's own limit).
@@ -70,6 +74,9 @@ def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...], adapter
     if dataset.column != DatasetRequest.column:
         raise UsageError(f"--column {dataset.column!r} does not apply to an OpenAI batch file (its prompts are each "
                          f"request's body.messages or body.prompt): drop --column.")
+    if dataset.schema_column is not None:
+        raise UsageError(f"--schema-column {dataset.schema_column!r} does not apply to an OpenAI batch file (a request "
+                         f"holds its own schema in body.response_format): drop --schema-column.")
     if dataset.adapter_column is not None:
         raise UsageError(f"--lora-column {dataset.adapter_column!r} does not apply to an OpenAI batch file (each request "
                          f"names its adapter by body.model): drop --lora-column.")
@@ -78,23 +85,41 @@ def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...], adapter
     bad_line = first_bad_json_line(path)
     if bad_line:
         raise UsageError(f"Batch file {dataset.source!r} {bad_line}.")
-    total, chat = 0, False
-    for data in _request_lines(path, dataset.limit):
+    _check_ids_apart(dataset.source, path)
+    total, chat, constrained = 0, False, False
+    for _, data in _request_lines(path, dataset.limit):
         total += 1
         chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
-    rows = (request_row(data, model_names, adapter_names) for data in _request_lines(path, dataset.limit))
-    return TextRows(rows, total, conversational=chat, rows_choose=True)
+        body = data.get("body") if isinstance(data, dict) else None
+        constrained = constrained or (isinstance(body, dict) and body.get("response_format") not in (None, {"type": "text"}))
+    rows = (request_row(data, model_names, adapter_names) for _, data in _request_lines(path, dataset.limit))
+    return TextRows(rows, total, conversational=chat, rows_choose=True, constrained=constrained)
 
 
-def _request_lines(path: str, limit: int | None) -> Iterator[object]:
-    """The file's non-empty lines, parsed (the first ``limit``)."""
+def _check_ids_apart(source: str, path: str) -> None:
+    """Raise UsageError naming the first two lines of the batch file that share a ``custom_id``: OpenAI refuses such
+    a file, and their output lines could not be told apart (a custom_id is what a result is matched by)."""
+    first_line_of: dict[str, int] = {}
+    for number, data in _request_lines(path, None):
+        custom_id = data.get("custom_id") if isinstance(data, dict) else None
+        if not isinstance(custom_id, str):
+            continue  # not a request: its own error row
+        if custom_id in first_line_of:
+            raise UsageError(f"Batch file {source!r} has custom_id {custom_id!r} on line {first_line_of[custom_id]} and "
+                             f"again on line {number}: each request needs its own custom_id (its result is found by it); "
+                             f"rename one of them.")
+        first_line_of[custom_id] = number
+
+
+def _request_lines(path: str, limit: int | None) -> Iterator[tuple[int, object]]:
+    """The file's non-empty lines, parsed, with their line numbers (the first ``limit``)."""
     with user_errors(f"Cannot read batch file {path!r}", "make it readable, or pass another --dataset"):
         with open(path, encoding="utf-8-sig") as file:
             count = 0
-            for line in file:
+            for number, line in enumerate(file, start=1):
                 if line.strip() and (limit is None or count < limit):
                     count += 1
-                    yield json.loads(line)
+                    yield number, json.loads(line)
 
 
 def request_row(data: object, model_names: tuple[str, ...], adapter_names: tuple[str, ...] = ()) -> PromptRequest:
@@ -168,6 +193,11 @@ def _setting(name: str, value: object) -> object:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"seed must be a whole number (got {value!r})")
         return value % 2**64
+    if name == "response_format":
+        structure = response_format_structure(value)
+        if structure is not None and (problem := structure_problem(structure)):
+            raise ValueError(f"response_format's {structure.describe()} {problem}")
+        return structure
     if name == "temperature" and value == 0:
         return 0.0  # greedy
     setting = SETTING_FIELDS[name]
@@ -175,6 +205,14 @@ def _setting(name: str, value: object) -> object:
         allowed = f"a whole number from 1 to {MOST_SAMPLES}" if name == "n" else RANGES[setting].describe()
         raise ValueError(f"{name} must be {allowed}{' (or 0: greedy)' if name == 'temperature' else ''} (got {value!r})")
     return value
+
+
+def _message(sample: dict) -> dict:
+    """A chat choice's message: the answer, and a reasoning model's thinking apart (``reasoning_content``)."""
+    message = {"role": "assistant", "content": sample["completion"]}
+    if sample.get("reasoning") is not None:
+        message["reasoning_content"] = sample["reasoning"]
+    return message
 
 
 class BatchOutputLines:
@@ -189,10 +227,10 @@ class BatchOutputLines:
         if completion.finish_reason == "error":
             return {**line, "response": None, "error": {"code": "invalid_request", "message": completion.error}}
         samples = completion.completions or [{"completion": completion.completion, "finish_reason": completion.finish_reason,
-                                              "completion_token_ids": completion.completion_token_ids}]
+                                              "completion_token_ids": completion.completion_token_ids,
+                                              "reasoning": completion.reasoning}]
         chat = request.get("url") == CHAT_URL
-        choices = [{"index": number, **({"message": {"role": "assistant", "content": sample["completion"]}} if chat
-                                         else {"text": sample["completion"]}),
+        choices = [{"index": number, **({"message": _message(sample)} if chat else {"text": sample["completion"]}),
                     "logprobs": None, "finish_reason": FINISH_REASONS[sample["finish_reason"]]}
                    for number, sample in enumerate(samples)]
         new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)
@@ -212,6 +250,11 @@ class BatchOutputLines:
         if line["id"] != f"batch_req_{index}":
             return f"is {line['id']!r}, not batch_req_{index}"
         return None
+
+    @staticmethod
+    def is_error(line: dict) -> bool:
+        """Whether a written line is a request that could not be served."""
+        return line.get("error") is not None
 
     @staticmethod
     def record_fields() -> dict:

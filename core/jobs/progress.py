@@ -1,4 +1,5 @@
-"""Progress of a long run: a bar on a terminal, a plain line every few seconds otherwise (logs, CI)."""
+"""Progress of a long run: a bar on a terminal, a plain line every few seconds otherwise (logs, CI). With several
+samples per row (``--num-samples``) it counts samples, so that a row of thousands of samples is seen to move."""
 
 from __future__ import annotations
 
@@ -6,26 +7,48 @@ import sys
 import time
 from typing import TextIO
 
+#: Seconds between two plain progress lines (off a terminal).
+LINE_EVERY_SECONDS = 10.0
+
 
 class Progress:
-    """Rows done of ``total`` (None when unknown), their rate and the time left."""
+    """Rows done of ``total`` (None when unknown), their rate and the time left; with ``samples_per_row`` > 1, the
+    samples done too (``samples_done`` of them already), their rate and the time left by them."""
 
-    def __init__(self, total: int | None, done: int = 0, stream: TextIO | None = None, every_seconds: float = 10.0):
+    def __init__(self, total: int | None, done: int = 0, stream: TextIO | None = None,
+                 every_seconds: float | None = None, samples_per_row: int = 1, samples_done: int | None = None):
         stream = stream or sys.stderr
-        self.total, self.done, self.stream, self.every_seconds = total, done, stream, every_seconds
+        self.total, self.done, self.stream = total, done, stream
+        self.every_seconds = LINE_EVERY_SECONDS if every_seconds is None else every_seconds
+        self.samples_per_row = samples_per_row
+        self.samples_done = done * samples_per_row if samples_done is None else samples_done
         self._started = self._last_line = time.monotonic()
-        self._resumed_at = done
-        self._printed: int | None = None  # rows done when the last line was printed
+        self._resumed_at = self._counted()
+        self._printed: int | None = None  # what was counted when the last line was printed
         self._bar = None
         if stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=done, unit="row", file=stream, dynamic_ncols=True)
+            self._bar = tqdm(total=self._total_counted(), initial=self._counted(), unit=self._unit(), file=stream,
+                             dynamic_ncols=True)
 
-    def update(self, rows: int) -> None:
+    def _unit(self) -> str:
+        return "sample" if self.samples_per_row > 1 else "row"
+
+    def _counted(self) -> int:
+        """What the rate and the time left are of: samples, with several per row, else rows."""
+        return self.samples_done if self.samples_per_row > 1 else self.done
+
+    def _total_counted(self) -> int | None:
+        return None if self.total is None else self.total * (self.samples_per_row if self.samples_per_row > 1 else 1)
+
+    def update(self, rows: int, samples: int | None = None) -> None:
+        """``rows`` more rows done, and ``samples`` more samples (default: those of the rows)."""
+        before = self._counted()
         self.done += rows
+        self.samples_done += rows * self.samples_per_row if samples is None else samples
         if self._bar is not None:
-            self._bar.update(rows)
+            self._bar.update(self._counted() - before)
         elif time.monotonic() - self._last_line >= self.every_seconds:
             self._print_line()
 
@@ -33,18 +56,22 @@ class Progress:
         """End the bar, or print the last progress line when ``final_line`` (unless the last line printed says it)."""
         if self._bar is not None:
             self._bar.close()
-        elif final_line and self._printed != self.done:
+        elif final_line and self._printed != self._counted():
             self._print_line()
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        rate = (self.done - self._resumed_at) / elapsed
+        rate = (self._counted() - self._resumed_at) / elapsed
         of_total = f"/{self.total}" if self.total is not None else ""
-        text = f"accelgen: {self.done}{of_total} rows, {rate:.2f} rows/s"
+        text = f"accelgen: {self.done}{of_total} rows"
+        if self.samples_per_row > 1:
+            of_samples = f"/{self._total_counted():,}" if self.total is not None else ""
+            text += f", {self.samples_done:,}{of_samples} samples"
+        text += f", {rate:.2f} {self._unit()}s/s"
         if self.total is not None and rate > 0:
-            text += f", ETA {(self.total - self.done) / rate:.0f} s"
+            text += f", ETA {(self._total_counted() - self._counted()) / rate:.0f} s"
         return text
 
     def _print_line(self) -> None:
-        self._last_line, self._printed = time.monotonic(), self.done
+        self._last_line, self._printed = time.monotonic(), self._counted()
         print(self.line(), file=self.stream, flush=True)

@@ -122,7 +122,7 @@ def shard_model(request: Request, output: str, max_file_bytes: int) -> int:
     shard = (lambda model: accelerator.shard(model, world, request.run)) if world.size > 1 else None
     model = allocate(opened.skeleton, device, shard)
     plan = plan_loading(model, opened.weights, world)
-    quantized = int8_layers(model, accelerator.int8_quantizes_head) if request.run.quantize else {}
+    quantized = int8_layers(model, accelerator.tuning.int8_quantizes_head) if request.run.quantize else {}
     written = _write_in_files(model, opened.weights, plan, staging, world, max_file_bytes, quantized)
     files_by_rank = gather_from_ranks(written, world)
     if world.is_main:

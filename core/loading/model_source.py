@@ -152,7 +152,7 @@ class ModelSource:
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
         (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
         ``device_is_host``: the device computes in host memory; ``int8_head``: the device's int8 quantizes a head of
-        its own too (``Accelerator.int8_quantizes_head``: offloaded layers are quantized as they are read)."""
+        its own too (``Accelerator.tuning.int8_quantizes_head``: offloaded layers are quantized as they are read)."""
         self.check_runs_on(world.size, run.dtype, run.quantize)
         check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)

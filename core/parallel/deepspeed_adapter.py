@@ -38,6 +38,16 @@ def deepspeed_prints_to_stderr() -> Iterator[None]:
         yield
 
 
+def require_deepspeed(ranks: int, install: str = 'pip install "accelgen[deepspeed]"') -> None:
+    """Raise UsageError, naming ``install``, when DeepSpeed cannot be imported here: a job of ``ranks`` tensor-parallel
+    ranks needs it (checked without importing it: its import takes seconds)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UsageError(f"Tensor parallelism (the model split over {ranks} ranks) needs DeepSpeed, which is not installed "
+                         f"here: {install} (or run each replica on one rank: --data-parallel equal to --world-size).")
+
+
 def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, host_ranks: int | None = None,
                          **inference_options) -> torch.nn.Module:
     """``model`` split over ``world.size`` ranks by ``deepspeed.init_inference`` (AutoTP): this rank's part.
@@ -47,13 +57,9 @@ def shard_with_deepspeed(model: torch.nn.Module, world: World, dtype: str, *, ho
     shared-memory all-reduce, which reads it from ``LOCAL_SIZE`` (set by DeepSpeed's launcher only).
     ``inference_options`` go to ``init_inference`` (e.g. ``replace_with_kernel_inject=True``).
     """
-    try:
-        with deepspeed_prints_to_stderr():
-            import deepspeed
-    except ImportError:
-        raise UsageError(
-            "Tensor parallelism needs DeepSpeed: pip install 'accelgen[deepspeed]' (or your vendor's DeepSpeed build)."
-        ) from None
+    require_deepspeed(world.size)
+    with deepspeed_prints_to_stderr():
+        import deepspeed
     check_shardable(model.config, world.size)
     # Our vocabulary-parallel embedding and head, put in before DeepSpeed, which leaves them alone: AutoTP
     # would keep the embedding whole on every rank and give the head an untied copy.

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from accelgen.common.errors import CLOSED_OUTPUT_STATUS, UsageError
+from accelgen.common.errors import CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS, UsageError
 from accelgen.common.output_files import replace_whole
 from accelgen.common.settings import DEFAULT_NODE_WAIT, LaunchPlan
 from accelgen.parallel.node_meeting import NodeMeeting, NodesMissing
@@ -107,15 +107,20 @@ class JobEnd:
     line: str | None = None
 
 
-def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> JobEnd:
-    """Check that this node has the devices the job needs, then start this node's ranks, each running
-    ``accelgen <worker_argv>``; return how the job ended. (What the model needs of the world size is
-    checked by the caller, before: ``accelgen.session.request.Request.check_world_size``.)"""
+def check_node_devices(accelerator: Accelerator, plan: LaunchPlan) -> None:
+    """Raise UsageError when this node has fewer devices than the job's ranks on it need (a device that takes one
+    process per device)."""
     if accelerator.one_process_per_device and plan.processes_per_node > accelerator.device_count():
         raise UsageError(
             f"--world-size {plan.world_size} needs {plan.processes_per_node} {accelerator.name} devices on this "
             f"node, which has {accelerator.device_count()}: lower --world-size or add nodes with --nnodes."
         )
+
+
+def launch_job(accelerator: Accelerator, plan: LaunchPlan, worker_argv: Sequence[str]) -> JobEnd:
+    """Start this node's ranks, each running ``accelgen <worker_argv>``; return how the job ended. (What the job
+    needs of the node and of the model is checked by the caller, before: :func:`check_node_devices`,
+    ``accelgen.session.request.Request.check_world_size``.)"""
     for name, value in accelerator.worker_environment(plan).items():
         os.environ.setdefault(name, value)  # the ranks inherit it; a value the user set wins
     try:
@@ -149,8 +154,8 @@ def run_launch_command(command: list[str], plan: LaunchPlan) -> JobEnd:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         return JobEnd(130, "interrupted (SIGINT); all workers stopped")
-    if status == 0:
-        return JobEnd(0)
+    if status in (0, EVERY_ROW_FAILED_STATUS):  # rank 0 said why every row failed
+        return JobEnd(status)
     return JobEnd(2 if status == 2 else 1, f"error: the job's launcher ({command[0]}) exited with status {status}; "
                                            f"the failing rank's error is above.")
 
@@ -207,11 +212,11 @@ def _run_agent(worker_argv: Sequence[str], plan: LaunchPlan) -> JobEnd:
                 StoppedWorkerWatch(_say), _quiet_agent(), restarts, meeting:
             torchrun.run(launcher_arguments)
     except NodesMissing as missing:
-        return JobEnd(1, f"error: {missing}")
+        return JobEnd(missing.status, f"error: {missing}")
     except ChildFailedError as failure:
         rank, process_failure = _first_cause(failure.failures)
-        if process_failure.exitcode == CLOSED_OUTPUT_STATUS:  # the rank printing saw its reader go: say nothing
-            return JobEnd(CLOSED_OUTPUT_STATUS)
+        if process_failure.exitcode in (CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS):  # rank 0 said why, or
+            return JobEnd(process_failure.exitcode)  # saw its reader go: nothing to add
         return JobEnd(2 if process_failure.exitcode == 2 else 1,
                       f"error: {_failure_line(rank, process_failure)}{restarts.after()}")
     except SignalException as interrupt:
@@ -251,8 +256,8 @@ class _RestartsSaid:
 
     def _decide(self, agent, failures: dict) -> None:
         rank, failure = _first_cause(failures)
-        if failure.exitcode in (2, CLOSED_OUTPUT_STATUS):
-            agent._remaining_restarts = 0  # a user's mistake is not tried again
+        if failure.exitcode in (2, CLOSED_OUTPUT_STATUS, EVERY_ROW_FAILED_STATUS):
+            agent._remaining_restarts = 0  # a user's mistake, or a job done (its rows all error rows), is not tried again
             return
         self.done += 1
         _say(f"{_failure_line(rank, failure).removesuffix('; the job was stopped.').rstrip('.')}; starting the "

@@ -30,7 +30,13 @@ STORE_CALL_SECONDS = 30
 
 
 class NodesMissing(Exception):
-    """The wait for the other nodes ended without them; the message is the job's last line."""
+    """The wait for the other nodes ended without them; the message is the job's last line, ``status`` the job's
+    exit status: 2 when ``--node-wait`` ran out (a limit the user set, as for any refusal of a command), 1 when node 0
+    went away during the wait (a failure of the job)."""
+
+    def __init__(self, line: str, status: int = 1):
+        super().__init__(line)
+        self.status = status
 
 
 def _node_key(node_rank: int) -> str:
@@ -85,7 +91,7 @@ class NodeMeeting:
             now = self.clock()
             waited = now - started
             if waited >= self.plan.node_wait:
-                raise NodesMissing(self._never_came(waited))
+                raise NodesMissing(self._never_came(waited), status=2)
             what = self.waiting_for()
             if now >= next_line or (said is not None and what != said):  # in time, or at once when it changed
                 self.say(f"waiting for {what} ({waited:.0f} s so far; this node gives up after {self.plan.node_wait} s: "

@@ -20,6 +20,7 @@ installed plugin that is not built in).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import pluggy
@@ -46,6 +47,42 @@ def accelgen_register_accelerators(register: Callable[["Accelerator"], None]) ->
     """
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What a device may tune, apart from what it must declare: how the core best drives it. Every field has the
+    default that suits an eager device needing nothing special; an accelerator replaces the ones its hardware does
+    differently (``tuning = Tuning(captures_by_default=True, captures_prefill=False)``, or
+    ``dataclasses.replace(Parent.tuning, ...)`` in a subclass). A device that keeps every default runs every job right,
+    if perhaps slower than it could; the registry refuses a plugin that sets one of these on the accelerator itself
+    (where the core would never read it)."""
+
+    #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
+    captures_by_default: bool = False
+    #: With ``captures_by_default``: the decode steps a job must be expected to take before capturing pays for
+    #: itself (a compiler's cost, seconds to minutes, against what it saves per step); a shorter job, or one whose
+    #: length is not known (a call of the Python API), then runs eagerly. 0: capturing always pays.
+    capture_pays_after_steps: int = 0
+    #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
+    #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
+    captures_prefill: bool = True
+    #: Whether an eager prefill (one not captured) runs its prompts one after another in one row, kept apart by the
+    #: mask, instead of padded to the longest: every padding position a pass computes is saved, where the model's
+    #: attention reads only the positions each query sees (a kernel of the device's own; a dense attention would
+    #: compute the square of the row). Where the model's family allows (``Architecture.packs_prompts``).
+    packs_prompts: bool = False
+    #: Whether its kernels compute nothing for a row of zeros (its output a row of zeros, as the product gives it): a
+    #: decode step's finished rows and empty slots, which see nothing, then run on zeros in place of their tokens'
+    #: embeddings (``ModelForward``), and in a model without biases cost nothing in its linear layers.
+    skips_zero_rows: bool = False
+    #: In continuous batching, what one prefill pass costs beyond its prompts' own work (a pass's fixed overhead),
+    #: in decode steps of the whole batch. Where it is more than nothing, slots freed while rows run wait for more to
+    #: free, idle, until their idle slot-steps add up to that cost: one pass then starts several rows. 0: a freed
+    #: slot takes the next row at the next look.
+    prefill_pass_steps: float = 0
+    #: True when the device's int8 also quantizes an output head that holds a weight of its own (not tied to the
+    #: input embedding, not split over ranks): ``quantize`` passes ``head=True`` to
+    #: ``accelgen.quantization.model_layers.quantize_linear_layers``; offloading and memory estimates count it.
+    int8_quantizes_head: bool = False
 class LinearLayout(Protocol):
     """A weight [out, in] that the core writes itself, and may write again, laid out for a device's own product."""
 
@@ -81,29 +118,6 @@ class Accelerator(abc.ABC):
     supported_dtypes: tuple[str, ...] = ("float32",)
     #: Dtype used when the user asks for none; one of ``supported_dtypes``.
     default_dtype: str = "float32"
-    #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
-    captures_by_default: bool = False
-    #: With ``captures_by_default``: the decode steps a job must be expected to take before capturing pays for
-    #: itself (a compiler's cost, seconds to minutes, against what it saves per step); a shorter job, or one whose
-    #: length is not known (a call of the Python API), then runs eagerly. 0: capturing always pays.
-    capture_pays_after_steps: int = 0
-    #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
-    #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
-    captures_prefill: bool = True
-    #: Whether an eager prefill (one not captured) runs its prompts one after another in one row, kept apart by the
-    #: mask, instead of padded to the longest: every padding position a pass computes is saved, where the model's
-    #: attention reads only the positions each query sees (a kernel of the device's own; a dense attention would
-    #: compute the square of the row). Where the model's family allows (``Architecture.packs_prompts``).
-    packs_prompts: bool = False
-    #: Whether its kernels compute nothing for a row of zeros (its output a row of zeros, as the product gives it): a
-    #: decode step's finished rows and empty slots, which see nothing, then run on zeros in place of their tokens'
-    #: embeddings (``ModelForward``), and in a model without biases cost nothing in its linear layers.
-    skips_zero_rows: bool = False
-    #: In continuous batching, what one prefill pass costs beyond its prompts' own work (a pass's fixed overhead),
-    #: in decode steps of the whole batch. Where it is more than nothing, slots freed while rows run wait for more to
-    #: free, idle, until their idle slot-steps add up to that cost: one pass then starts several rows. 0: a freed
-    #: slot takes the next row at the next look.
-    prefill_pass_steps: float = 0
     #: Tie-breaker for ``--device auto``: the available accelerator with the highest priority is used.
     priority: int = 0
     #: True when each rank needs a device of its own (GPUs, Gaudi cards): a node then runs at most
@@ -115,10 +129,10 @@ class Accelerator(abc.ABC):
     #: Weight quantization schemes this device runs (``--quantize``), by their names in
     #: ``accelgen.common.settings.QUANTIZATION_SCHEMES``; asking for another is refused in one line.
     quantization_schemes: tuple[str, ...] = ()
-    #: True when the device's int8 also quantizes an output head that holds a weight of its own (not tied to the
-    #: input embedding, not split over ranks): ``quantize`` passes ``head=True`` to
-    #: ``accelgen.quantization.model_layers.quantize_linear_layers``; offloading and memory estimates count it.
-    int8_quantizes_head: bool = False
+    #: How the core best drives this device (graph capture, prefill, continuous batching): :class:`Tuning`'s defaults
+    #: suit an eager device; a plugin replaces what its hardware does differently, e.g.
+    #: ``tuning = Tuning(captures_by_default=True)``.
+    tuning: Tuning = Tuning()
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -159,6 +173,15 @@ class Accelerator(abc.ABC):
         from accelgen.common.errors import UsageError
 
         raise UsageError(f"--world-size > 1 is not supported on {self.name}: its plugin does not shard models.")
+
+    def check_shard(self, ranks: int) -> None:
+        """Raise ``accelgen.common.errors.UsageError`` when this machine cannot split a model over ``ranks`` ranks
+        with ``shard`` (a library it needs is not installed, say), in one line naming what to install. Called in the
+        launching process before any rank starts, only when ``ranks > 1`` (a replica's ranks, under data
+        parallelism). ``accelgen.parallel.deepspeed_adapter.require_deepspeed`` checks for DeepSpeed.
+        Default: refused where ``shard`` is not written (it refuses), else nothing."""
+        if type(self).shard is Accelerator.shard:
+            self.shard(None, None, None)  # raises its UsageError
 
     def quantize(
         self, model: "torch.nn.Module", scheme: str, run: "RunSettings", calibrate: Callable[["torch.nn.Module"], None]
@@ -252,9 +275,18 @@ class Accelerator(abc.ABC):
         run. Default: None."""
         return None
 
+    def prepare_machine(self) -> list[str]:
+        """Do this device's once-per-machine work now, ahead of the first job (``accelgen devices --prepare``, for
+        images, cluster nodes and CI): build kernels of the plugin's own, say. Returns lines saying what is ready;
+        raises ``accelgen.common.errors.UsageError`` saying why it cannot be done. Called only where
+        ``is_available()``. Default: nothing to do."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         """Facts for reports and ``accelgen devices``: ``device_name``, ``device_count``, and where
-        known ``driver``, ``peak_memory_bandwidth_gbps`` and ``peak_bf16_tflops`` (None if unknown).
+        known ``driver``, ``peak_memory_bandwidth_gbps`` and ``peak_bf16_tflops`` (None if unknown); optionally
+        ``kernels``, one line on kernels of the plugin's own (which, for which instructions, whether built), which
+        ``accelgen devices`` shows under the device. Must not build or load anything.
         Default: the accelerator's name and count, nothing else known."""
         return {
             "device_name": self.name,

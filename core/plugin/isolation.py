@@ -1,5 +1,5 @@
 """Every call the core makes into a plugin's code goes through :func:`call_plugin`: whatever the plugin does
-(raises, calls ``sys.exit``, raises KeyboardInterrupt, hangs) comes back as a :class:`PluginFailure` naming
+(raises, calls ``sys.exit`` or ``os._exit``, raises KeyboardInterrupt, hangs) comes back as a :class:`PluginFailure` naming
 the plugin, its package and the call, or as a line saying what the command is still waiting for; what it
 changed for the whole process (warnings filters, standard streams, working directory, SIGINT) is put back.
 
@@ -57,8 +57,21 @@ class PluginFailure(UsageError):
         super().__init__(f"{origin.named()}: {self.problem}: {origin.fix()} to run without it")
 
 
+class PluginExit(BaseException):
+    """What ``os._exit(status)`` raises when a plugin's code calls it inside :func:`call_plugin`: that call would end
+    the process at once, without a word and without running anything after it (every command, ``accelgen devices``
+    included), where the plugin is to be set aside like any other that fails. A BaseException, like SystemExit, so
+    that the plugin's own ``except Exception`` does not swallow it."""
+
+    def __init__(self, status: object):
+        super().__init__(status)
+        self.status = status
+
+
 def what_it_did(error: BaseException) -> str:
-    """``raised ValueError: ...`` or ``called sys.exit(3)``."""
+    """``raised ValueError: ...``, ``called sys.exit(3)`` or ``called os._exit(3)``."""
+    if isinstance(error, PluginExit):
+        return f"called os._exit({_safely(lambda: repr(error.status), '...')})"
     if isinstance(error, SystemExit):
         return f"called sys.exit({_safely(lambda: repr(error.code), '...')})"
     return f"raised {error_text(error)}"
@@ -78,7 +91,7 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     (KeyboardInterrupt, exit 130), even when the plugin catches it; after NOTICE_AFTER_SECONDS a warning line
     says which plugin the command is waiting for; what of the process the plugin changed is put back."""
     with _notice_when_slow(origin, call), _threads_left_running(origin, call), _process_state_kept(), \
-            _user_interrupts() as interrupted:
+            _exit_raises(), _user_interrupts() as interrupted:
         try:
             result = function(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - anything a third party's code does is reported, not fatal
@@ -87,6 +100,31 @@ def call_plugin(origin: PluginOrigin, call: str, function: Callable[..., Any], *
     if interrupted:  # the plugin swallowed the user's Ctrl-C
         raise KeyboardInterrupt
     return result
+
+
+@contextlib.contextmanager
+def _exit_raises() -> Iterator[None]:
+    """While a plugin's code runs, ``os._exit`` (and ``posix._exit``, the same function) raises :class:`PluginExit`
+    when the plugin calls it. It still ends the process when the core's own code calls it (an interrupt while a
+    plugin imports: ``accelgen.cli.signals``), and in a process forked meanwhile (a child's way to end)."""
+    import posix
+
+    real_exit, process = os._exit, os.getpid()
+
+    def exit_or_raise(status):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if os.getpid() != process or caller == "accelgen" or caller.startswith("accelgen."):
+            real_exit(status)
+        raise PluginExit(status)
+
+    os._exit = posix._exit = exit_or_raise
+    try:
+        yield
+    finally:
+        if os._exit is exit_or_raise:
+            os._exit = real_exit
+        if posix._exit is exit_or_raise:
+            posix._exit = real_exit
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import warnings
 
 from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.settings import DTYPES, QUANTIZATION_SCHEMES
-from accelgen.plugin.contract import Accelerator
+from accelgen.plugin.contract import Accelerator, Tuning
 from accelgen.plugin.isolation import (
     SKIP_VARIABLE,
     ListingGuard,
@@ -113,6 +113,13 @@ def accelerator_problem(accelerator: object) -> str | None:
     if missing:  # not a subclass of Accelerator (a subclass lacking is_available or setup cannot be created)
         return (f"registers {kind}, which lacks {', '.join(missing)}: subclass accelgen.Accelerator, "
                 f"whose defaults fill in every optional member")
+    tuning = getattr(accelerator, "tuning", None)
+    if not isinstance(tuning, Tuning):
+        return f"registers {kind} with tuning {tuning!r}: it must be an accelgen.Tuning"
+    misplaced = [field.name for field in dataclasses.fields(Tuning) if hasattr(accelerator, field.name)]
+    if misplaced:  # a plugin written before the knobs moved: the core would never read them there
+        return (f"registers {kind} setting {', '.join(misplaced)} on itself: these are accelgen.Tuning's fields now "
+                f"(tuning = accelgen.Tuning({misplaced[0]}=...))")
     name = getattr(accelerator, "name", "")
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         return f"registers {kind} with the name {name!r}: a device name is one word of letters, digits, '_' and '-'"

@@ -54,7 +54,7 @@ def quantize_linear_layers(model: torch.nn.Module, product: Int8Product, head: b
 
 def holds_int8_head(model: torch.nn.Module, weights) -> bool:
     """Whether pre-quantized ``weights`` (``accelgen shard --quantize int8``) hold ``model``'s output head in int8:
-    folders written for a device whose int8 quantizes the head do (``Accelerator.int8_quantizes_head``)."""
+    folders written for a device whose int8 quantizes the head do (``Accelerator.tuning.int8_quantizes_head``)."""
     name = own_head_name(model)
     if name is None:
         return False

@@ -39,6 +39,7 @@ def load_request(request: Request) -> Generator:
     """Set the device up, load the model (this rank's part of it under tensor parallelism; what fits the
     memory cap with --offload), prepare it for the device: a Generator."""
     accelerator, run, world = request.accelerator, request.run, request.world
+    request.check_prefix_store(world.size)
     device = accelerator.setup(world)
     init_process_group(world, accelerator.dist_backend)
     shard = (lambda model: accelerator.shard(model, world, run)) if world.size > 1 else None
@@ -46,7 +47,7 @@ def load_request(request: Request) -> Generator:
     host_bytes_before_loading = resident_bytes()
     restart_peak()
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory,
-                                accelerator.int8_quantizes_head)
+                                accelerator.tuning.int8_quantizes_head)
     if request.adapters.merged is not None:  # into the weights as loaded, before the device lays them out
         merge_adapter(loaded.model, request.adapters.merged, world)
     model = accelerator.prepare_model(loaded.model, device, run, world)

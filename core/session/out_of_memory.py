@@ -20,7 +20,7 @@ def out_of_memory_line(request: Request, generator: Generator | None, kept_outpu
         weight_bytes_per_rank = parameter_bytes(generator.model)
         cache_length = generator.cache_length_in_use or cache_length  # the one cache all buckets share
     else:
-        head = request.accelerator.int8_quantizes_head and world.size == 1  # (split over ranks, the head stays)
+        head = request.accelerator.tuning.int8_quantizes_head and world.size == 1  # (split over ranks, the head stays)
         weight_bytes_per_rank = parameter_bytes_of_config(config, run.dtype, run.quantize, head) // world.size
     advice = out_of_memory_advice(
         config, dtype=run.dtype, batch_size=run.batch_size, cache_length=cache_length,

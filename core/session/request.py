@@ -29,9 +29,13 @@ from accelgen.common.settings import (
     SamplingSettings,
     World,
 )
+from accelgen.common.structure import Structure, job_structure
 from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.generation.grammars import structure_problem
+from accelgen.generation.prefix_store import BLOCK_TOKENS
 from accelgen.loading.model_source import ModelSource
 from accelgen.loading.offload import check_offload_world
+from accelgen.model.memory import kv_cache_bytes_per_position
 from accelgen.plugin.contract import Accelerator
 from accelgen.plugin.manager import PluginManager, get_plugin_manager
 from accelgen.plugin.registry import AUTO_DEVICE, check_dtype, select_accelerator
@@ -54,14 +58,32 @@ class Request:
         one is kept."""
         if self.run.use_graphs is not None:
             return self
-        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after_steps
+        pays = decode_steps is not None and decode_steps >= self.accelerator.tuning.capture_pays_after_steps
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
+
+    def check_prefix_store(self, ranks: int) -> None:
+        """Raise UsageError when ``--prefix-cache`` asks for a store smaller than one block of prompt keys and values
+        on each of a replica's ``ranks`` (16 positions over every layer, its share of the heads): it would hold
+        nothing, and reuse would be off without a word. Read from the model's config, before the model loads."""
+        asked = self.run.prefix_cache
+        if not asked:
+            return
+        block = kv_cache_bytes_per_position(self.model.config(), self.run.dtype, ranks) * BLOCK_TOKENS
+        if asked < block:
+            smallest = f"{-(-block // 2**20)}MiB" if block >= 2**20 else f"{-(-block // 2**10)}KiB"
+            raise UsageError(f"--prefix-cache {asked:,} bytes holds no block of prompt keys and values: one block "
+                             f"({BLOCK_TOKENS} positions over every layer, in {self.run.dtype}) takes {block:,} bytes "
+                             f"{'on each rank ' if ranks > 1 else ''}of this model; pass at least {smallest} (a store "
+                             f"holds many blocks), or 0 to turn prefix reuse off.")
 
     def check_world_size(self, world_size: int, data_parallel: int = 1) -> None:
         """Raise UsageError when the run cannot go over ``world_size`` ranks in ``data_parallel`` replicas
-        (heads that do not split over a replica's ranks, a pre-sharded folder made for another split or dtype,
-        offloading): before any rank starts."""
-        self.model.check_runs_on(world_size // data_parallel, self.run.dtype, self.run.quantize)
+        (a library the device's sharding needs that is not installed, heads that do not split over a replica's ranks,
+        a pre-sharded folder made for another split or dtype, offloading): before any rank starts."""
+        replica_ranks = world_size // data_parallel
+        if replica_ranks > 1:
+            self.accelerator.check_shard(replica_ranks)
+        self.model.check_runs_on(replica_ranks, self.run.dtype, self.run.quantize)
         check_offload_world(self.run, world_size)
 
 
@@ -136,6 +158,11 @@ def run_settings(
     num_samples: int = RunSettings.num_samples,
     prefix_cache: str | int | None = RunSettings.prefix_cache,
     prefill_chunk: int = RunSettings.prefill_chunk,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
+    chat_template_kwargs: dict | None = ChatSettings.template_kwargs,
     lora: str | Sequence[str] | Mapping[str, str] = (),
     max_loras: int | None = None,
     max_lora_rank: int | None = AdapterSettings.max_lora_rank,
@@ -157,8 +184,11 @@ def run_settings(
     or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
     what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory. ``prefill_chunk``: prompt
     positions one prefill pass runs at most: a longer prompt is prefilled in passes, the running rows taking a decode
-    step between two (0: every prompt in one pass). ``lora``: PEFT LoRA adapters (folders or Hub ids), named (``NAME=PATH``
-    or a mapping of names to paths) for rows to choose by name, or one without a name merged into the weights for every
+    step between two (0: every prompt in one pass). Every completion may be held to one structure: ``json_schema`` (a
+    JSON Schema, as an object or its text), ``json_object`` (any JSON object), ``regex`` (a pattern the whole completion
+    matches) or ``choices`` (texts it must be one of). ``chat_template_kwargs``: more variables for the chat template
+    (``{"enable_thinking": False}``). ``lora``: PEFT LoRA adapters (folders or Hub ids), named (``NAME=PATH`` or a
+    mapping of names to paths) for rows to choose by name, or one without a name merged into the weights for every
     row; ``max_loras`` of the named ones are held on the device at once (default: each, up to 8), at ranks up to
     ``max_lora_rank`` (default: the largest of theirs)."""
     if batching not in BATCHING_MODES:
@@ -171,9 +201,9 @@ def run_settings(
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
     if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
-        if not accelerator.captures_by_default or offload is not None:
+        if not accelerator.tuning.captures_by_default or offload is not None:
             graphs = False
-        elif accelerator.capture_pays_after_steps:
+        elif accelerator.tuning.capture_pays_after_steps:
             graphs = None  # decided by Request.capture_decided
         else:
             graphs = True
@@ -189,7 +219,7 @@ def run_settings(
         offload=offload_settings(offload, max_device_memory, offload_folder),
         batching=batching,
         quantize=quantize,
-        chat=ChatSettings(chat, system_prompt, chat_template),
+        chat=ChatSettings(chat, system_prompt, chat_template, chat_template_kwargs),
         stop=tuple(stop),
         skip_bad_rows=skip_bad_rows,
         logprobs=logprobs,
@@ -197,6 +227,7 @@ def run_settings(
         prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
         else parse_memory_size(prefix_cache, "--prefix-cache"),
         prefill_chunk=prefill_chunk,
+        structure=checked_structure(json_schema, json_object, regex, choices),
         lora=adapter_settings(lora, max_loras, max_lora_rank),
     )
     _check(run)
@@ -264,6 +295,25 @@ def offload_settings(
     return OffloadSettings(mode, max_device_bytes, None if folder is None else os.fspath(folder))
 
 
+def checked_structure(json_schema: dict | str | None, json_object: bool, regex: str | None,
+                      choices: Sequence[str] | None) -> Structure | None:
+    """The structure every completion is held to, checked by the grammar engine; UsageError naming the flag."""
+    try:
+        choices = [choices] if isinstance(choices, str) else None if choices is None else list(choices)
+        structure = job_structure(json_schema, json_object, regex, choices)
+    except ValueError as error:
+        raise UsageError(f"{error}.") from None
+    if structure is not None and (problem := structure_problem(structure)):
+        raise UsageError(f"{structure.flag} {problem}: fix it, or drop {structure.flag}.")
+    return structure
+
+
+#: Names apply_chat_template takes itself, which a template variable may not be.
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 #: The settings a run takes, by name: :func:`run_settings`'s keywords.
 SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameters if name != "accelerator")
 
@@ -285,5 +335,12 @@ def _check(run: RunSettings) -> None:
     for text in run.stop:
         if not isinstance(text, str) or not text:
             raise UsageError(f"--stop {text!r} is not a text to stop at: give at least one character.")
+    kwargs = run.chat.template_kwargs
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise UsageError(f"--chat-template-kwargs must be a JSON object of template variables, e.g. "
+                         f"'{{\"enable_thinking\": false}}' (got {type(kwargs).__name__}).")
+    if kwargs and (taken := sorted(set(kwargs) & set(CHAT_TEMPLATE_ARGUMENTS))):
+        raise UsageError(f"--chat-template-kwargs names {', '.join(taken)}, which accelgen sets itself: give only the "
+                         f"template's own variables.")
     if run.chat.template is not None and not run.chat.template.strip():
         raise UsageError("--chat-template is empty: give a Jinja chat template, or drop it to use the tokenizer's.")

@@ -18,7 +18,7 @@ def _report(event: str) -> None:
 
 class FakeAccelerator(accelgen.Accelerator):
     name = "fake"
-    captures_by_default = True
+    tuning = accelgen.Tuning(captures_by_default=True)
     priority = -1  # never chosen by --device auto
 
     def is_available(self):

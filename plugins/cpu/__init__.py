@@ -12,13 +12,17 @@ from typing import Any, Callable
 
 import torch
 
-from accelgen.common.errors import interruption_in
+from accelgen.common.errors import UsageError, interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
-from accelgen.plugin.contract import Accelerator, hookimpl
-from accelgen_cpu.extension_lock import check_extension_build_lock
+from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
+from accelgen_cpu.extension_lock import (
+    check_extension_build_lock,
+    deepspeed_build_folder,
+    deepspeed_builds_in_its_folder,
+)
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
-from accelgen_cpu.native_kernels import native_kernels, native_operator_built
+from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_operator
 from accelgen_cpu.norms import use_fused_norms
 from accelgen_cpu.packed_linear import FloatPanels, pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
@@ -36,18 +40,20 @@ class CpuAccelerator(Accelerator):
     runs."""
 
     name = "cpu"
-    captures_by_default = True
-    capture_pays_after_steps = 20_000
-    captures_prefill = False
-    packs_prompts = True  # its attention reads only the positions each query sees (decode_attention.py)
-    skips_zero_rows = True  # its int8 products and its attention compute nothing for a row of zeros, or one that sees nothing
-    # An eager prefill pass costs about two decode steps beyond its prompts' work on a small model (a forward pass's
-    # per-operation overhead), about one on a large one (every weight read, as a step reads it)
-    prefill_pass_steps = 1.5
+    tuning = Tuning(
+        captures_by_default=True,
+        capture_pays_after_steps=20_000,
+        captures_prefill=False,
+        packs_prompts=True,  # its attention reads only the positions each query sees (decode_attention.py)
+        skips_zero_rows=True,  # its int8 products and its attention compute nothing for a row of zeros, or one that sees nothing
+        # An eager prefill pass costs about two decode steps beyond its prompts' work on a small model (a forward
+        # pass's per-operation overhead), about one on a large one (every weight read, as a step reads it)
+        prefill_pass_steps=1.5,
+        int8_quantizes_head=True,
+    )
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
     quantization_schemes = ("int8",)
-    int8_quantizes_head = True
 
     #: Threads chosen for this run, once its model is ready (``prepare_model``); None before.
     thread_choice: ThreadChoice | None = None
@@ -80,9 +86,8 @@ class CpuAccelerator(Accelerator):
     def linear_layout(self, weight: torch.Tensor) -> FloatPanels | None:
         # a few rows times a small weight (an adapter's): the panels kernel is several times torch's product here
         # (RESULTS.md, "LoRA adapters")
-        if weight.dtype == torch.float32 and native_operator_built("float_panels_linear"):
-            return FloatPanels(weight)
-        return None
+        operator = native_operator("float_panels_linear") if weight.dtype == torch.float32 else None
+        return None if operator is None else FloatPanels(weight, operator)
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
         return launch_environment(plan.processes_per_node)
@@ -93,26 +98,33 @@ class CpuAccelerator(Accelerator):
     def summary_phrase(self) -> str | None:
         return None if self.thread_choice is None else self.thread_choice.describe()
 
-    def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
-        from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
+    def check_shard(self, ranks: int) -> None:
+        from accelgen.parallel.deepspeed_adapter import require_deepspeed
 
+        require_deepspeed(ranks)
+
+    def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
+        from accelgen.parallel.deepspeed_adapter import require_deepspeed, shard_with_deepspeed
+
+        require_deepspeed(world.size)
         shared_memory = prepare_shared_memory_all_reduce(world)
-        if shared_memory:
-            check_extension_build_lock(world.local_rank)  # DeepSpeed compiles the kernel on first use
-        try:
-            model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
-        except BaseException:  # a model AutoTP cannot split, say: the job ends, its buffers must not stay behind
-            unlink_shared_memory_buffer(world, wait=False)
-            raise
+        if shared_memory:  # DeepSpeed compiles the kernel on first use, in this install's folder
+            check_extension_build_lock(deepspeed_build_folder(), world.local_rank)
+        with deepspeed_builds_in_its_folder():  # this install's: another's build is never rebuilt, nor loaded
+            try:
+                model = shard_with_deepspeed(model, world, run.dtype, host_ranks=world.local_size if shared_memory else None)
+            except BaseException:  # a model AutoTP cannot split, say: the job ends, its buffers must not stay behind
+                unlink_shared_memory_buffer(world, wait=False)
+                raise
         unlink_shared_memory_buffer(world)
         return model
 
     def quantize(self, model: torch.nn.Module, scheme: str, run: RunSettings, calibrate) -> torch.nn.Module:
         from accelgen.quantization.model_layers import quantize_linear_layers
 
-        model = quantize_linear_layers(model, int8_product_on_cpu, head=self.int8_quantizes_head)
+        model = quantize_linear_layers(model, int8_product_on_cpu, head=self.tuning.int8_quantizes_head)
         if run.offload is None:  # offloaded weights arrive at each pass as stored: they keep that layout's kernel
-            choose_int8_kernels(model, run.batch_size)  # each weight shape's fastest kernel for the decode step's rows
+            choose_int8_kernels(model, run.batch_size)  # by a rule over the instructions and the decode step's rows
         return model
 
     def capture(
@@ -140,6 +152,22 @@ class CpuAccelerator(Accelerator):
             isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
         )
 
+    def prepare_machine(self) -> list[str]:
+        """Build this processor's variant of the plugin's C++ kernels now (for an image, a cluster's nodes, CI), so
+        that the first job loads them; a build that fails is refused in one line (the command fails)."""
+        from accelgen_cpu.kernel_variants import chosen_variant
+        from accelgen_cpu.native_build import BuildFailure
+        from accelgen_cpu.native_kernels import load_variant
+
+        variant = chosen_variant()
+        if variant is not None:
+            try:
+                load_variant(variant)
+            except BuildFailure as failure:
+                raise UsageError(f"The CPU plugin's C++ kernels could not be built: {failure.reason}; "
+                                 f"{failure.fix}.") from None
+        return [kernels_status()]
+
     def describe(self) -> dict[str, Any]:
         return {
             "device_name": _cpu_model_name(),
@@ -149,6 +177,7 @@ class CpuAccelerator(Accelerator):
             "driver": None,
             "peak_memory_bandwidth_gbps": None,
             "peak_bf16_tflops": None,
+            "kernels": kernels_status(),
         }
 
 

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from accelgen.model.transformers_adapter.static_cache import each_row_write
-from accelgen_cpu.native_kernels import native_kernels
+from accelgen_cpu.native_kernels import native_operator
 
 NAME = "accelgen_cpu_decode"
 
@@ -86,9 +86,8 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     global _kernel, _prompt_kernel
     if not getattr(model, "_supports_attention_backend", False) or model.config._attn_implementation != "sdpa":
         return False
-    built = native_kernels()
-    _kernel = torch.ops.accelgen_cpu_kernels.decode_attention if built else decode_attention
-    _prompt_kernel = torch.ops.accelgen_cpu_kernels.prompt_attention if built else None
+    _kernel = native_operator("decode_attention") or decode_attention
+    _prompt_kernel = native_operator("prompt_attention")
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
     return True
@@ -105,16 +104,18 @@ def use_decode_self_attention(model: torch.nn.Module) -> int:
     """Give the model's attention modules of :data:`SELF_ATTENTION_CLASSES` one C++ operator for a decode step's
     attention between its products (the C++ kernels loaded already): rotary embedding, cache writes and the
     attention, instead of some forty small operations (in a compiled step too: one operator, which writes the cache in
-    place); any other call (a prefill, another cache) runs their own forward. Returns how many modules took it."""
+    place); any other call (a prefill, another cache) runs their own forward. Returns how many modules took it (none
+    where this CPU's kernels do not take the operator)."""
+    operator = native_operator("decode_self_attention")
     given = 0
     for module in model.modules():
-        if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):
-            module.forward = _decode_self_attention_forward(module, module.forward)
+        if operator is not None and type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):
+            module.forward = _decode_self_attention_forward(module, module.forward, operator)
             given += 1
     return given
 
 
-def _decode_self_attention_forward(module: torch.nn.Module, own_forward):
+def _decode_self_attention_forward(module: torch.nn.Module, own_forward, operator):
     def forward(*args, **kwargs):
         if args:
             return own_forward(*args, **kwargs)
@@ -126,7 +127,7 @@ def _decode_self_attention_forward(module: torch.nn.Module, own_forward):
             return own_forward(*args, **kwargs)
         keys, values, write_positions = rows
         cos, sin = kwargs["position_embeddings"]
-        output = torch.ops.accelgen_cpu_kernels.decode_self_attention(
+        output = operator(
             module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states), cos, sin, keys,
             values, write_positions, mask[..., : keys.shape[2]], module.scaling)
         return module.o_proj(output), None

@@ -1,6 +1,11 @@
 """The folder and the lock torch uses while it compiles DeepSpeed's CPU all-reduce extension, checked before a
 tensor-parallel job loads.
 
+Each install of accelgen (a virtual environment: its torch, its DeepSpeed) builds the extension in a folder of its own
+under torch's extensions folder (:func:`deepspeed_extensions_root`): torch's build file names the install's include
+paths, so two installs sharing one folder would each rebuild the other's build on every alternate run, and a job
+loading the library while the other install rewrote it would crash.
+
 torch creates ``<extensions folder>/deepspeed_shm_comm/lock`` while one process compiles the extension, and
 every other process waits, polling, until the file goes: silently, and for ever when the file was left by a
 compile that was stopped (SIGTERM, SIGKILL). A compile in progress runs its build tool (ninja) and compilers
@@ -13,11 +18,16 @@ the lock), and again every :data:`REPEAT_SECONDS` with the time waited so far.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import sys
 import tempfile
 import time
 import warnings
+from typing import Iterator
 
 from accelgen.common.errors import AccelgenWarning, UsageError, reason
 
@@ -34,14 +44,57 @@ BUILD_PROGRAMS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "clan
 WHAT = "DeepSpeed's CPU all-reduce extension"
 
 
-def check_extension_build_lock(local_rank: int) -> None:
-    """Check that the extension's build folder is writable (every rank: torch locks and builds there, even to
-    load a compiled extension); on local rank 0, wait while another process compiles the extension, saying
+@contextlib.contextmanager
+def deepspeed_builds_in_its_folder() -> Iterator[None]:
+    """Inside the block, torch builds and loads DeepSpeed's extensions in this install's folder
+    (:func:`deepspeed_extensions_root`): TORCH_EXTENSIONS_DIR is set to it for this process, and put back after."""
+    root = deepspeed_extensions_root()
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = root
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
+def deepspeed_extensions_root() -> str:
+    """This install's extensions folder for DeepSpeed's builds: ``accelgen-deepspeed-<key>`` under torch's (the user's
+    TORCH_EXTENSIONS_DIR, else torch's default), the key a digest of what the build depends on: torch's release and
+    folder (its headers and libraries), DeepSpeed's release and folder (its sources), and the compiler named in CXX."""
+    import torch
+
+    deepspeed = importlib.util.find_spec("deepspeed")
+    try:
+        deepspeed_release = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        deepspeed_release = None
+    depends_on = [torch.__version__, os.path.dirname(torch.__file__), str(deepspeed and deepspeed.origin),
+                  str(deepspeed_release), os.environ.get("CXX", "")]
+    key = hashlib.sha256("\0".join(depends_on).encode()).hexdigest()[:12]
+    return os.path.join(torch_extensions_root(), f"accelgen-deepspeed-{key}")
+
+
+def deepspeed_build_folder() -> str:
+    """Where this install's build of DeepSpeed's CPU all-reduce extension lies (:func:`deepspeed_extensions_root`)."""
+    return os.path.join(deepspeed_extensions_root(), EXTENSION)
+
+
+def check_extension_build_lock(folder: str, local_rank: int) -> None:
+    """Check that the extension's build ``folder`` (this install's: :func:`deepspeed_build_folder`) is writable (every
+    rank: torch locks and builds there, even to load a compiled extension); on local rank 0, say so when the extension
+    is not built yet (this job compiles it, once for this install), wait while another process compiles it, saying
     so, or remove a lock no compile holds (one warning line)."""
-    folder = extension_build_folder(EXTENSION)
     check_build_folder_writable(folder)
-    if local_rank == 0 and os.path.isdir("/proc"):
-        wait_for_build_lock(os.path.join(folder, "lock"), folder)
+    if local_rank != 0:
+        return
+    lock = os.path.join(folder, "lock")
+    if not os.path.exists(os.path.join(folder, f"{EXTENSION}.so")) and not os.path.exists(lock):
+        _say(f"compiling {WHAT} for this install, once (a minute or two; later jobs load it), in {folder}")
+    if os.path.isdir("/proc"):
+        wait_for_build_lock(lock, folder)
 
 
 def check_build_folder_writable(folder: str) -> None:
@@ -135,6 +188,12 @@ def _remove_stale_lock(lock: str) -> None:
 
 def extension_build_folder(name: str) -> str:
     """Where torch builds the extension ``name``: the folder torch.utils.cpp_extension chooses."""
+    return os.path.join(torch_extensions_root(), name)
+
+
+def torch_extensions_root() -> str:
+    """torch's extensions folder: TORCH_EXTENSIONS_DIR, else the one torch.utils.cpp_extension makes per Python and
+    torch build under the user's cache."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -148,7 +207,7 @@ def extension_build_folder(name: str) -> str:
             accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
-    return os.path.join(root, name)
+    return root
 
 
 def build_processes_in(folder: str) -> list[int]:

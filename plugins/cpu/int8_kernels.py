@@ -2,10 +2,10 @@
 OpenVINO do), multiplied in int8 with the layer's int8 weights (VNNI instructions), the int32 sums scaled back by
 both scales. Each row's result depends on that row alone, whatever rows share the product.
 
-Four kernels give the same integers; which is fastest depends on the weight's shape, the number of rows and the
-CPU, so each weight shape takes the one measured fastest at the run's decode rows (:func:`choose_int8_kernels`):
+Four kernels give the same integers; which is fastest depends on the number of rows and the CPU's instructions, so
+each layer takes the one a rule over them names (:func:`int8_kernel_for`, from measurements):
 
-- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major: the fastest for one row;
+- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major (where oneDNN's product is missing);
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
   for several rows the fastest by far (RESULTS.md, "int8 products on the CPU");
@@ -23,12 +23,11 @@ float32, so that the kernels give the same values and the choice never changes a
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
-from accelgen_cpu.native_kernels import native_operator_built
+from accelgen_cpu.native_kernels import native_operator
 from accelgen_cpu.packed_linear import find_packed, register_packed
 
 #: the kernels a weight shape may take, in the order they are tried
@@ -119,9 +118,10 @@ class FusedInt8Product:
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = torch.nn.Parameter(pack_int8_panels(weight), requires_grad=False)
         self.scales = scales.float().contiguous()
+        self._operator = native_operator("int8_panels_linear")
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return torch.ops.accelgen_cpu_kernels.int8_panels_linear(x, self.weight, self.scales)
+        return self._operator(x, self.weight, self.scales)
 
 
 def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -153,46 +153,36 @@ def _(unsigned, handle, out_features):
     return unsigned.new_empty(unsigned.shape[0], out_features, dtype=torch.float32)
 
 
-def choose_int8_kernels(model: torch.nn.Module, rows: int) -> None:
-    """Give each int8 layer of ``model`` the kernel (module docstring) measured fastest for its weight's shape at
-    ``rows`` rows, measured once per shape. Layers whose rows are not a multiple of 16 values, which ``_int_mm`` and
-    oneDNN do not take, take the fused kernel where it is built, else keep the plain product.
+#: The rows up to which the fused kernel is taken where it is built (AVX-512 VNNI); oneDNN's packed product past them,
+#: and at any rows where the fused kernel is not built (benchmarks/RESULTS.md, "The CPU kernels per instruction set").
+FUSED_ROWS_AT_MOST = 16
 
-    Where the model's int8 weights are more than the processor's last-level cache holds, a decode step reads each
-    weight from memory: the timings then start from memory too (the cache overwritten before each), since a weight
-    timed in a loop is read from the cache, where the kernels rank otherwise."""
-    int8_layers = [layer for layer in model.modules() if isinstance(layer, Int8Linear)]
-    layers = [layer for layer in int8_layers if not layer.in_features % 16]
+
+def int8_kernel_for(rows: int, in_features: int, kernels: tuple[str, ...]) -> str | None:
+    """The kernel a layer of ``in_features`` inputs takes for a decode step of ``rows`` rows, of the ``kernels`` this
+    machine runs (:func:`available_kernels`): a rule over the instruction sets (whether the fused kernel is built), the
+    shape and the rows, so that every run on a machine takes the same kernels (never a timing: which kernel is
+    fastest depends on the moment). None: the plain product (a layer whose rows are not a multiple of 16 values, which
+    ``_int_mm`` and oneDNN do not take, where the fused kernel is not built)."""
+    if "fused" in kernels and (in_features % 16 or rows <= FUSED_ROWS_AT_MOST or "packed" not in kernels):
+        return "fused"
+    if in_features % 16:
+        return None
+    return "packed" if "packed" in kernels else "rows"
+
+
+def choose_int8_kernels(model: torch.nn.Module, rows: int) -> dict[str, int]:
+    """Give each int8 layer of ``model`` the kernel :func:`int8_kernel_for` names for ``rows`` rows; returns how many
+    layers took each kernel."""
     kernels = available_kernels()
-    if "fused" in kernels:
-        for layer in int8_layers:
-            if layer.in_features % 16:
-                use_int8_kernel(layer, "fused")
-    from_memory = sum(layer.weight.numel() for layer in layers) > last_level_cache_bytes()
-    overwrite = torch.empty(2 * last_level_cache_bytes() // 4) if from_memory else None  # made once for every timing
-    fastest: dict[tuple[int, ...], str] = {}
-    for layer in layers:
-        weight, scales = layer.weight.detach(), layer.weight_scale.detach()
-        shape = tuple(weight.shape)
-        if shape not in fastest:
-            fastest[shape] = min(kernels, key=lambda kernel: _seconds_of_product(
-                weight, scales, rows, kernel, overwrite=overwrite))
-        use_int8_kernel(layer, fastest[shape])
-
-
-@functools.cache
-def last_level_cache_bytes() -> int:
-    """The size of this processor's largest cache (Linux's sysfs; 32 MiB where it says none)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="utf-8") as size:
-                text = size.read().strip()
-        except OSError:
-            continue
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=32 << 20)
+    taken: dict[str, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, Int8Linear):
+            kernel = int8_kernel_for(rows, layer.in_features, kernels)
+            if kernel is not None:
+                use_int8_kernel(layer, kernel)
+            taken[kernel or "plain"] = taken.get(kernel or "plain", 0) + 1
+    return taken
 
 
 def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
@@ -213,26 +203,9 @@ def use_int8_kernel(layer: Int8Linear, kernel: str) -> None:
 
 def available_kernels() -> tuple[str, ...]:
     """The kernels of :data:`KERNELS` this machine and torch build run."""
-    fused = native_operator_built("int8_panels_linear")
+    fused = native_operator("int8_panels_linear") is not None
     return tuple(kernel for kernel in KERNELS
                  if (kernel != "packed" or _packing_works()) and (kernel != "fused" or fused))
-
-
-def _seconds_of_product(weight: torch.Tensor, scales: torch.Tensor, rows: int, kernel: str,
-                        overwrite: torch.Tensor | None = None) -> float:
-    """The shortest of a few timings of the int8 product of ``rows`` rows with ``weight`` through ``kernel``; given
-    ``overwrite`` (twice the last-level cache), each after it is written, so that the weight comes from memory."""
-    layer = Int8Linear(weight, scales, None, int8_product_on_cpu)
-    use_int8_kernel(layer, kernel)
-    x = torch.ones(rows, weight.shape[1], dtype=scales.dtype)  # the run's dtype
-    timings = []
-    for _ in range(3):
-        if overwrite is not None:
-            overwrite.fill_(1.0)
-        started = time.perf_counter()
-        layer(x)
-        timings.append(time.perf_counter() - started)
-    return min(timings)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 torch's plain product (``F.linear``) takes the weight as stored, row-major [out, in], and the matrix library re-reads
 it in that layout at every call. Two layouts made once feed kernels directly:
 
-- float32 weights, where the plugin's kernels are built for AVX-512: panels of 16 outputs
+- float32 weights, where this processor's kernels take them (AVX-512 and AVX2): panels of 16 outputs
   (:func:`pack_float_panels`), multiplied by the plugin's C++ operator (``kernels/float_panels_linear.cpp``), which
   reads one layout well for every number of rows: one row (a batch-1 decode step, bound by reading the weight) and
   16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS.md,
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from accelgen_cpu.native_kernels import native_kernels, native_operator_built
+from accelgen_cpu.native_kernels import loaded_kernels, native_operator
 
 #: packed weights (or what holds them) by handle, for compiled steps' operators; the layers hold them (weakly
 #: held here)
@@ -62,12 +62,13 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.handle = register_packed(self.weight)
         #: the weight's number among the C++ operator's; None without the plugin's kernels
-        self.native_handle = torch.ops.accelgen_cpu_kernels.keep_packed(self.weight) if native_kernels() else None
+        self._native_product = native_operator("packed_linear")
+        self.native_handle = None if self._native_product is None else loaded_kernels().operators.keep_packed(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self.native_handle is not None:
-                return torch.ops.accelgen_cpu_kernels.packed_linear(x, self.native_handle, self.out_features, self.bias)
+            if self._native_product is not None:
+                return self._native_product(x, self.native_handle, self.out_features, self.bias)
             return packed_product(x, self.handle, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
@@ -94,9 +95,10 @@ class FloatPanelsLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = torch.nn.Parameter(pack_float_panels(linear.weight.detach()), requires_grad=False)
         self.bias = linear.bias
+        self._operator = native_operator("float_panels_linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.accelgen_cpu_kernels.float_panels_linear(x, self.weight, self.out_features, self.bias)
+        return self._operator(x, self.weight, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -106,12 +108,12 @@ class FloatPanels:
     """A float32 weight [out, in] the core writes itself (``Accelerator.linear_layout``), laid out in panels for the
     plugin's product, and laid out again, in place, whenever the core has written it."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight, self.out_features = weight, weight.shape[0]
+    def __init__(self, weight: torch.Tensor, operator) -> None:
+        self.weight, self.out_features, self._operator = weight, weight.shape[0], operator
         self.panels = pack_float_panels(weight)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.accelgen_cpu_kernels.float_panels_linear(x, self.panels, self.out_features, None)
+        return self._operator(x, self.panels, self.out_features, None)
 
     def refresh(self) -> None:
         self.panels.copy_(pack_float_panels(self.weight))
@@ -133,7 +135,7 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
     """Replace the model's packable linear layers (module docstring) by :class:`FloatPanelsLinear` ones (float32
     weights, where the kernel is built) or :class:`PackedLinear` ones laid out for ``rows`` rows, one at a time (the
     plain weight is freed as its laid-out copy is made); returns how many."""
-    panels = native_operator_built("float_panels_linear")  # AVX-512
+    panels = native_operator("float_panels_linear") is not None  # where this CPU's kernels take it
     if not (panels or _packing_works()):
         return 0
     uses: dict[int, int] = {}

@@ -33,7 +33,7 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import RunSettings, World
-from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
 from accelgen_cuda.gpus import known_gpu_peaks
 from accelgen_cuda.graph_pool import SharedGraphPool
 
@@ -53,7 +53,7 @@ class CudaAccelerator(Accelerator):
     dist_backend = "nccl"
     supported_dtypes = ("bfloat16", "float16", "float32")
     default_dtype = "bfloat16"
-    captures_by_default = True
+    tuning = Tuning(captures_by_default=True)
     priority = 10  # above the CPU: --device auto picks a GPU when there is one
     one_process_per_device = True
 
@@ -87,6 +87,11 @@ class CudaAccelerator(Accelerator):
         self._compile_mode = _compile_mode()  # a bad value stops the run here, before the model loads
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
+
+    def check_shard(self, ranks: int) -> None:
+        from accelgen.parallel.deepspeed_adapter import require_deepspeed
+
+        require_deepspeed(ranks)
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed

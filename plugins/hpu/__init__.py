@@ -31,12 +31,14 @@ import torch
 
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan, RunSettings, World
-from accelgen.plugin.contract import Accelerator, hookimpl
+from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
 from accelgen_hpu import bridge, fp8
 
 #: Text of the bridge's error when device memory runs out (e.g. "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed
 #: for size::939524096 (896)MB"), as matched by accelerate's and Habana's vLLM troubleshooting guides.
 OUT_OF_MEMORY_TEXT = "PT_DEVMEM Allocation failed"
+#: Habana's DeepSpeed fork (tensor parallelism on Gaudi), as pip installs it: it is not on PyPI.
+HABANA_DEEPSPEED = "git+https://github.com/HabanaAI/DeepSpeed.git@1.21.0"
 
 
 class HpuAccelerator(Accelerator):
@@ -44,7 +46,7 @@ class HpuAccelerator(Accelerator):
     dist_backend = "hccl"
     supported_dtypes = ("bfloat16", "float32")
     default_dtype = "bfloat16"
-    captures_by_default = True  # HPU graphs remove the host's per-step graph building in lazy mode
+    tuning = Tuning(captures_by_default=True)  # HPU graphs remove the host's per-step graph building in lazy mode
     priority = 20  # above the CPU (0): with --device auto a machine with Gaudi cards uses them
     one_process_per_device = True
     quantization_schemes = ("fp8",)  # Gaudi2 and later, through Intel Neural Compressor (accelgen_hpu.fp8)
@@ -67,6 +69,11 @@ class HpuAccelerator(Accelerator):
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  registers the "hccl" backend
         # Each rank owns one card (Habana's launcher and DeepSpeed's give every process its own module).
         return bridge.torch_device()
+
+    def check_shard(self, ranks: int) -> None:
+        from accelgen.parallel.deepspeed_adapter import require_deepspeed
+
+        require_deepspeed(ranks, install=f"pip install {HABANA_DEEPSPEED}")
 
     def shard(self, model: torch.nn.Module, world: World, run: RunSettings) -> torch.nn.Module:
         from accelgen.parallel.deepspeed_adapter import shard_with_deepspeed
@@ -129,10 +136,7 @@ class HpuAccelerator(Accelerator):
                 "yourself (deepspeed --hostfile HOSTS --module accelgen.cli run ...), without --world-size."
             )
         if importlib.util.find_spec("deepspeed") is None:
-            raise UsageError(
-                "--world-size > 1 on hpu needs Habana's DeepSpeed: "
-                "pip install git+https://github.com/HabanaAI/DeepSpeed.git@1.21.0"
-            )
+            raise UsageError(f"--world-size > 1 on hpu needs Habana's DeepSpeed: pip install {HABANA_DEEPSPEED}")
         return [
             sys.executable, "-m", "deepspeed.launcher.runner",  # `deepspeed`, with this interpreter
             "--num_gpus", str(plan.processes_per_node),

@@ -32,9 +32,9 @@ class ModelForward:
     ``attention_mask`` up to their own position, and their keys and values go into ``cache``. With ``adapter_slots``
     [B], each row is computed with the LoRA adapter in that slot of the ``adapters``' buffers (slot 0, or no
     ``adapter_slots``: the base model). With ``zero_unseen_rows``, a row whose mask marks nothing (a finished row or an
-    empty slot of a decode step: its output is never read) runs on zeros in place of its tokens' embeddings: in a model without biases they stay zeros
-    through every layer, and a device whose kernels skip rows of zeros (``Accelerator.skips_zero_rows``) computes
-    nothing for it; the other rows' values are the same.
+    empty slot of a decode step: its output is never read) runs on zeros in place of its tokens' embeddings: in a model
+    without biases they stay zeros through every layer, and a device whose kernels skip rows of zeros
+    (``Accelerator.tuning.skips_zero_rows``) computes nothing for it; the other rows' values are the same.
     """
 
     def __init__(self, model: torch.nn.Module, world: World, dtype: torch.dtype, adapters: AdapterBuffers | None = None):

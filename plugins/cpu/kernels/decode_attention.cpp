@@ -34,9 +34,10 @@
 #include <optional>
 #include <vector>
 
-#include "float_lanes.h"
+#include "lanes.h"
 
 namespace {
+using namespace ACCELGEN_KERNELS_NAMESPACE;
 
 template <typename T>
 inline void to_float(const T* in, float* out, int64_t size) {
@@ -96,45 +97,25 @@ inline float exp_of_nonpositive(float value) {
   return value < -87.0f ? 0.0f : p * power;  // below it 0, as std::exp rounds masked positions' weights
 }
 
-#if defined(__AVX512F__)
-// exp_of_nonpositive of 16 values: the same operations in the same order in each lane, so the same bits.
-inline __m512 exp_of_nonpositive_lanes(__m512 value) {
-  const __mmask16 underflow = _mm512_cmp_ps_mask(value, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __m512 x = _mm512_mask_blend_ps(underflow, value, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
-}
-#endif
 
 // scores [span] -> their softmax's weights before the division, exp(score - the largest), in place, rounded to T
 // (bfloat16: as SDPA's CPU kernel rounds the weights it multiplies the values by); returns the inverse of their sum,
-// taken before rounding. Sixteen at a time where AVX-512 is (the scalar loops do not vectorize).
+// taken before rounding. Sixteen at a time for float32 and bfloat16 (the scalar loops do not vectorize).
 template <typename T>
 inline float exp_in_place(float* scores, int64_t span) {
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    __m512 tops = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < span; j += 16)
-      tops = _mm512_mask_max_ps(tops, lanes_before(span - j), tops, _mm512_maskz_loadu_ps(lanes_before(span - j), scores + j));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
-    __m512 totals = _mm512_setzero_ps();
-    for (int64_t j = 0; j < span; j += 16) {
-      const __mmask16 mask = lanes_before(span - j);
-      const __m512 weights = exp_of_nonpositive_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), top));
-      totals = _mm512_mask_add_ps(totals, mask, totals, weights);
-      _mm512_mask_storeu_ps(scores + j, mask, rounded_to<T>(weights));
+    constexpr float kLowest = -std::numeric_limits<float>::infinity();
+    Lanes tops = broadcast(kLowest);
+    for (int64_t j = 0; j < span; j += kLanes) tops = maximum(tops, load_first(scores + j, span - j, kLowest));
+    const Lanes top = broadcast(largest_of(tops));
+    Lanes totals = zeros();
+    for (int64_t j = 0; j < span; j += kLanes) {  // past the span: -inf, whose weight is 0
+      const Lanes weights = exp_of_nonpositive_lanes(load_first(scores + j, span - j, kLowest) - top);
+      totals = totals + weights;
+      store_first(rounded_to<T>(weights), scores + j, span - j);
     }
-    return 1.0f / _mm512_reduce_add_ps(totals);
+    return 1.0f / sum_of(totals);
   }
-#endif
   const float top = *std::max_element(scores, scores + span);
   float total = 0;
   for (int64_t j = 0; j < span; ++j) {
@@ -152,35 +133,34 @@ struct SpanKernels {
   void (*values)(const float*, const T*, int64_t, int64_t, float*);
 };
 
-#if defined(__AVX512F__)
-// Heads of 32, 64 or 128 values (Chunks = D / 16 registers of float32 each) take these: a position's products in
-// registers, and the weighted sum of the values held in registers over the whole span, where attend's own loops
-// take any size (a sum over d per position, the weighted sum through memory; bfloat16 converted value by value).
+// Heads of 32, 64 or 128 values (Chunks = D / 16 Lanes each) take these: a position's products in registers, and
+// the weighted sum of the values held in registers over the whole span, where attend's own loops take any size (a
+// sum over d per position, the weighted sum through memory; bfloat16 converted value by value).
 
 // scores[j] = query . keys[j] for the span's positions (step apart).
 template <int Chunks, typename T>
 void span_scores(const float* query, const T* keys, int64_t step, int64_t span, float* scores) {
-  __m512 q[Chunks];
-  for (int c = 0; c < Chunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  Lanes q[Chunks];
+  for (int c = 0; c < Chunks; ++c) q[c] = load(query + kLanes * c);
   for (int64_t j = 0; j < span; ++j) {
     const T* key = keys + j * step;
-    __m512 sum = _mm512_mul_ps(q[0], load_floats(key));
-    for (int c = 1; c < Chunks; ++c) sum = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), sum);
-    scores[j] = _mm512_reduce_add_ps(sum);
+    Lanes sum = q[0] * load_floats(key);
+    for (int c = 1; c < Chunks; ++c) sum = multiply_add(q[c], load_floats(key + kLanes * c), sum);
+    scores[j] = sum_of(sum);
   }
 }
 
 // out = sum_j weights[j] values[j] over the span's positions (step apart).
 template <int Chunks, typename T>
 void span_values(const float* weights, const T* values, int64_t step, int64_t span, float* out) {
-  __m512 sum[Chunks];
-  for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_setzero_ps();
+  Lanes sum[Chunks];
+  for (int c = 0; c < Chunks; ++c) sum[c] = zeros();
   for (int64_t j = 0; j < span; ++j) {
     const T* value = values + j * step;
-    const __m512 weight = _mm512_set1_ps(weights[j]);
-    for (int c = 0; c < Chunks; ++c) sum[c] = _mm512_fmadd_ps(weight, load_floats(value + 16 * c), sum[c]);
+    const Lanes weight = broadcast(weights[j]);
+    for (int c = 0; c < Chunks; ++c) sum[c] = multiply_add(weight, load_floats(value + kLanes * c), sum[c]);
   }
-  for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(out + 16 * c, sum[c]);
+  for (int c = 0; c < Chunks; ++c) store(sum[c], out + kLanes * c);
 }
 
 // The span kernels of heads of ``size`` values; none (the generic loops) for other sizes or dtypes.
@@ -196,10 +176,6 @@ std::optional<SpanKernels<T>> span_kernels(int64_t size) {
   }
   return std::nullopt;
 }
-#else
-template <typename T>
-std::optional<SpanKernels<T>> span_kernels(int64_t) { return std::nullopt; }
-#endif
 
 // The first and one past the last position of ``mask`` [L] that a query sees; [L, L) when it sees none.
 inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) {
@@ -211,32 +187,26 @@ inline std::pair<int64_t, int64_t> seen_span(const float* mask, int64_t length) 
   return {first, end};
 }
 
-#if defined(__AVX512F__)
-// rotate() sixteen values at a time, for sizes whose halves are whole registers (a multiple of 32): the same
-// products, sums and roundings.
+// rotate() sixteen values at a time, for sizes whose halves are whole Lanes (a multiple of 32): the same products,
+// sums and roundings.
 template <typename T>
 inline void rotate_lanes(const T* x, const T* cos, const T* sin, int64_t size, T* out) {
   const int64_t half = size / 2;
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  for (int64_t i = 0; i < size; i += 16) {
-    const __m512 other = i < half ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_floats(x + i + half)), sign))
-                                  : load_floats(x + i - half);
-    const __m512 straight = rounded_to<T>(_mm512_mul_ps(load_floats(x + i), load_floats(cos + i)));
-    const __m512 turned = rounded_to<T>(_mm512_mul_ps(other, load_floats(sin + i)));
-    store_floats(_mm512_add_ps(straight, turned), 0xFFFF, out + i);
+  for (int64_t i = 0; i < size; i += kLanes) {
+    const Lanes other = i < half ? negated(load_floats(x + i + half)) : load_floats(x + i - half);
+    const Lanes straight = rounded_to<T>(load_floats(x + i) * load_floats(cos + i));
+    const Lanes turned = rounded_to<T>(other * load_floats(sin + i));
+    store_floats(straight + turned, out + i);
   }
 }
-#endif
 
 // x [D] rotated by its position's cos and sin [D] into out: x cos + rotate_half(x) sin, each product and the sum
 // rounded to T, where rotate_half(x) is (-x[D/2:], x[:D/2]).
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, int64_t size, T* out) {
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     if (size % 32 == 0) return rotate_lanes(x, cos, sin, size, out);
   }
-#endif
   const int64_t half = size / 2;
   for (int64_t i = 0; i < size; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
@@ -384,12 +354,17 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
 
 // A mask of ``queries`` rows of L per row ([B, 1, T, L], [B, T, L]; additive, or true where a key is seen) as
 // additive float32 [B, T, L].
+// A value at most half its dtype's lowest marks a position unseen (float16's lowest is float32's at most half):
+// such positions become float32's lowest, which seen_span skips.
 at::Tensor additive_mask(const at::Tensor& mask, int64_t rows, int64_t queries, int64_t length) {
   at::Tensor flat = mask.reshape({rows, queries, length});
-  return flat.scalar_type() == at::kBool
-      ? at::zeros({rows, queries, length}, flat.options().dtype(at::kFloat))
-            .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest())
-      : flat.to(at::kFloat).contiguous();
+  if (flat.scalar_type() == at::kBool)
+    return at::zeros({rows, queries, length}, flat.options().dtype(at::kFloat))
+        .masked_fill_(flat.logical_not(), std::numeric_limits<float>::lowest());
+  at::Tensor additive = flat.to(at::kFloat).contiguous();
+  if (flat.scalar_type() == at::kHalf)
+    additive.masked_fill_(additive <= std::numeric_limits<at::Half>::lowest() / 2, std::numeric_limits<float>::lowest());
+  return additive;
 }
 
 at::Tensor last_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
@@ -452,6 +427,11 @@ at::Tensor decode_self_attention(const at::Tensor& query, const at::Tensor& key,
   at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
   at::Tensor c = cos.reshape({rows, size}).contiguous(), s = sin.reshape({rows, size}).contiguous();
   at::Tensor positions = write_positions.contiguous();
+  const int64_t length = keys.size(2);
+  const int64_t* position = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b)  // a position past the cache would be written out of its bounds
+    TORCH_CHECK(position[b] >= 0 && position[b] < length, "decode_self_attention: write_positions[", b, "] is ",
+                position[b], ", outside the cache's ", length, " positions");
   const int64_t heads = query.size(2) / size;
   at::Tensor output = at::empty({rows, 1, heads * size}, query.options());
   at::Tensor output_heads = output.view({rows, heads, 1, size});
@@ -478,7 +458,7 @@ at::Tensor decode_self_attention_meta(const at::Tensor& query, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   library.def("prompt_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   library.def(
@@ -486,13 +466,13 @@ TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
       "Tensor(b!) values, Tensor write_positions, Tensor mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) {
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) {
   library.impl("decode_attention", &decode_attention);
   library.impl("prompt_attention", &prompt_attention);
   library.impl("decode_self_attention", &decode_self_attention);
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) {
   library.impl("decode_attention", &queries_attention_meta);
   library.impl("prompt_attention", &queries_attention_meta);
   library.impl("decode_self_attention", &decode_self_attention_meta);

@@ -22,41 +22,43 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-#include "float_lanes.h"
+#include "lanes.h"
 
 namespace {
+using namespace ACCELGEN_KERNELS_NAMESPACE;
 
-constexpr int64_t kOutputs = 16;  // outputs of a panel: one register of sums per row
+constexpr int64_t kOutputs = kLanes;  // outputs of a panel: one Lanes of sums per row
+constexpr int kSumRegisters = kLaneRegisters * 3 / 4;  // Lanes of sums a tile's product holds at most
+#if defined(ACCELGEN_LANES_AVX512)
 constexpr int64_t kTileRows = 8;  // rows of a tile
-constexpr int kSumRegisters = 24;  // registers of sums a tile's product holds at most (of AVX-512's 32)
+#else
+constexpr int64_t kTileRows = kSumRegisters < 4 ? kSumRegisters : 4;  // fewer registers: fewer rows a tile
+#endif
 // How far ahead of its loads each panel's stream asks for its weights (into L2): the hardware's prefetching stops at
 // each 4 KB page, a whole page ahead here (a line per input of a whole panel)
 constexpr int64_t kPrefetchInputs = 64;
 
 // The sums of Rows rows of x (``size`` values each, consecutive) times Panels consecutive whole panels
 // (panel_floats apart), into out[Rows][Panels]: constants, so that every sum stays in a register of its own.
-// Partial: one panel of the outputs in ``mask``, its inputs that many values apart.
+// Partial: one panel of its first ``filled`` outputs, its inputs that many values apart.
 template <int Rows, int Panels, bool Partial = false>
-void tile_sums(const float* x, int64_t size, const float* panel, int64_t panel_floats, __m512* out,
-               __mmask16 mask = 0xFFFF) {
+void tile_sums(const float* x, int64_t size, const float* panel, int64_t panel_floats, Lanes* out,
+               int64_t filled = kOutputs) {
   static_assert(!Partial || Panels == 1, "one partial panel");
-  const int64_t step = Partial ? __builtin_popcount(mask) : kOutputs;
-  __m512 sums[Rows][Panels];
+  const int64_t step = Partial ? filled : kOutputs;
+  Lanes sums[Rows][Panels];
   for (int m = 0; m < Rows; ++m)
-    for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_setzero_ps();
+    for (int p = 0; p < Panels; ++p) sums[m][p] = zeros();
   for (int64_t k = 0; k < size; ++k) {
-    __m512 w[Panels];
+    Lanes w[Panels];
     for (int p = 0; p < Panels; ++p) {
       const float* weights = panel + p * panel_floats + k * step;
-      w[p] = Partial ? _mm512_maskz_loadu_ps(mask, weights) : _mm512_loadu_ps(weights);
-      _mm_prefetch(reinterpret_cast<const char*>(weights + kPrefetchInputs * step), _MM_HINT_T1);
+      w[p] = Partial ? load_first(weights, filled) : load(weights);
+      __builtin_prefetch(weights + kPrefetchInputs * step, 0, 2);
     }
     for (int m = 0; m < Rows; ++m) {
-      const __m512 value = _mm512_set1_ps(x[m * size + k]);
-      for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_fmadd_ps(value, w[p], sums[m][p]);
+      const Lanes value = broadcast(x[m * size + k]);
+      for (int p = 0; p < Panels; ++p) sums[m][p] = multiply_add(value, w[p], sums[m][p]);
     }
   }
   for (int m = 0; m < Rows; ++m)
@@ -65,7 +67,11 @@ void tile_sums(const float* x, int64_t size, const float* panel, int64_t panel_f
 
 // The panels a tile of ``rows`` rows takes at once: eight for one or two rows (eight streams of weights read side
 // by side), else as many as kSumRegisters holds.
+#if defined(ACCELGEN_LANES_AVX512)
 constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 6 : 3; }
+#else
+constexpr int panels_for(int rows) { return kSumRegisters / rows > 8 ? 8 : kSumRegisters / rows > 1 ? kSumRegisters / rows : 1; }
+#endif
 constexpr bool sums_fit_registers() {
   for (int rows = 1; rows <= kTileRows; ++rows)
     if (rows * panels_for(rows) > kSumRegisters) return false;
@@ -73,7 +79,7 @@ constexpr bool sums_fit_registers() {
 }
 static_assert(sums_fit_registers(), "a tile's sums (rows x panels_for(rows)) must fit kSumRegisters");
 
-using TileSums = void (*)(const float*, int64_t, const float*, int64_t, __m512*, __mmask16);
+using TileSums = void (*)(const float*, int64_t, const float*, int64_t, Lanes*, int64_t);
 
 template <int... Counts>
 constexpr std::array<TileSums, sizeof...(Counts)> wide_table(std::integer_sequence<int, Counts...>) {
@@ -87,7 +93,7 @@ template <int... Counts>
 constexpr std::array<TileSums, sizeof...(Counts)> partial_table(std::integer_sequence<int, Counts...>) {
   return {&tile_sums<Counts + 1, 1, true>...};
 }
-// tile_sums of 1 to 8 rows (by count - 1), with panels_for(rows) panels, with one, and with the partial one
+// tile_sums of 1 to kTileRows rows (by count - 1), with panels_for(rows) panels, with one, and with the partial one
 constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kPartial = partial_table(std::make_integer_sequence<int, kTileRows>{});
@@ -99,7 +105,7 @@ void panels_product(const float* x, int64_t rows, int64_t size, const float* pan
   const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
   const int64_t units = (panel_count + group - 1) / group;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    __m512 sums[kSumRegisters];  // rows x panels_for(rows)
+    Lanes sums[kSumRegisters];  // rows x panels_for(rows)
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
       const int64_t whole_in_unit = std::min<int64_t>(in_unit, outputs / kOutputs - first_panel);
@@ -112,15 +118,14 @@ void panels_product(const float* x, int64_t rows, int64_t size, const float* pan
           const int64_t first_output = (first_panel + p) * kOutputs;
           const auto& sums_of = p >= whole_in_unit ? kPartial : take == wide ? kWide : kNarrow;
           sums_of[count - 1](tile, size, panels + first_output * size, panel_floats, sums,
-                             lanes_before(outputs - first_output));
+                             std::min(kOutputs, outputs - first_output));
           for (int64_t m = 0; m < count; ++m) {
             const int64_t row = t * kTileRows + m;
             for (int q = 0; q < take; ++q) {
-              const int64_t n = (first_panel + p + q) * kOutputs;
-              const __mmask16 mask = lanes_before(outputs - n);
-              __m512 value = sums[m * take + q];
-              if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + n));
-              _mm512_mask_storeu_ps(out + row * outputs + n, mask, value);
+              const int64_t n = (first_panel + p + q) * kOutputs, filled = std::min(kOutputs, outputs - n);
+              Lanes value = sums[m * take + q];
+              if (bias != nullptr) value = value + load_first(bias + n, filled);
+              store_floats(value, out + row * outputs + n, filled);
             }
           }
           p += take;
@@ -161,14 +166,12 @@ at::Tensor float_panels_linear_meta(const at::Tensor& x, const at::Tensor&, int6
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("float_panels_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("float_panels_linear", &float_panels_linear); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) { library.impl("float_panels_linear", &float_panels_linear); }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) {
   library.impl("float_panels_linear", &float_panels_linear_meta);
 }
-
-#endif  // AVX-512: where the compiler's target lacks it, the operator is not defined

@@ -25,12 +25,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "lanes.h"
 
-#include "float_lanes.h"
-
+#if defined(ACCELGEN_LANES_AVX512) && defined(__AVX512VNNI__)
 namespace {
+using namespace ACCELGEN_KERNELS_NAMESPACE;
 
 constexpr float kLimit = 127.0f;
 constexpr float kSmallest = 0x1p-100f;  // the smallest largest magnitude a row takes (int8_kernels._TINY)
@@ -53,14 +52,13 @@ void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded
     const T* row = x + rows[m] * size;
     __m512 largest_lanes = _mm512_setzero_ps();
     for (int64_t k = 0; k < size; k += 16) {
-      const __mmask16 mask = lanes_before(size - k);
-      largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(load_floats(row + k, mask)));
+      largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(load_floats(row + k, size - k).v));
     }
     const float largest = std::max(_mm512_reduce_max_ps(largest_lanes), kSmallest);
     const __m512 inverse = _mm512_set1_ps(kLimit / largest);
     __m512i sums = _mm512_setzero_si512();
     for (int64_t k = 0; k < size; k += 16) {
-      const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, lanes_before(size - k)), inverse));
+      const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, size - k).v, inverse));
       sums = _mm512_add_epi32(sums, values);
       alignas(16) int32_t quads[4];  // the 16 values as bytes, four to an int32
       _mm_store_si128(reinterpret_cast<__m128i*>(quads), _mm512_cvtepi32_epi8(values));
@@ -121,7 +119,7 @@ template <typename T>
 bool all_zeros(const T* row, int64_t size) {
   __mmask16 nonzero = 0;
   for (int64_t k = 0; k < size; k += 16)
-    nonzero |= _mm512_cmp_ps_mask(load_floats(row + k, lanes_before(size - k)), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    nonzero |= _mm512_cmp_ps_mask(load_floats(row + k, size - k).v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
   return nonzero == 0;
 }
 
@@ -166,11 +164,10 @@ void panels_product(const T* x, int64_t all_rows, int64_t size, const uint8_t* p
             const __m512 row_scale = _mm512_set1_ps(row_scales[index]);
             for (int q = 0; q < take; ++q) {
               const int64_t n = (first_panel + p + q) * kOutputs;
-              const __mmask16 mask = lanes_before(outputs - n);
-              const __m512 scale = _mm512_maskz_loadu_ps(mask, scales + n);
+              const __m512 scale = _mm512_maskz_loadu_ps(first_lanes(outputs - n), scales + n);
               const __m512 value = _mm512_mul_ps(
                   _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[m * take + q], correction)), scale), row_scale);
-              store_floats(value, mask, out + row * outputs + n);
+              store_floats(Lanes{value}, out + row * outputs + n, outputs - n);
             }
           }
           p += take;
@@ -212,13 +209,13 @@ at::Tensor int8_panels_linear_meta(const at::Tensor& x, const at::Tensor&, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("int8_panels_linear(Tensor x, Tensor panels, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("int8_panels_linear", &int8_panels_linear); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) { library.impl("int8_panels_linear", &int8_panels_linear); }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) {
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) {
   library.impl("int8_panels_linear", &int8_panels_linear_meta);
 }
 

@@ -65,11 +65,11 @@ at::Tensor packed_linear_meta(const at::Tensor& x, int64_t, int64_t out_features
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("keep_packed(Tensor packed) -> int", &keep_packed);
   library.def("packed_linear(Tensor x, int number, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) { library.impl("packed_linear", &packed_linear); }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) { library.impl("packed_linear", &packed_linear_meta); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) { library.impl("packed_linear", &packed_linear_meta); }

@@ -48,10 +48,10 @@ at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { retur
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(accelgen_cpu_kernels, library) {
+TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("rms_norm(Tensor x, Tensor weight, float epsilon) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, CPU, library) { library.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) { library.impl("rms_norm", &rms_norm); }
 
-TORCH_LIBRARY_IMPL(accelgen_cpu_kernels, Meta, library) { library.impl("rms_norm", &rms_norm_meta); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) { library.impl("rms_norm", &rms_norm_meta); }
