@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import Callable, Iterator, Sequence
 
+from accelgen.adapters.figures import AdapterFigures
 from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
@@ -139,6 +140,7 @@ class RunReport:
     error_rows: int = 0  # rows written as error rows (--skip-bad-rows), on the writer
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
     structure: StructureFigures | None = None  # what holding rows to structures cost (this replica's), when some were
+    adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
 
     @property
     def rows_per_second(self) -> float:
@@ -175,6 +177,8 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
         structure=StructureFigures.of(generator, replicas),
+        adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
+                                   else 0, replicas or [stats]),
     )
 
 
@@ -191,7 +195,9 @@ def open_job(
             check_not_dataset(output, dataset.source)
         batch = is_batch_file(dataset.source)
         if batch:
-            lines, open_dataset = _batch_lines(request), functools.partial(open_requests, model_names=_model_names(request))
+            lines = _batch_lines(request)
+            open_dataset = functools.partial(open_requests, model_names=request.model.names,
+                                             adapter_names=request.run.lora.names)
         else:
             open_dataset = open_rows
         if dataset.schema_column is not None and request.run.structure is not None:
@@ -225,18 +231,12 @@ def open_job(
     return CompletionJob(rows, writer, writer.completed_rows if writer else 0, dataset)
 
 
-def _model_names(request: Request) -> tuple[str, ...]:
-    """What a batch request's ``model`` may say to be served by this run: the model as named, or its last part."""
-    name = request.model.name or BUILT_IN_NAME
-    return (name, os.path.basename(os.path.normpath(name)))
-
-
 def _batch_lines(request: Request) -> BatchOutputLines:
     """The output lines of a batch file's run (refusing what they cannot hold)."""
     if request.run.logprobs:
         raise UsageError("--logprobs is not written into OpenAI batch output lines: drop --logprobs for a batch file, "
                          "or complete a text or messages column to have them.")
-    return BatchOutputLines(_model_names(request)[0])
+    return BatchOutputLines(request.model.names[0])
 
 
 def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
@@ -269,7 +269,7 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
 def run_record(request: Request, source: dict) -> dict:
     """What decides an output file's rows, written beside it: a resumed run must match it."""
     return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
-                **request.run.output_deciding())
+                **request.run.output_deciding(), **request.adapters.record())
 
 
 def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
@@ -430,7 +430,8 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows))
+                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows, stats.adapter_loads,
+                                     stats.adapter_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

@@ -6,10 +6,11 @@ A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) and its ``response_format``
 (``json_schema`` or ``json_object``: the structure its completion is held to) become the row's own settings;
 a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
-``--do-sample``). ``body.model`` is recorded, not obeyed: one model serves a run, and a request naming another
-is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
-neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch API, one
-request's problem is its own line's ``error``, never the batch's.
+``--do-sample``). ``body.model`` names the model or one of the run's LoRA adapters (``--lora NAME=PATH``: the row is
+completed with that adapter, as vLLM serves adapters by name); a request naming anything else is an error row. So is a
+request that cannot be served (a field we do not honour set to anything but its neutral value, a value out of range,
+more tokens than the run's slots hold): as in OpenAI's batch API, one request's problem is its own line's ``error``,
+never the batch's.
 
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
 body OpenAI's chat completion or completion object (``choices``, one per sample, a reasoning model's thinking in a
@@ -65,16 +66,20 @@ def is_batch_file(source: str) -> bool:
     return isinstance(data, dict) and {"custom_id", "body"} <= set(data)
 
 
-def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...]) -> TextRows:
+def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...], adapter_names: tuple[str, ...] = ()) -> TextRows:
     """The requests of the batch file ``dataset.source`` as rows (:class:`PromptRequest`, in file order, the first
     ``dataset.limit``), read as they are needed once every line is checked to be JSON. ``model_names``: what a
-    request's ``model`` may say (others are error rows)."""
+    request's ``model`` may say to be served by the model, ``adapter_names`` by one of its LoRA adapters (others are
+    error rows)."""
     if dataset.column != DatasetRequest.column:
         raise UsageError(f"--column {dataset.column!r} does not apply to an OpenAI batch file (its prompts are each "
                          f"request's body.messages or body.prompt): drop --column.")
     if dataset.schema_column is not None:
         raise UsageError(f"--schema-column {dataset.schema_column!r} does not apply to an OpenAI batch file (a request "
                          f"holds its own schema in body.response_format): drop --schema-column.")
+    if dataset.adapter_column is not None:
+        raise UsageError(f"--lora-column {dataset.adapter_column!r} does not apply to an OpenAI batch file (each request "
+                         f"names its adapter by body.model): drop --lora-column.")
     path = os.path.expanduser(dataset.source)
     check_local_path(dataset.source, path)
     bad_line = first_bad_json_line(path)
@@ -87,7 +92,7 @@ def open_requests(dataset: DatasetRequest, model_names: tuple[str, ...]) -> Text
         chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
         body = data.get("body") if isinstance(data, dict) else None
         constrained = constrained or (isinstance(body, dict) and body.get("response_format") not in (None, {"type": "text"}))
-    rows = (request_row(data, model_names) for _, data in _request_lines(path, dataset.limit))
+    rows = (request_row(data, model_names, adapter_names) for _, data in _request_lines(path, dataset.limit))
     return TextRows(rows, total, conversational=chat, rows_choose=True, constrained=constrained)
 
 
@@ -117,17 +122,18 @@ def _request_lines(path: str, limit: int | None) -> Iterator[tuple[int, object]]
                     yield number, json.loads(line)
 
 
-def request_row(data: object, model_names: tuple[str, ...]) -> PromptRequest:
+def request_row(data: object, model_names: tuple[str, ...], adapter_names: tuple[str, ...] = ()) -> PromptRequest:
     """One request line as a row: its prompt and own settings, or (a BadPrompt) why it cannot be served."""
     fields = {"custom_id": data.get("custom_id"), "url": data.get("url")} if isinstance(data, dict) else {}
     try:
-        prompt, settings = _read_request(data, model_names)
+        prompt, settings = _read_request(data, model_names, adapter_names)
     except ValueError as problem:
         return PromptRequest(BadPrompt(str(problem)), RowSettings(), fields)
     return PromptRequest(prompt, settings, fields)
 
 
-def _read_request(data: object, model_names: tuple[str, ...]) -> tuple[str | Conversation, RowSettings]:
+def _read_request(data: object, model_names: tuple[str, ...],
+                  adapter_names: tuple[str, ...]) -> tuple[str | Conversation, RowSettings]:
     """The request's prompt and settings; ValueError saying what is wrong with it."""
     if not isinstance(data, dict) or not isinstance(data.get("custom_id"), str) or not isinstance(data.get("body"), dict):
         raise ValueError("is not an OpenAI batch request (a custom_id text and a body object)")
@@ -136,15 +142,16 @@ def _read_request(data: object, model_names: tuple[str, ...]) -> tuple[str | Con
                          f"{CHAT_URL} or {COMPLETIONS_URL}")
     body = data["body"]
     model = body.get("model")
-    if model is not None and model not in model_names:
-        raise ValueError(f"asks for model {model!r}, and this run serves {model_names[0]!r}")
+    if model is not None and model not in model_names and model not in adapter_names:
+        adapters = f" and LoRA adapters {', '.join(map(repr, adapter_names))}" if adapter_names else ""
+        raise ValueError(f"asks for model {model!r}, and this run serves {model_names[0]!r}{adapters}")
     for name, value in body.items():
         if name not in SETTING_FIELDS and name not in IGNORED_FIELDS and value is not None \
                 and value not in NEUTRAL_VALUES.get(name, ()):
             raise ValueError(f"sets {name}, which accelgen does not honour: remove it")
     prompt = _chat_prompt(body) if data["url"] == CHAT_URL else _text_prompt(body)
     own = {setting: _setting(name, body[name]) for name, setting in SETTING_FIELDS.items() if body.get(name) is not None}
-    return prompt, RowSettings(**own)
+    return prompt, RowSettings(**own, adapter=model if model in adapter_names else None)
 
 
 def _chat_prompt(body: dict) -> Conversation:
@@ -229,7 +236,7 @@ class BatchOutputLines:
         new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)
         body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{completion.index}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model, "choices": choices,
+                "model": completion.adapter or self.model, "choices": choices,
                 "usage": {"prompt_tokens": completion.prompt_token_count, "completion_tokens": new_tokens,
                           "total_tokens": completion.prompt_token_count + new_tokens}}
         return {**line, "response": {"status_code": 200, "request_id": f"req_{completion.index}", "body": body},
