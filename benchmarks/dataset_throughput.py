@@ -8,7 +8,8 @@ ends after about ``--mean-length`` tokens: lengths are spread geometrically (med
 a few percent reaching ``--max-new-tokens``), and every contender meets the same distribution. The lengths
 each contender actually produced are printed with its figures.
 
-Contenders, in one process, interleaved round by round (machine noise hits all alike), medians reported:
+Contenders, in one process, interleaved round by round (machine noise hits all alike; the order reversed every other
+round, so that none always runs after the same one), medians reported:
 
     accelgen_static      accelgen run's fixed batches (--batching static)
     accelgen_continuous  accelgen's continuous batching inside static shapes (--batching continuous)
@@ -25,6 +26,10 @@ Asked for by name (``--contenders``), not run by default:
                               against accelgen_continuous, what reusing prefixes gains, or costs when none is shared
     accelgen_continuous_unchunked  continuous batching with every prompt prefilled in one pass (--prefill-chunk 0):
                               against accelgen_continuous (chunks of 512), how long a long prompt holds the running rows
+    accelgen_continuous_lora4  continuous batching with the rows spread in turn over 4 LoRA adapters of rank
+                              ``--lora-rank`` (16) on ``--lora-targets`` (every linear layer), all four in the buffers:
+                              against accelgen_continuous, what computing each row's own adapter in the step costs
+    accelgen_continuous_merged  continuous batching with one such adapter merged into the weights (--lora PATH)
     accelgen_continuous_schemas  continuous batching, each row held to one of the four :data:`EXTRACTION_SCHEMAS` (row
                               number modulo 4, as --schema-column gives them): against accelgen_continuous on the same
                               rows, what structured output costs; every row that ended by its grammar is checked to
@@ -59,6 +64,7 @@ places computed. accelgen's two modes write the same text (same seed); Hugging F
     python benchmarks/dataset_throughput.py --baseline HEAD~1          # against the previous commit's fixed batches
     python benchmarks/dataset_throughput.py --workload shared-prefix --contenders accelgen_continuous,accelgen_continuous_noreuse
     python benchmarks/dataset_throughput.py --workload long-prompt --contenders accelgen_continuous,accelgen_continuous_unchunked
+    python benchmarks/dataset_throughput.py --contenders accelgen_continuous,accelgen_continuous_lora4,accelgen_continuous_merged
     python benchmarks/dataset_throughput.py --workload structured
     python benchmarks/dataset_throughput.py --device cuda --layers 30 --hidden 4096 --heads 32 --dtype bfloat16
 """
@@ -178,9 +184,44 @@ def kept_length(row: list[int], ending: set[int]) -> int:
 NEVER_STOPS = ["<|never|>", "<|nor this|>"]
 
 
-def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_mask: bool = False, **settings):
+def write_adapters(folder: Path, model_folder: Path, arguments) -> list[Path]:
+    """Four LoRA adapters of rank ``--lora-rank`` over ``--lora-targets`` of the workload's model, written as PEFT writes
+    them (``adapter_config.json``, ``adapter_model.safetensors``), seeded: A drawn as PEFT initialises it, B so small
+    that the sampled tokens stay the base model's: every contender then decodes the same rows to the same lengths, and
+    the figures differ by what computing the adapters costs, not by the work (an adapter's values cost nothing more)."""
+    from safetensors.torch import save_file
+
+    config = LlamaConfig.from_pretrained(model_folder)
+    features = {"q_proj": (config.hidden_size, config.hidden_size), "k_proj": (config.hidden_size, config.hidden_size),
+                "v_proj": (config.hidden_size, config.hidden_size), "o_proj": (config.hidden_size, config.hidden_size),
+                "gate_proj": (config.hidden_size, config.intermediate_size),
+                "up_proj": (config.hidden_size, config.intermediate_size),
+                "down_proj": (config.intermediate_size, config.hidden_size)}
+    targets, rank = arguments.lora_targets.split(","), arguments.lora_rank
+    generator = torch.Generator().manual_seed(0)
+    adapters = []
+    for number in range(4):
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for target in targets:
+                inputs, outputs = features[target]
+                module = f"model.layers.{layer}.{'self_attn' if target.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{target}"
+                tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, inputs, generator=generator) / inputs ** 0.5
+                tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) * 1e-6
+        adapter = folder / f"adapter-{number}"
+        adapter.mkdir(parents=True)
+        save_file(tensors, adapter / "adapter_model.safetensors")
+        (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                                 "target_modules": targets, "bias": "none"}))
+        adapters.append(adapter)
+    return adapters
+
+
+def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_mask: bool = False, adapters: bool = False,
+                       **settings):
     """``schemas``: each row held to one of :data:`EXTRACTION_SCHEMAS` (its number modulo 4), its completion checked;
-    ``open_mask``: a run set for rows with schemas, given none."""
+    ``open_mask``: a run set for rows with schemas, given none; ``adapters``: the rows given in turn to the four LoRA
+    adapters named a0 to a3 (``lora`` among ``settings``)."""
     if arguments.workload == "long-prompt":
         settings["buckets"] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     generator = accelgen.load(str(folder), device=arguments.device, dtype=arguments.dtype, batch_size=arguments.batch_size,
@@ -194,6 +235,7 @@ def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_
         print(f"accelgen {batching}: device {arguments.device} ({chose})", flush=True)
 
     samples = settings.get("num_samples", 1)
+    names = [f"a{number}" for number in range(4)] if adapters else None  # named adapters: rows go to them in turn
 
     def run(prompts):
         stats = generator.stats
@@ -205,7 +247,9 @@ def accelgen_contender(folder, arguments, batching, schemas: bool = False, open_
         if waits:
             stats.longest_decode_gap = stats.longest_prefill_pass = 0.0
         mask_before = getattr(stats, "mask_seconds", 0.0)
-        completions = generator.generate(structured_rows(prompts) if schemas else prompts[::samples])
+        rows = structured_rows(prompts) if schemas else prompts[::samples]
+        chosen = {"adapters": [names[row % 4] for row in range(len(rows))]} if names else {}  # a baseline has no adapters
+        completions = generator.generate(rows, **chosen)
         if schemas:
             run.checks.append(check_structured(completions, stats, stats.mask_seconds - mask_before))
         if samples > 1:  # one row per sample
@@ -338,6 +382,9 @@ def main() -> None:
                              "without four extraction schemas")
     parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--long-tokens", type=int, default=4000)
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA contenders' adapters")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                        help="the layers the LoRA contenders' adapters adapt")
     parser.add_argument("--contenders", help=f"default: {','.join(CONTENDERS)} ({','.join(STRUCTURED_CONTENDERS)} for "
                                              f"--workload structured)")
     parser.add_argument("--baseline", help="a git revision whose fixed batches run as a contender too")
@@ -353,7 +400,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         prompts_of, ending = build_workload(arguments, folder)
-        contenders = {}
+        contenders, adapters = {}, None
         for name in names:
             if name == "accelgen_continuous_stop":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", stop=NEVER_STOPS)
@@ -363,6 +410,12 @@ def main() -> None:
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", prefill_chunk=0)
             elif name == "accelgen_continuous_samples4":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", num_samples=4)
+            elif name in ("accelgen_continuous_lora4", "accelgen_continuous_merged"):
+                adapters = adapters or write_adapters(Path(scratch) / "adapters", folder, arguments)
+                lora = [f"a{number}={path}" for number, path in enumerate(adapters)] if name.endswith("lora4") \
+                    else str(adapters[0])
+                contenders[name] = accelgen_contender(folder, arguments, "continuous", adapters=name.endswith("lora4"),
+                                                      lora=lora)
             elif name == "accelgen_continuous_schemas":
                 contenders[name] = accelgen_contender(folder, arguments, "continuous", schemas=True)
             elif name == "accelgen_continuous_open_mask":
@@ -380,7 +433,8 @@ def main() -> None:
         results = {name: [] for name in names}
         for round_number in range(arguments.rounds):
             prompts = prompts_of(round_number)
-            for name, run in contenders.items():
+            in_turn = list(contenders.items())
+            for name, run in in_turn if round_number % 2 == 0 else in_turn[::-1]:  # each goes first and last alike
                 started = time.perf_counter()
                 lengths, occupancy, step_ms, prefilled, *waited = run(prompts)
                 seconds = time.perf_counter() - started

@@ -121,6 +121,19 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     return folder
 
 
+def extensions_folder_with_the_kernels(folder: Path) -> Path:
+    """A new TORCH_EXTENSIONS_DIR at ``folder`` holding the run's builds of the CPU plugin's C++ kernels, so that a job
+    given it compiles nothing of ours (a test of DeepSpeed's extension lock is not slowed, nor its lines joined, by a
+    kernels build and its wait)."""
+    from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK
+
+    kernels = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / KERNELS_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    if kernels.is_dir():
+        shutil.copytree(kernels, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns(".building-*", LOCK))
+    return folder
+
+
 KERNEL_VARIANTS = ("avx512", "avx2", "portable")
 
 

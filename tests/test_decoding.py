@@ -163,7 +163,8 @@ def test_a_decode_step_shows_a_finished_row_or_an_empty_slot_nothing(rows_aligne
     state = decoding.DecodeState.allocate(3, 8, 4, torch.device("cpu"))
     start = decoding.RowStart(torch.tensor([5, 6]), torch.zeros(2), torch.tensor([[0, 1, 1], [1, 1, 1]]),
                               torch.tensor([0, 1]), torch.tensor([4, 2]),
-                              sampling.RowSampling(torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long)))
+                              sampling.RowSampling(torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long)),
+                              torch.zeros(2, dtype=torch.long))
     rules = decoding.TokenRules(SamplingSettings(), decoding.ending_table([2], torch.device("cpu")), 0, True)
     decoding.insert_rows(state, torch.tensor([0, 1]), start, rules)
     masks = []

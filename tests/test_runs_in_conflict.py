@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import extensions_folder_with_the_kernels
 
 from accelgen.cli import main
 from accelgen.loading.model_files import DEFAULT_MODEL
@@ -148,7 +149,7 @@ def test_a_stale_deepspeed_build_lock_is_cleared_in_one_line_not_a_hang(tiny_mod
     pytest.importorskip("deepspeed")
     from accelgen_cpu.extension_lock import deepspeed_build_folder
 
-    extensions = tmp_path / "extensions"
+    extensions = extensions_folder_with_the_kernels(tmp_path / "extensions")
     built = Path(deepspeed_build_folder())
     this_install = extensions / built.relative_to(built.parent.parent)  # accelgen-deepspeed-<key>/deepspeed_shm_comm
     if built.is_dir():  # the extension compiled already (by an earlier test): no compile needed here

@@ -46,19 +46,21 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     accelerator = generator.accelerator
     sized = generator.with_batch_size(batch_size)
     prompts = [protocol.prompt] * batch_size
+    names = generator.run.lora.names  # with named LoRA adapters, the rows go to them in turn
+    adapters = [names[row % len(names)] for row in range(batch_size)] if names else None
     end_to_end_seconds = []
     placement = generator.loaded.placement
     traffic_before = (placement.moved_bytes, placement.forward_passes) if placement else (0, 0)
     try:
         for _ in range(protocol.warmup_runs):
-            sized.generate(prompts)
+            sized.generate(prompts, adapters)
         kept_before, places_before = sized.stats.new_tokens, sized.stats.slot_tokens
         prompts_before = prompt_counts(sized.stats)
         mask_seconds_before = sized.stats.mask_seconds
         for _ in range(protocol.runs):
             accelerator.synchronize()
             started = time.perf_counter()
-            sized.generate(prompts)  # tokenize, prefill, decode, detokenize: what a user waits for
+            sized.generate(prompts, adapters)  # tokenize, prefill, decode, detokenize: what a user waits for
             accelerator.synchronize()
             end_to_end_seconds.append(time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, anything else goes on up
@@ -95,6 +97,9 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         # offloaded weights brought to the device per forward pass (prefill or decode step), warm-up runs included
         "offload_moved_bytes_per_pass": (placement.moved_bytes - traffic_before[0])
         // max(placement.forward_passes - traffic_before[1], 1) if placement else None,
+        # rows per LoRA adapter, and adapters copied into the buffers, warm-up runs included
+        "lora_rows": dict(sized.stats.adapter_rows) if names else None,
+        "lora_loads": sized.stats.adapter_loads if names else None,
     }
 
 
@@ -116,14 +121,15 @@ def prompt_counts(stats) -> dict[str, int]:
 
 
 def decode_step_bytes(generator: Generator, batch_size: int, prompt_tokens: int, new_tokens: int) -> int:
-    """Bytes an average decode step must read on this rank: every weight once, and for each row the keys and
-    values of the positions it attends to. Step s (1 to new_tokens - 1) attends to the prompt and s tokens,
-    so prompt_tokens + new_tokens / 2 positions on average. Padding a static cache also reads is not
+    """Bytes an average decode step must read on this rank: every weight once (LoRA adapters' buffers too), and for
+    each row the keys and values of the positions it attends to. Step s (1 to new_tokens - 1) attends to the prompt
+    and s tokens, so prompt_tokens + new_tokens / 2 positions on average. Padding a static cache also reads is not
     counted: that is overhead the roofline should show, not hide."""
     config, run = generator.model.config, generator.run
     attended_positions = prompt_tokens + new_tokens / 2
     kv_bytes = kv_cache_bytes_per_position(config, run.dtype, generator.world.size) * batch_size * attended_positions
-    return parameter_bytes(generator.model) + round(kv_bytes)
+    adapters = generator.loaded.adapters
+    return parameter_bytes(generator.model) + (adapters.buffer_bytes if adapters else 0) + round(kv_bytes)
 
 
 def prompt_token_count(generator: Generator, prompt: str) -> int:
@@ -193,6 +199,7 @@ def measurement_record(
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,
         "offload": None if generator.loaded.placement is None else generator.loaded.placement.record(),
+        "lora": _lora_record(generator),
         "model": {
             "name": source.report_name,
             "architecture": generator.model.config.model_type,
@@ -207,6 +214,14 @@ def measurement_record(
         "load_seconds": load_seconds,
         "results": list(rows),
     }
+
+
+def _lora_record(generator: Generator) -> dict[str, Any] | None:
+    """The run's LoRA adapters: those named (rows go to them in turn) with their buffers, or the one merged."""
+    settings, adapters = generator.run.lora, generator.loaded.adapters
+    if adapters is not None:
+        return {"adapters": list(settings.names), "max_loras": settings.max_loras, "buffer_bytes": adapters.buffer_bytes}
+    return None if settings.merged is None else {"merged": settings.merged}
 
 
 def _default_label(device_name: str, quantize: str | None) -> str:

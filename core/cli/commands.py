@@ -159,6 +159,9 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
         raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
+    if arguments.lora_column is not None and not arguments.dataset:
+        raise UsageError("--lora-column names a column of --dataset (each row's adapter); --prompt rows run on the base "
+                         "model: complete a dataset, or drop --lora-column.")
     with interrupts_end_at_once(f"accelgen: interrupted{_kept(arguments)}"):  # until the output is opened
         from accelgen.jobs.completion_job import open_job
         from accelgen.jobs.dataset_rows import DatasetRequest
@@ -176,10 +179,13 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
             from accelgen.model.empty_model import import_model_code
 
             import_model_code(request.model.config())  # the model is built in this process: its code, now
+    if arguments.lora_column is not None and not request.run.lora.named:
+        raise UsageError("--lora-column names each row's adapter among those given by name: add --lora NAME=PATH for "
+                         "each, or drop --lora-column.")
     dataset = DatasetRequest(
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
-        schema_column=arguments.schema_column,
+        schema_column=arguments.schema_column, adapter_column=arguments.lora_column, adapters=request.run.lora,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)

@@ -13,6 +13,7 @@ from accelgen.common.settings import (
     BATCHING_MODES,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MODEL,
+    DEFAULT_MOST_LORAS,
     DEFAULT_NODE_WAIT,
     DTYPES,
     OFFLOAD_MODES,
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--schema-column", metavar="COLUMN",
                       help="column holding each row's own JSON Schema (an object, or its JSON text): the row's "
                            "completion is held to it (as --json-schema holds every row's)")
+    data.add_argument("--lora-column", metavar="COLUMN",
+                      help="column naming each row's LoRA adapter (a NAME of --lora NAME=PATH; empty or null: the base "
+                           "model); an OpenAI batch file names it by each request's body.model instead")
     data.add_argument("--skip-bad-rows", action="store_true",
                       help="write a row that cannot be completed (empty, not a prompt, too long, refused by the chat "
                            "template) as an error row (finish_reason error, error: why) and go on, instead of stopping")
@@ -214,6 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=AUTO_DEVICE, help="accelerator name (see 'accelgen devices'); default: best available")
+    adapters = parser.add_argument_group("fine-tuned LoRA adapters (PEFT folders or Hub ids)")
+    adapters.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                          help="an adapter rows choose by NAME (--lora-column, or a batch request's model), run beside the "
+                               "base model in the same steps; repeat for several. PATH alone: one adapter merged into the "
+                               "weights for every row")
+    adapters.add_argument("--max-loras", type=_number("max_loras"), metavar="N",
+                          help=_with_range(f"named adapters held on the device at once; others are copied in as their "
+                                           f"rows come (default: one per adapter, at most {DEFAULT_MOST_LORAS})", "max_loras"))
+    adapters.add_argument("--max-lora-rank", type=_number("max_lora_rank"), metavar="R",
+                          help=_with_range("the largest rank the device's buffers hold (default: the largest of the "
+                                           "adapters')", "max_lora_rank"))
     parser.add_argument("--model", help=f"Hub id or local folder (default: the built-in demo model, the folder {DEFAULT_MODEL})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: the device's (float32 on cpu)")
     parser.add_argument("--quantize", choices=QUANTIZATION_SCHEMES,

@@ -109,7 +109,8 @@ def print_details(report: "RunReport") -> None:
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
-        + _prompt_figures(report.prompts) + _structure_figures(report.structure),
+        + _prompt_figures(report.prompts) + _structure_figures(report.structure)
+        + ("" if report.adapters is None else f"; {report.adapters.describe()}"),
         file=sys.stderr,
     )
     if report.replicas:
@@ -223,4 +224,6 @@ def bench_progress_line(row: dict[str, Any], max_new_tokens: int) -> str:
         + (f" ({row['capture_seconds']:.1f} s)" if row["graph_captures"] else "")
         + ("" if row.get("mask_share") is None else f", masks {100 * row['mask_share']:.1f}% of decode time "
            f"({row['constrained_rows']} rows constrained, grammar compiled in {row['grammar_compile_seconds']:.3f} s)")
+        + ("" if not row.get("lora_rows") else "; LoRA rows " + ", ".join(
+            f"{name} {count}" for name, count in row["lora_rows"].items()) + f", {row['lora_loads']} loads")
     )

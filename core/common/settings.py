@@ -66,6 +66,38 @@ class RowSettings:
     stop: tuple[str, ...] | None = None
     num_samples: int | None = None
     structure: Structure | None = None  # what its completion is held to (a JSON schema, a regex, choices)
+    adapter: str | None = None  # the name of the LoRA adapter it is completed with (``AdapterSettings``); None: the base
+
+
+#: LoRA adapters held in the device's buffers at once when the run does not say (``--max-loras``): one per named
+#: adapter, at most this many.
+DEFAULT_MOST_LORAS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSettings:
+    """Fine-tuned LoRA adapters over the model (``--lora``): ``named`` ones, (name, PEFT folder or Hub id) pairs, that
+    rows choose by name, computed in the same steps as the rows of the base model from device buffers that hold
+    ``max_loras`` of them at once at ranks up to ``max_lora_rank`` (None: the largest rank among them); or one, ``merged``,
+    added into the weights at load for every row (``accelgen.adapters``)."""
+
+    named: tuple[tuple[str, str], ...] = ()
+    merged: str | None = None
+    max_loras: int = 0  # 0 without named adapters
+    max_lora_rank: int | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.named)
+
+    def problem(self, name: str) -> str | None:
+        """Why a row cannot be completed with the adapter ``name``, as a clause with its fix; None when this run serves
+        it."""
+        if name in self.names:
+            return None
+        served = f"it serves {', '.join(map(repr, self.names))}" if self.names else "it serves no adapter"
+        return (f"names LoRA adapter {name!r}, which this run does not serve ({served}, and the base model for an empty "
+                f"name): add --lora {name}=PATH, or fix the row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +152,7 @@ class RunSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt positions a prefill pass runs at most; 0: a prompt in one pass
     structure: Structure | None = None  # what every row's completion is held to (--json-schema, --json, --regex, --choice)
     structured_rows: bool = False  # rows may bring their own structure (a schema column, batch requests' response_format)
+    lora: AdapterSettings = AdapterSettings()  # fine-tuned adapters: chosen row by row, or one merged for every row
 
     @property
     def constrained(self) -> bool:
@@ -131,7 +164,7 @@ class RunSettings:
         temperature is 0). Raise UsageError, in the request's words, for own settings this run cannot take."""
         sampling = self.sampling
         run = RowSettings(self.max_new_tokens, sampling.temperature if sampling.do_sample else 0.0, sampling.top_p,
-                          sampling.seed, self.stop, self.num_samples, self.structure)
+                          sampling.seed, self.stop, self.num_samples, self.structure, adapter=None)
         if own is None:
             return run
         settings = RowSettings(**{field.name: getattr(run, field.name) if getattr(own, field.name) is None
@@ -146,6 +179,8 @@ class RunSettings:
         if settings.num_samples > 1 and settings.temperature == 0:
             raise UsageError(f"n {settings.num_samples} with temperature 0 (greedy) gives {settings.num_samples} equal "
                              f"completions: set a temperature above 0, or n 1.")
+        if settings.adapter is not None and (problem := self.lora.problem(settings.adapter)):
+            raise UsageError(f"{problem}.")
         return settings
 
     @property
@@ -161,6 +196,7 @@ class RunSettings:
         del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
         del settings["rows_choose"], settings["structured_rows"]  # the rows' own settings are the dataset's, which the job pins
         del settings["prefix_cache"], settings["prefill_chunk"]  # what a whole prompt's one prefill writes
+        del settings["lora"]  # adapters are pinned by their content (``accelgen.adapters.adapter_set``), not by path
         if self.quantize is None:
             del settings["quantize"]  # so that records written before quantization existed still match
         chat = settings.pop("chat")

@@ -87,6 +87,8 @@ RANGES: dict[str, Range] = {
     "batch_sizes": COUNT,
     "runs": COUNT,
     "warmup_runs": Range(int, 0, INT32_MAX),
+    "max_loras": Range(int, 1, 1024),
+    "max_lora_rank": Range(int, 1, 65536),
 }
 
 

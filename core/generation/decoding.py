@@ -55,6 +55,7 @@ class DecodeState(NamedTuple):
     top_ps: torch.Tensor  # [B] float32         } each row's sampling (``sampling.RowSampling``)
     seed_keys: torch.Tensor  # [B] int64         /
     allowed: torch.Tensor  # [B, W] int32: the tokens each row may take next, a bit each (``TokenRules.constrained``)
+    adapter_slots: torch.Tensor  # [B] the buffer slot of each row's LoRA adapter (0: the base model's)
 
     @classmethod
     def allocate(cls, slots: int, cache_length: int, new_tokens: int, device: torch.device,
@@ -67,7 +68,7 @@ class DecodeState(NamedTuple):
             new_tokens=longs(slots, new_tokens + 1), finished=torch.ones(slots, dtype=torch.bool, device=device),
             uniforms=floats(slots, new_tokens + 1), logprobs=floats(slots, new_tokens + 1), limits=longs(slots),
             temperatures=floats(slots), top_ps=floats(slots), seed_keys=longs(slots),
-            allowed=torch.full((slots, mask_words), -1, dtype=torch.int32, device=device),
+            allowed=torch.full((slots, mask_words), -1, dtype=torch.int32, device=device), adapter_slots=longs(slots),
         )
 
     @property
@@ -113,7 +114,7 @@ def ends_on(rules: TokenRules, tokens: torch.Tensor) -> torch.Tensor:
 
 class RowStart(NamedTuple):
     """What starting k rows in their slots takes, per row [k]: its first token (and its log-probability), its
-    prompt's mask [k, P], its draw key, its maximum of new tokens and its sampling."""
+    prompt's mask [k, P], its draw key, its maximum of new tokens, its sampling and its adapter's buffer slot."""
 
     first_tokens: torch.Tensor
     first_logprobs: torch.Tensor
@@ -121,6 +122,7 @@ class RowStart(NamedTuple):
     draw_keys: torch.Tensor
     limits: torch.Tensor
     sampling: RowSampling
+    adapter_slots: torch.Tensor
 
 
 #: What shortens a conversation: it is never cut (``--max-input-tokens`` refuses it: cutting it would cut its
@@ -253,7 +255,8 @@ def insert_rows(state: DecodeState, slots: torch.Tensor, start: RowStart, rules:
     state.write_positions.index_fill_(0, slots, bucket_length)
     state.position_ids.index_copy_(0, slots, prompt_mask.sum(-1, keepdim=True))
     state.input_ids.index_copy_(0, slots, first_tokens.unsqueeze(-1))
-    for buffer, values in zip((state.limits, *state.sampling), (start.limits, *start.sampling)):
+    for buffer, values in zip((state.limits, state.adapter_slots, *state.sampling),
+                              (start.limits, start.adapter_slots, *start.sampling)):
         buffer.index_copy_(0, slots, values)
     if rules.sampling.do_sample or rules.per_row:  # every step's draw number, made once
         steps = torch.arange(state.uniforms.shape[1], device=slots.device).unsqueeze(0)

@@ -14,9 +14,11 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptRequest
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
+from accelgen.generation.adapter_slots import AdapterSlots
 from accelgen.generation.constraints import SlotConstraints
 from accelgen.generation.grammars import GrammarCompiler
 from accelgen.generation.reasoning import ThinkMarkers
@@ -47,7 +49,9 @@ class EncodedPrompt(NamedTuple):
 class Generator:
     """Generates completions with one loaded model, with static shapes."""
 
-    def __init__(self, loaded: LoadedModel, run: RunSettings):
+    def __init__(self, loaded: LoadedModel, run: RunSettings, adapter_slots: AdapterSlots | None = None):
+        """A generator of ``loaded`` for ``run``; ``adapter_slots``: what the LoRA adapters' buffers hold, when another
+        generator of the same model filled them (they are the model's)."""
         self.loaded, self.run = loaded, run
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
@@ -55,7 +59,9 @@ class Generator:
         markers = ThinkMarkers.of(self.tokenizer)
         eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.text = PromptCodec(self.tokenizer, self.model.config.vocab_size, run, markers, eos_ids)
-        forward = ModelForward(self.model, self.world, run.torch_dtype)
+        #: which adapter each buffer slot holds, None where rows do not choose adapters
+        self.adapter_slots = adapter_slots or (AdapterSlots(loaded.adapters.slots) if loaded.adapters else None)
+        forward = ModelForward(self.model, self.world, run.torch_dtype, loaded.adapters)
         self.batching = forward.batching(run.batching)  # "continuous" or "static": how rows share the slots
         self.ends = RowEnds(self.text, eos_ids, run.ignore_eos)
         rules = decoding.TokenRules(
@@ -70,7 +76,7 @@ class Generator:
 
     def with_batch_size(self, batch_size: int) -> "Generator":
         """A generator of the same model for another batch size (its own caches and graphs)."""
-        return Generator(self.loaded, dataclasses.replace(self.run, batch_size=batch_size))
+        return Generator(self.loaded, dataclasses.replace(self.run, batch_size=batch_size), self.adapter_slots)
 
     @property
     def capture_failure(self) -> str | None:
@@ -84,8 +90,14 @@ class Generator:
 
     # -- text in, text out ----------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[str]) -> list[Completion]:
-        """Completions for ``prompts``, in order."""
+    def generate(self, prompts: Sequence[str], adapters: Sequence[str | None] | None = None) -> list[Completion]:
+        """Completions for ``prompts``, in order; ``adapters``: the LoRA adapter of each prompt, by name (None: the base
+        model), among those the model was loaded with (``lora``)."""
+        if adapters is not None:
+            if len(adapters) != len(prompts):
+                raise UsageError(f"{len(adapters)} adapters for {len(prompts)} prompts: name one adapter (or None) per prompt.")
+            prompts = [PromptRequest(prompt, RowSettings(adapter=adapter or None), None)
+                       for prompt, adapter in zip(prompts, adapters)]
         return [completion for batch in self.generate_batches(prompts) for completion in batch]
 
     def generate_batches(self, prompts: Iterable[str], first_index: int = 0) -> Iterator[list[Completion]]:
@@ -146,7 +158,8 @@ class Generator:
         read or used stops the run once the rows read before it are given out (or, with --skip-bad-rows, ends as
         an error row)."""
         run, runner, stats = self.run, self.runner, self.stats
-        scheduler = Scheduler(run, self.batching, context_limit(self.model.config), self.accelerator.tuning.prefill_pass_steps)
+        scheduler = Scheduler(run, self.batching, context_limit(self.model.config),
+                              self.accelerator.tuning.prefill_pass_steps, self.adapter_slots)
         before = (stats.prefill_seconds, stats.decode_seconds, stats.decode_steps)
         source, source_error = iter(numbered_ids), None
         while True:
@@ -175,6 +188,7 @@ class Generator:
             ready = scheduler.finish(*runner.read_back(ended))
             if ready:
                 stats.batches += 1
+                self._count_adapter_rows(ready)
                 yield ready
         stats.timings.append(BatchTiming(stats.prefill_seconds - before[0], stats.decode_seconds - before[1],
                                          stats.decode_steps - before[2]))
@@ -183,3 +197,12 @@ class Generator:
             stats.grammar_compile_seconds = self.constraints.compile_seconds
         if source_error is not None:
             raise source_error
+
+    def _count_adapter_rows(self, rows: list[Row]) -> None:
+        """Count the prompts of ``rows`` per LoRA adapter ("": the base model), where rows choose adapters."""
+        if self.adapter_slots is None:
+            return
+        for row in rows:
+            if row.sample == 0 and row.error is None:
+                name = row.settings.adapter or ""
+                self.stats.adapter_rows[name] = self.stats.adapter_rows.get(name, 0) + 1

@@ -62,7 +62,7 @@ class PrefixReuse:
         if self.pool is None:
             blocks = self.budget_bytes // PrefixPool.bytes_per_block(cache, BLOCK_TOKENS)
             self.index, self.pool = PrefixStore(blocks), PrefixPool(cache, blocks, BLOCK_TOKENS)
-        found = [self.index.hits(row.prompt_ids) for row in prompts]
+        found = [self.index.hits(row.prompt_ids, row.settings.adapter) for row in prompts]
         self._found = found
         if not any(found):
             return bucket
@@ -84,7 +84,7 @@ class PrefixReuse:
         leading: set[int] = set()  # the block keys of the prompts prefilled first
         followers: set[int] = set()
         for row in prompts:
-            keys = block_keys(row.prompt_ids, (len(row.prompt_ids) - 1) // BLOCK_TOKENS)
+            keys = block_keys(row.prompt_ids, (len(row.prompt_ids) - 1) // BLOCK_TOKENS, row.settings.adapter)
             shared = sum(key in leading for key in keys)  # chained keys: those shared are a run from the first
             stored = 0 if self.index is None else self.index.stored_run(keys)
             if shared - stored >= FOLLOW_BLOCKS:
@@ -98,7 +98,8 @@ class PrefixReuse:
         """Copy the prefilled prompts' full blocks that are not in the store yet out of their cache rows into it."""
         keep = {place for places in self._found for place in places}  # what this insertion's prompts found
         moves = [(slot, bucket - len(row.prompt_ids) + number * BLOCK_TOKENS, place)
-                 for row, slot in zip(prompts, slots) for number, place in self.index.places_for(row.prompt_ids, keep)]
+                 for row, slot in zip(prompts, slots)
+                 for number, place in self.index.places_for(row.prompt_ids, keep, row.settings.adapter)]
         if moves:
             self._move(cache, moves, into_cache=False)
 

@@ -6,9 +6,10 @@ for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the d
 (:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
 before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
 first time it is met (where prefills are not captured and the model allows, prompts with nothing found stored
-run instead packed one after another in one row, none padded). A later run of the same shapes replays what was
-captured. It never calls back up:
-what it needs (the model called on a cache, the accelerator, the settings) it is given when made.
+run instead packed one after another in one row, none padded). Each row's LoRA adapter is a buffer slot its steps
+read (``DecodeState.adapter_slots``; a prefill's, per prompt), the adapters an insertion needs copied in before it.
+A later run of the same shapes replays what was captured. It never calls back up: what it needs (the model called
+on a cache, the accelerator, the settings) it is given when made.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class PrefillShape:
         self.first_logprobs = floats(draws)  # [m] its log-probability
         self.limits = longs(draws)  # [m] each started row's maximum of new tokens
         self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
+        self.adapter_slots = longs(rows)  # [k] the buffer slot of each prompt's LoRA adapter (0: the base model's)
         self.allowed = torch.full((draws, mask_words), -1, dtype=torch.int32, device=device)  # [m, W] its first token's mask
         self.step: Callable[..., object] | None = None
         self.packed_step: Callable[..., object] | None = None  # the step with its prompts packed in one row
@@ -83,9 +85,11 @@ class PrefillShape:
 
     def start(self, rows: int) -> decoding.RowStart:
         """What starting the first ``rows`` draws in their slots takes (after the step has run)."""
+        prompts = self.draw_from[:rows]
         return decoding.RowStart(self.first_tokens[:rows], self.first_logprobs[:rows],
-                                 self.prompt_mask.index_select(0, self.draw_from[:rows]), self.draw_keys[:rows],
-                                 self.limits[:rows], RowSampling(*(values[:rows] for values in self.sampling)))
+                                 self.prompt_mask.index_select(0, prompts), self.draw_keys[:rows],
+                                 self.limits[:rows], RowSampling(*(values[:rows] for values in self.sampling)),
+                                 self.adapter_slots.index_select(0, prompts))
 
 
 class SlotShape:
@@ -111,6 +115,7 @@ class SlotRunner:
         self.constraints = constraints
         self.mask_words = 0 if constraints is None else constraints.mask.shape[1]
         self.model = model_forward.model
+        self.adapters = model_forward.adapters  # the LoRA adapters' buffers, where rows choose adapters
         #: a model that sizes its own masks from the cache position needs every row at one position
         self.rows_aligned = not model_forward.builds_4d_mask
         #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
@@ -160,6 +165,9 @@ class SlotRunner:
         self._steps_left, self._passes_run = insertion.decode_between, 0
         decode_before = self.stats.decode_seconds
         with self._timed("prefill_seconds"):
+            for adapter, slot in insertion.adapter_loads:
+                self.adapters.load_into(adapter, slot)
+            self.stats.adapter_loads += len(insertion.adapter_loads)
             if insertion.resumed:
                 self._start_parked(insertion.resumed)
             for part in self._parts(insertion):
@@ -227,6 +235,7 @@ class SlotRunner:
         prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, draw_rows)))
         prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in draws], draw_rows)))
         prefill_shape.draw_slots.copy_(torch.tensor(_padded(draw_slots, draw_rows)))
+        prefill_shape.adapter_slots.copy_(torch.tensor(_padded([row.adapter_slot for row in prompts], rows)))
         limits, sampling = _row_settings(draws)
         prefill_shape.limits.copy_(torch.tensor(_padded(limits, draw_rows)))
         for buffer, values in zip(prefill_shape.sampling, sampling):
@@ -300,7 +309,7 @@ class SlotRunner:
                 on_device([row.first_token for row in rows]), on_device([row.first_logprob for row in rows]),
                 prompt_mask.to(self.device), on_device([row.draw_key for row in rows]), on_device(limits),
                 RowSampling(on_device(temperatures, dtype=torch.float32), on_device(top_ps, dtype=torch.float32),
-                            on_device(seed_keys)))
+                            on_device(seed_keys)), on_device([row.adapter_slot for row in rows]))
             decoding.insert_rows(self.shape.state, slots, start, self.rules)
             if self.constraints is not None:
                 self._start_constraints(rows, slots.tolist(), [row.first_token for row in rows])
@@ -399,7 +408,9 @@ class SlotRunner:
         forward, rules, rows_aligned = shape.forward, self.rules, self.rows_aligned
 
         def decode_step(*buffers: torch.Tensor) -> torch.Tensor:
-            return decoding.decode_one_token(forward, decoding.DecodeState(*buffers), rules, rows_aligned)
+            state = decoding.DecodeState(*buffers)
+            on_rows_adapters = functools.partial(forward, adapter_slots=state.adapter_slots)
+            return decoding.decode_one_token(on_rows_adapters, state, rules, rows_aligned)
 
         shape.decode_step = self._captured(decode_step, tuple(shape.state), "graph_captures")
 
@@ -408,13 +419,15 @@ class SlotRunner:
         named by its ``slots``, each prompt's first token into its ``first_tokens``; ``packed``: the prompts whole,
         packed in one row (``decoding.run_packed_prompts``)."""
         rules, cache, start = self.rules, self.shape.cache, prefill_shape.first_position
-        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots, start)
+        adapter_slots = prefill_shape.adapter_slots
+        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots, start,
+                                          adapter_slots)
 
         shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
 
         def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
                          allowed, *sampling):
-            into_rows = functools.partial(self._packed_forward, cache, slots) if packed else None
+            into_rows = functools.partial(self._packed_forward, cache, slots, adapter_slots) if packed else None
             tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
                                                 RowSampling(*sampling), rules, start, into_rows, allowed)
             if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
@@ -428,24 +441,28 @@ class SlotRunner:
         """The pass of positions [start, end) of a prefill shape's prompts (a chunk before its last) as a step over
         ``passes_over``: their keys and values into the cache rows named by its ``slots``."""
         forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots,
-                                          start)
+                                          start, prefill_shape.adapter_slots)
 
         def chunk_step(input_ids, prompt_mask, slots):
             return decoding.run_prompt_positions(forward, input_ids, prompt_mask, start, end)
 
         return chunk_step
 
-    def _packed_forward(self, cache, slots: torch.Tensor, input_ids: torch.Tensor, prompt_of: torch.Tensor,
-                        position_ids: torch.Tensor, ends: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+    def _packed_forward(self, cache, slots: torch.Tensor, adapter_slots: torch.Tensor, input_ids: torch.Tensor,
+                        prompt_of: torch.Tensor, position_ids: torch.Tensor, ends: torch.Tensor,
+                        token_positions: torch.Tensor) -> torch.Tensor:
         """The model on prompts packed in one row (``decoding.PackedForward``), prompt i's keys and values into row
-        ``slots[i]`` of ``cache``."""
+        ``slots[i]`` of ``cache``, computed with the adapter in buffer slot ``adapter_slots[i]``."""
         view = packed_rows(cache, slots.index_select(0, prompt_of), token_positions)
-        return self.forward.packed_logits(input_ids, prompt_of, position_ids, ends, view)
+        return self.forward.packed_logits(input_ids, prompt_of, position_ids, ends, view, adapter_slots)
 
-    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0) -> decoding.Forward:
+    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0,
+                           adapter_slots: torch.Tensor | None = None) -> decoding.Forward:
         """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache`` (from
-        position ``start`` on, attending to what the rows hold before it)."""
-        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, self.rows_aligned, start))
+        position ``start`` on, attending to what the rows hold before it), each computed with the adapter in its buffer
+        slot of ``adapter_slots`` [k] (None: the base model)."""
+        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, self.rows_aligned, start),
+                                    adapter_slots=adapter_slots)
         if not self.rows_aligned:
             return on_view
 

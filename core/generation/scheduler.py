@@ -23,6 +23,9 @@ next row ends.
   that needs more waits until the slots are empty, and the slots are then made anew for it.
 - ``static``: fixed batches. B rows are inserted together into empty slots, in one prefill, with a cache
   sized for that batch's bucket; no slot is refilled until every row of the batch has ended.
+
+Under either policy a row of a LoRA adapter starts once its adapter holds a buffer slot of the device
+(``adapter_slots``): the insertion says which adapters the runner copies in first.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import itertools
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import PromptError
 from accelgen.common.settings import RowSettings, RunSettings
+from accelgen.generation.adapter_slots import AdapterSlots
 from accelgen.generation.decoding import choose_bucket
 
 #: Decode steps between two looks at which rows have finished (each look waits for the device), per policy:
@@ -65,6 +69,7 @@ class Row:
     first_token: int | None = None
     first_logprob: float = 0.0
     prompt_slot: int | None = None
+    adapter_slot: int = 0  # the buffer slot its LoRA adapter is in while it runs (0: the base model's), set as it starts
 
     @property
     def samples(self) -> int:
@@ -106,6 +111,7 @@ class Insertion:
     sources: list[int]
     draw_rows: int
     decode_between: int = 0
+    adapter_loads: tuple[tuple[str, int], ...] = ()  # (adapter, buffer slot) to copy in before the rows start
 
     @property
     def resumed(self) -> list[tuple[Row, int]]:
@@ -136,11 +142,14 @@ class Plan:
 class Scheduler:
     """Rows into slots, by a policy ("continuous" or "static")."""
 
-    def __init__(self, run: RunSettings, policy: str, context_limit: int | None, prefill_pass_steps: float = 0):
+    def __init__(self, run: RunSettings, policy: str, context_limit: int | None, prefill_pass_steps: float = 0,
+                 adapter_slots: AdapterSlots | None = None):
         """Rows of ``run`` (its batch size is the slot count; its settings each row's, but for a row's own) by
         ``policy``, for a model of ``context_limit`` positions (None: no limit), on a device where a prefill pass
-        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.tuning.prefill_pass_steps``)."""
+        costs ``prefill_pass_steps`` decode steps beyond its prompts' work (``Accelerator.tuning.prefill_pass_steps``),
+        with the LoRA adapters rows choose in ``adapter_slots`` (None: rows of the base model only)."""
         self.run, self.policy, self.slots, self.max_new_tokens = run, policy, run.batch_size, run.max_new_tokens
+        self.adapter_slots = adapter_slots
         #: the idle slot-steps free slots wait for before a pass starts rows in them (continuous batching)
         self.pass_slot_steps = prefill_pass_steps * run.batch_size if policy == "continuous" else 0
         self._idle_slot_steps = 0  # the free slots' since the last insertion
@@ -237,7 +246,7 @@ class Scheduler:
             self.cache_bucket = self._bucket_for_next_rows()
         free = [slot for slot in range(self.slots) if slot not in self.running]
         limit = self._next_out + READ_AHEAD_SLOTS * self.slots
-        rows, parked = [], []
+        rows, parked, loads = [], [], []
         while self.waiting and len(rows) < len(free) and self.waiting[0].place < limit:
             head = self.waiting[0]
             if head.bucket > self.cache_bucket:
@@ -246,7 +255,9 @@ class Scheduler:
             if head.opens_prompt and room < head.prompt_rows and self.policy == "static":
                 if room < min(head.prompt_rows, self.slots):
                     break  # a batch's samples of a prompt start together (one prefill) when the slots can hold them
-            elif head.opens_prompt and room < head.prompt_rows:
+            if not self._place_adapter(head, rows, loads):
+                break  # its adapter waits for a buffer slot that no running row's adapter holds
+            if head.opens_prompt and room < head.prompt_rows and self.policy != "static":
                 # the samples that do not fit draw their first token from this prefill and wait at the head of the
                 # queue: the next slots to free are theirs, and their prompt's cache row is not reused before
                 parked = list(itertools.islice(self.waiting, room, head.prompt_rows))
@@ -264,7 +275,26 @@ class Scheduler:
         drawn = {id(row) for row in draws}
         between = max((row.budget for row in self.running.values() if id(row) not in drawn), default=0)
         return Insertion(rows, slots, _prefill_rows(len(prefilled), self.slots), max(row.bucket for row in draws or rows),
-                         prefilled, draws, sources, _prefill_rows(len(draws), max(self.slots, len(draws))), between)
+                         prefilled, draws, sources, _prefill_rows(len(draws), max(self.slots, len(draws))), between,
+                         tuple(loads))
+
+    def _place_adapter(self, row: Row, starting: list[Row], loads: list[tuple[str, int]]) -> bool:
+        """Give ``row`` the buffer slot of its adapter (adding (adapter, slot) to ``loads`` when it must be copied in),
+        its samples too; False when the adapter has none free of the adapters of running rows and of those
+        ``starting`` with it."""
+        adapter = row.settings.adapter
+        if self.adapter_slots is None or adapter is None:
+            return True
+        in_use = {other.settings.adapter for other in (*self.running.values(), *starting)}
+        placed = self.adapter_slots.place(adapter, in_use)
+        if placed is None:
+            return False
+        slot, load = placed
+        if load:
+            loads.append((adapter, slot))
+        for sample in itertools.takewhile(lambda waiting: waiting.number == row.number, self.waiting):
+            sample.adapter_slot = slot
+        return True
 
     def decoded_between(self, steps: int, insertion: Insertion) -> None:
         """The runner gave the rows running besides the insertion's new ones ``steps`` decode steps between the passes

@@ -46,6 +46,8 @@ class GenerationStats:
     constrained_rows: int = 0  # rows started with a structure (each sample a row)
     grammar_compile_seconds: float = 0.0  # compiling their structures' grammars (once per distinct structure)
     mask_seconds: float = 0.0  # the host's work of following their tokens and filling the masks of the next steps
+    adapter_loads: int = 0  # LoRA adapters copied into a buffer slot as their rows arrived
+    adapter_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows given out per adapter ("" : the base)
     timings: list[BatchTiming] = dataclasses.field(default_factory=list)  # one per call
 
     @property

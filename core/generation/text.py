@@ -20,7 +20,7 @@ from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
-OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "reasoning")
+OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "reasoning", "adapter")
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class Completion:
     completions: list[dict] | None = None  # with --num-samples N > 1: every sample's own fields (the row's are the first's)
     request: dict | None = None  # a prompt request's fields (an OpenAI batch line's custom_id and url)
     reasoning: str | None = None  # a reasoning model's thinking, between its markers (the completion is its answer)
+    adapter: str | None = None  # the LoRA adapter it was completed with, by name (None: the base model)
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
@@ -242,6 +243,7 @@ class PromptCodec:
             logprobs=None if row.logprobs is None else row.logprobs[: len(new_token_ids)],
             request=request,
             reasoning=reasoning,
+            adapter=row.settings.adapter,
         )
 
     def _reasoning_and_answer(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> tuple[str | None, str]:

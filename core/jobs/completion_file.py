@@ -111,7 +111,7 @@ class CompletionLines:
 
     @staticmethod
     def request_key(text: object) -> object:
-        return text.prompt if isinstance(text, PromptRequest) else text  # a row held to its own schema: its prompt
+        return text.prompt if isinstance(text, PromptRequest) else text  # a row with its own schema or adapter: its prompt
 
 
 #: The endings of the files kept beside an output (its run record; its lock, ``accelgen.jobs.output_lock``; the samples

@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import Callable, Iterator, Sequence
 
+from accelgen.adapters.figures import AdapterFigures
 from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.prompts import PromptError, check_prompts
 from accelgen.common.settings import World
@@ -151,6 +152,7 @@ class RunReport:
     prompts: PromptFigures | None = None  # what the prompts cost to prefill (the job's)
     structure: StructureFigures | None = None  # what holding rows to structures cost (this replica's), when some were
     first_error: str | None = None  # which row was this run's first error row, and why (on the writer)
+    adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
 
     @property
     def rows_per_second(self) -> float:
@@ -192,6 +194,8 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
         structure=StructureFigures.of(generator, replicas), first_error=first_error,
+        adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
+                                   else 0, replicas or [stats]),
     )
 
 
@@ -257,7 +261,7 @@ def _served_names(request: Request, given: Sequence[str]) -> ServedNames:
         if not name.strip():
             raise UsageError("--served-model-name needs a name (the model the batch file's requests ask for), "
                              "not an empty text.")
-    return ServedNames(request.model.name or BUILT_IN_NAME, tuple(dict.fromkeys(given)))
+    return ServedNames(request.model.names, tuple(dict.fromkeys(given)), request.run.lora.names)
 
 
 def _batch_lines(request: Request, names: ServedNames) -> BatchOutputLines:
@@ -298,7 +302,7 @@ def check_not_dataset(output: str, dataset_source: str) -> None:
 def run_record(request: Request, source: dict) -> dict:
     """What decides an output file's rows, written beside it: a resumed run must match it."""
     return dict(model=request.model.name or BUILT_IN_NAME, model_identity=request.model.identity(), **source,
-                **request.run.output_deciding())
+                **request.run.output_deciding(), **request.adapters.record())
 
 
 def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
@@ -469,7 +473,8 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         stats = generator.stats
         results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
                                      taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows))
+                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows, stats.adapter_loads,
+                                     stats.adapter_rows))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
 from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
-from accelgen.common.settings import RowSettings
+from accelgen.common.settings import AdapterSettings, RowSettings
 from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
 from accelgen.generation.grammars import structure_problem
@@ -40,6 +40,8 @@ class DatasetRequest:
     limit: int | None = None  # the first N rows only
     streaming: bool = False  # read rows as they are needed instead of loading the split
     skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
+    adapter_column: str | None = None  # the column naming each row's LoRA adapter (--lora-column; empty: the base model)
+    adapters: AdapterSettings = AdapterSettings()  # the adapters such a column may name
     schema_column: str | None = None  # the column holding each row's JSON Schema (--schema-column)
 
 
@@ -101,9 +103,11 @@ ROWS_PER_READ = 1024
 
 def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
     """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
-    one), held to the row's schema where a schema column is named; a row that cannot be read, or is no prompt, stops
-    with its index (or is kept as a BadPrompt with --skip-bad-rows)."""
-    rows = dataset.select_columns([request.column] + ([request.schema_column] if request.schema_column else []))
+    one), held to the row's schema where a schema column is named, with the row's LoRA adapter where an adapter column
+    is; a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
+    --skip-bad-rows)."""
+    rows = dataset.select_columns(list(dict.fromkeys(
+        [request.column] + [column for column in (request.schema_column, request.adapter_column) if column])))
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
     # in a column of mixed types, datasets drops a lone surrogate without a word: the file's own lines say where
@@ -115,7 +119,8 @@ def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool)
         if batch is None:
             return
         schemas = batch[request.schema_column] if request.schema_column else [None] * len(batch[request.column])
-        for text, schema in zip(batch[request.column], schemas):
+        adapters = batch[request.adapter_column] if request.adapter_column else [None] * len(batch[request.column])
+        for text, schema, adapter in zip(batch[request.column], schemas, adapters):
             column = request.column
             if index in not_text:
                 text, problem = None, not_text[index]
@@ -126,8 +131,11 @@ def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool)
             if not problem and request.schema_column:
                 text, problem = _with_schema(text, schema)
                 column = request.schema_column if problem else column
+            if not problem and request.adapter_column:
+                text, problem = _with_adapter(text, adapter, request.adapters)
+                column = request.adapter_column if problem else column
             if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
-                text = BadPrompt(problem.split(": ")[0] if column == request.column
+                text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
                                  else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
             elif problem:
                 raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem}, "
@@ -159,6 +167,21 @@ def _without_nulls(value: object) -> object:
     if isinstance(value, list):
         return [_without_nulls(item) for item in value]
     return value
+
+
+def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
+                  adapters: AdapterSettings) -> tuple[PromptRequest | str | Conversation, str | None]:
+    """``prompt`` (held to its schema, or not) completed with the LoRA adapter ``name`` (a row's value of the
+    --lora-column; null or empty: the base model), or why it cannot be, as a clause with its fix."""
+    if name is None or name == "":
+        return prompt, None
+    if not isinstance(name, str):
+        return prompt, f"holds {type(name).__name__}, not an adapter's name: write one, or leave it empty for the base model"
+    if (problem := adapters.problem(name)) is not None:
+        return prompt, problem
+    if isinstance(prompt, PromptRequest):
+        return dataclasses.replace(prompt, settings=dataclasses.replace(prompt.settings, adapter=name)), None
+    return PromptRequest(prompt, RowSettings(adapter=name), None), None
 
 
 def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
@@ -291,7 +314,8 @@ def _saved_split(saved, request: DatasetRequest):
 
 def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
-    "mixed" (values of several types, each row read as what it is)."""
+    "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
+    (the adapter column holding text: adapters' names)."""
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
@@ -302,9 +326,14 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         features = {name: None for name in first_row}
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
-    if request.schema_column is not None and request.schema_column not in features:
-        raise UsageError(f"--schema-column {request.schema_column!r} is not in the dataset; its columns: "
-                         f"{', '.join(features)}.")
+    for option, column in (("--schema-column", request.schema_column), ("--lora-column", request.adapter_column)):
+        if column is not None and column not in features:
+            raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(features)}.")
+    adapter_names = features.get(request.adapter_column)  # None: known row by row
+    if adapter_names is not None and type(adapter_names).__name__ != "Json" \
+            and getattr(adapter_names, "dtype", None) not in (*TEXT_TYPES, "null"):
+        raise UsageError(f"--lora-column {request.adapter_column!r} holds {getattr(adapter_names, 'dtype', 'values')}, "
+                         f"not the names of LoRA adapters: pass the column that names them.")
     feature = features[request.column]
     if feature is None or type(feature).__name__ == "Json":  # known row by row
         return "mixed"

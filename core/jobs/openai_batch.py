@@ -6,11 +6,12 @@ A request line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``) and its ``response_format``
 (``json_schema`` or ``json_object``: the structure its completion is held to) become the row's own settings;
 a field it leaves out takes the run's option (``--max-new-tokens``, ``--temperature``..., greedy unless
-``--do-sample``). ``body.model`` must name the run's model: its path or folder name, or one of the names
-``--served-model-name`` gives it (vLLM's run-batch convention, for files written for another service); a request
-naming another model is an error row. So is a request that cannot be served (a field we do not honour set to anything but its
-neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch API, one
-request's problem is its own line's ``error``, never the batch's.
+``--do-sample``). ``body.model`` names the run's model: its path or folder name, or one of the names
+``--served-model-name`` gives it (vLLM's run-batch convention, for files written for another service); or one of the
+run's LoRA adapters (``--lora NAME=PATH``: the row is completed with that adapter, as vLLM serves adapters by name). A
+request naming anything else is an error row. So is a request that cannot be served (a field we do not honour set to
+anything but its neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch
+API, one request's problem is its own line's ``error``, never the batch's.
 
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
 body OpenAI's chat completion or completion object (``choices``, one per sample, a reasoning model's thinking in a
@@ -70,13 +71,16 @@ def is_batch_file(source: str) -> bool:
 def open_requests(dataset: DatasetRequest, model_names: "ServedNames") -> TextRows:
     """The requests of the batch file ``dataset.source`` as rows (:class:`PromptRequest`, in file order, the first
     ``dataset.limit``), read as they are needed once every line is checked to be JSON. ``model_names``: what a
-    request's ``model`` may say (others are error rows)."""
+    request's ``model`` may say to be served by the model or by one of its LoRA adapters (others are error rows)."""
     if dataset.column != DatasetRequest.column:
         raise UsageError(f"--column {dataset.column!r} does not apply to an OpenAI batch file (its prompts are each "
                          f"request's body.messages or body.prompt): drop --column.")
     if dataset.schema_column is not None:
         raise UsageError(f"--schema-column {dataset.schema_column!r} does not apply to an OpenAI batch file (a request "
                          f"holds its own schema in body.response_format): drop --schema-column.")
+    if dataset.adapter_column is not None:
+        raise UsageError(f"--lora-column {dataset.adapter_column!r} does not apply to an OpenAI batch file (each request "
+                         f"names its adapter by body.model): drop --lora-column.")
     path = os.path.expanduser(dataset.source)
     check_local_path(dataset.source, path)
     bad_line = first_bad_json_line(path)
@@ -138,7 +142,7 @@ def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conve
                          f"{CHAT_URL} or {COMPLETIONS_URL}")
     body = data["body"]
     model = body.get("model")
-    if model is not None and model not in model_names.accepted:
+    if model is not None and model not in model_names.accepted and model not in model_names.adapters:
         raise ValueError(model_names.refusal(model))
     for name, value in body.items():
         if name not in SETTING_FIELDS and name not in IGNORED_FIELDS and value is not None \
@@ -146,7 +150,7 @@ def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conve
             raise ValueError(f"sets {name}, which accelgen does not honour: remove it")
     prompt = _chat_prompt(body) if data["url"] == CHAT_URL else _text_prompt(body)
     own = {setting: _setting(name, body[name]) for name, setting in SETTING_FIELDS.items() if body.get(name) is not None}
-    return prompt, RowSettings(**own)
+    return prompt, RowSettings(**own, adapter=model if model in model_names.adapters else None)
 
 
 def _chat_prompt(body: dict) -> Conversation:
@@ -205,27 +209,31 @@ def _setting(name: str, value: object) -> object:
 @dataclasses.dataclass(frozen=True)
 class ServedNames:
     """The names a batch request's ``model`` may give to be served by the run: ``given`` (``--served-model-name``,
-    the first one written into each response) or, without any, the run's ``model`` as named and its folder's name."""
+    the first one written into each response) or, without any, the run's ``model_names`` (the model as named and its
+    folder's name); and the run's LoRA ``adapters``, each served by its name."""
 
-    model: str
+    model_names: tuple[str, ...]
     given: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()  # the run's LoRA adapters' names (--lora NAME=PATH): a request naming one has it
 
     @property
     def accepted(self) -> tuple[str, ...]:
-        return self.given or (self.model, os.path.basename(os.path.normpath(self.model)))
+        """What a request may name to be served by the model itself."""
+        return self.given or self.model_names
 
     @property
     def written(self) -> str:
-        """The ``model`` of every response body."""
+        """The ``model`` of every response body completed by the model itself."""
         return self.accepted[0]
 
     def refusal(self, asked: str) -> str:
         """Why a request asking for model ``asked`` is not served, and what serves it."""
-        if self.given:
-            return (f"asks for model {asked!r}, and this run serves {', '.join(map(repr, self.given))} "
-                    f"(--served-model-name): add --served-model-name {asked!r} to serve it")
-        return (f"asks for model {asked!r}, and this run serves {self.model!r}: pass --served-model-name {asked!r} to "
-                f"serve it with this model")
+        served = ", ".join(map(repr, self.given)) + " (--served-model-name)" if self.given else repr(self.written)
+        if self.adapters:
+            served += f" and LoRA adapters {', '.join(map(repr, self.adapters))}"
+        fix = "add" if self.given else "pass"
+        return f"asks for model {asked!r}, and this run serves {served}: {fix} --served-model-name {asked!r} to serve it" + \
+            ("" if self.given else " with this model")
 
 
 def _message(sample: dict) -> dict:
@@ -257,7 +265,7 @@ class BatchOutputLines:
         new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)
         body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{completion.index}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model, "choices": choices,
+                "model": completion.adapter or self.model, "choices": choices,
                 "usage": {"prompt_tokens": completion.prompt_token_count, "completion_tokens": new_tokens,
                           "total_tokens": completion.prompt_token_count + new_tokens}}
         return {**line, "response": {"status_code": 200, "request_id": f"req_{completion.index}", "body": body},

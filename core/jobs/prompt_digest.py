@@ -4,11 +4,11 @@ refused, not kept as the completion of a row that says otherwise.
 
 What a line holds of its row is its ``prompt`` (as the model saw it: cut to --max-input-tokens, or a conversation
 rendered by its chat template, "" for an error row of no text), a conversation's ``messages`` before the last (the
-last holds the reply) and a prompt request's fields. The completion (its text, tokens, samples, the reply message)
-is the user's to edit. ``prompt_sha256`` is the SHA-256 of that part as JSON (keys sorted, ASCII): it is made from
-the completion being written, by whichever process writes the output, and goes out in the line's own write, so a
-stop mid-write leaves a torn line (written again on resume), never a line without its digest. Checking it reads
-the output alone: the dataset is not read again.
+last holds the reply), a prompt request's fields and the LoRA adapter the row chose. The completion (its text,
+tokens, samples, the reply message) is the user's to edit. ``prompt_sha256`` is the SHA-256 of that part as JSON
+(keys sorted, ASCII): it is made from the completion being written, by whichever process writes the output, and goes
+out in the line's own write, so a stop mid-write leaves a torn line (written again on resume), never a line without
+its digest. Checking it reads the output alone: the dataset is not read again.
 
 An output started since lines carry the digest says so in its run record (``line_digest``): each of its lines must
 have one. An output started before keeps resuming as it did: its lines without one are kept unchecked.
@@ -33,6 +33,8 @@ def prompt_part(line: dict) -> dict:
         part["messages"] = messages[:-1] if isinstance(messages, list) else messages
     if line.get("request") is not None:
         part["request"] = line["request"]
+    if line.get("adapter") is not None:  # the LoRA adapter the row asked for
+        part["adapter"] = line["adapter"]
     return part
 
 

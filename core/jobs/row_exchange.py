@@ -64,6 +64,8 @@ class ReplicaReport:
     reused_tokens: int = 0
     prefix_hits: int = 0
     constrained_rows: int = 0  # rows it held to a structure
+    adapter_loads: int = 0  # LoRA adapters copied into its buffer slots, and the prompts it completed per adapter
+    adapter_rows: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class RowTaking:

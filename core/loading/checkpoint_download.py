@@ -14,12 +14,12 @@ from accelgen.parallel.process_groups import one_process_per_node_first
 SUPPORT_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "tokenizer*")
 
 
-def checkpoint_folder(location: str, world: World) -> str:
-    """The local folder holding the files of the model at ``location`` (a folder, or a Hub id to download;
-    every rank must call this)."""
+def checkpoint_folder(location: str, world: World, what: str = "model") -> str:
+    """The local folder holding the files of the model (or ``what`` else: a LoRA adapter) at ``location`` (a folder,
+    or a Hub id to download; every rank must call this)."""
     if os.path.isdir(location):
         return location
-    with loading_errors_as_usage_errors(location), one_process_per_node_first(world):
+    with loading_errors_as_usage_errors(location, what), one_process_per_node_first(world):
         return _download(location)
 
 

@@ -63,16 +63,17 @@ def _special_file(folder: str) -> str | None:
     return None
 
 
-def loading_errors_as_usage_errors(source: str):
-    """Errors of loading the model from ``source`` as one line (a damaged cached file of a Hub model included)."""
+def loading_errors_as_usage_errors(source: str, what: str = "model"):
+    """Errors of loading the model (or ``what`` else) from ``source`` as one line (a damaged cached file of a Hub model
+    included)."""
     from safetensors import SafetensorError
 
     return user_errors(
-        f"Cannot load model {source!r}",
+        f"Cannot load {what} {source!r}",
         "pass a local folder, or a Hub id reachable from here; models with custom code need --trust-remote-code",
         errors=(OSError, ValueError, KeyError, ImportError, SafetensorError),
         explain=lambda error: (
-            f"Cannot load model {source!r}: a weight file is damaged ({reason(error)}): download it again "
+            f"Cannot load {what} {source!r}: a weight file is damaged ({reason(error)}): download it again "
             f"(delete the model from the Hugging Face cache first) or save the model again."
         ) if isinstance(error, SafetensorError) else None,
     )

@@ -25,13 +25,14 @@ def model_identity(source: str, config: transformers.PretrainedConfig) -> dict[s
     if os.path.isdir(source):
         with open(os.path.join(source, "config.json"), "rb") as config_file:
             config_hash = hashlib.sha256(config_file.read()).hexdigest()
-        return {"config_sha256": config_hash, "weights_sha256": _weights_hash(source), "revision": None}
+        return {"config_sha256": config_hash, "weights_sha256": weights_digest(source), "revision": None}
     config_text = config.to_json_string(use_diff=True)
     return {"config_sha256": hashlib.sha256(config_text.encode()).hexdigest(), "weights_sha256": None,
             "revision": getattr(config, "_commit_hash", None)}
 
 
-def _weights_hash(folder: str) -> str:
+def weights_digest(folder: str) -> str:
+    """A digest of the weight files of ``folder``: each one's name, size, and first and last :data:`SAMPLE_BYTES`."""
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
         if not name.endswith(WEIGHT_SUFFIXES):

@@ -118,6 +118,13 @@ class ModelSource:
         """The model as reports name it: the Hub id of a built-in config, the given name, or the built-in model."""
         return self._resolved[0]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What a row may call the model itself (an OpenAI batch request's ``model``): its name as given (the built-in
+        model's without one), and its folder's last part."""
+        name = self.name or BUILT_IN_NAME
+        return (name, os.path.basename(os.path.normpath(name)))
+
     def identity(self) -> dict[str, str | None]:
         """The model by content (config and weights, or Hub revision): see ``accelgen.loading.model_identity``."""
         return model_identity(self.location, self.config())

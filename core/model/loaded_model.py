@@ -24,6 +24,18 @@ class WeightPlacement(Protocol):
     def describe(self) -> str: ...  # for the run's summary
 
 
+class AdapterBuffers(Protocol):
+    """LoRA adapters in fixed-size device buffers over the model's layers, each token computed with its own
+    (``accelgen.adapters.resident``). Buffer slot 0 is the base model's; adapters go in slots 1 to ``slots``."""
+
+    slots: int  # buffer slots for adapters (--max-loras)
+    buffer_bytes: int  # this rank's device bytes of them
+
+    def load_into(self, name: str, slot: int) -> None: ...  # copy the adapter ``name`` into buffer slot ``slot``
+
+    def select(self, token_slots: torch.Tensor | None) -> None: ...  # [rows, tokens]: each token's slot, next pass
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """``model`` (this rank's part of it, prepared for ``accelerator`` on ``device``) and its tokenizer."""
@@ -36,3 +48,4 @@ class LoadedModel:
     unsharded_parameter_bytes: int  # the parameters' bytes before any split over ranks
     loading_host_memory: dict[str, int] = dataclasses.field(default_factory=dict)  # this process's, around loading
     placement: WeightPlacement | None = None  # None: not offloaded
+    adapters: AdapterBuffers | None = None  # None: no adapters chosen row by row

@@ -166,6 +166,12 @@ def row_parallel_sum(module: torch.nn.Module) -> Callable[[torch.Tensor], None]:
     return lambda output: deepspeed.comm.inference_all_reduce(output, group=group)
 
 
+def row_parallel_partial(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a row-parallel layer computes before its partial outputs are summed over its ranks and its bias is added,
+    as DeepSpeed's ``LinearAllreduce`` computes it: x [..., in / N] -> [..., out]."""
+    return lambda x: torch.matmul(x, module.weight.transpose(-1, -2))
+
+
 def row_parallel_largest(module: torch.nn.Module, largest: torch.Tensor) -> None:
     """Replace ``largest`` (per output row, of this rank's slice) by the largest over the layer's ranks, in place."""
     torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=module.mp_group)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import pluggy
 
@@ -83,6 +83,14 @@ class Tuning:
     #: input embedding, not split over ranks): ``quantize`` passes ``head=True`` to
     #: ``accelgen.quantization.model_layers.quantize_linear_layers``; offloading and memory estimates count it.
     int8_quantizes_head: bool = False
+class LinearLayout(Protocol):
+    """A weight [out, in] that the core writes itself, and may write again, laid out for a device's own product."""
+
+    def product(self, x: "torch.Tensor") -> "torch.Tensor":
+        """x [M, in] times the weight as last laid out: x @ weight^T [M, out] (in captured steps too)."""
+
+    def refresh(self) -> None:
+        """The core wrote the weight: lay it out again, in place (captured steps keep the addresses they read)."""
 
 
 class Accelerator(abc.ABC):
@@ -208,6 +216,13 @@ class Accelerator(abc.ABC):
         ``is_out_of_memory`` recognises is reported as running out of memory instead.
         Default: the step itself (no graphs)."""
         return step
+
+    def linear_layout(self, weight: "torch.Tensor") -> LinearLayout | None:
+        """A layout of ``weight`` [out, in], a product's weight that the core keeps and may write again (the stacked
+        LoRA adapters of ``accelgen.adapters.lora_layer``, written when an adapter takes a buffer slot), for a product
+        of this device's own that is faster than torch's over the weight as stored; called once per weight, on this
+        device, after ``prepare_model``. Default: None (torch's product)."""
+        return None
 
     def mark_step(self) -> None:
         """Called after each forward pass the core issues (the prefill, then every decode step, captured

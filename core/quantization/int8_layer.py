@@ -50,9 +50,14 @@ class Int8Linear(torch.nn.Module):
         self.product, self.all_reduce = product, all_reduce
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] times this layer's weights: [..., out], before a row-parallel layer's sum over its ranks and the
+        bias."""
         output = self.product(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
-        output = output.reshape(*x.shape[:-1], self.out_features)
+        return output.reshape(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = self.partial_product(x)
         if self.all_reduce is not None:
             self.all_reduce(output)
         if self.bias is not None:

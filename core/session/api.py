@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from accelgen.adapters.merge import merge_adapter
+from accelgen.adapters.resident import ResidentAdapters
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
 from accelgen.common.prompts import check_prompts
 from accelgen.generation.generator import Generator
@@ -46,14 +48,19 @@ def load_request(request: Request) -> Generator:
     restart_peak()
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory,
                                 accelerator.tuning.int8_quantizes_head)
+    if request.adapters.merged is not None:  # into the weights as loaded, before the device lays them out
+        merge_adapter(loaded.model, request.adapters.merged, world)
     model = accelerator.prepare_model(loaded.model, device, run, world)
     if run.quantize is not None:
         calibrate = calibration_pass(loaded.tokenizer, device, accelerator.mark_step)
         model = accelerator.quantize(model, run.quantize, run, calibrate)
+    # named adapters over the layers as the device runs them (split, laid out, int8)
+    adapters = (ResidentAdapters(model, request.adapters, run, world, device, accelerator.linear_layout)
+                if request.adapters.named else None)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
-                                 loading_host_memory, loaded.placement), run)
+                                 loading_host_memory, loaded.placement, adapters), run)
 
 
 def generate(prompts: Sequence[str | list[dict]], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:

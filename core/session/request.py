@@ -12,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from accelgen.adapters.adapter_set import AdapterSet, check_names
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import prompt_problem
 from accelgen.common.settings import (
     BATCHING_MODES,
+    DEFAULT_MOST_LORAS,
     OFFLOAD_MODES,
     QUANTIZATION_SCHEMES,
+    AdapterSettings,
     ChatSettings,
     OffloadSettings,
     RunSettings,
@@ -46,6 +49,7 @@ class Request:
     run: RunSettings
     accelerator: Accelerator
     world: World
+    adapters: AdapterSet  # the LoRA adapters of ``run.lora``, read and checked against the model
 
     def capture_decided(self, decode_steps: int | None) -> "Request":
         """The request with a capture left undecided (``run.use_graphs`` None: the device's capture pays only for
@@ -101,7 +105,28 @@ def build_request(
         raise TypeError(f"unknown settings {', '.join(sorted(unknown))}; the settings are: {', '.join(SETTING_NAMES)}")
     accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device)
     source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
-    return Request(source, run_settings(accelerator, **settings), accelerator, world or World.from_environment())
+    run, world = run_settings(accelerator, **settings), world or World.from_environment()
+    return Request(source, run, accelerator, world, checked_adapters(run, source, world))
+
+
+def checked_adapters(run: RunSettings, source: ModelSource, world: World) -> AdapterSet:
+    """The run's LoRA adapters, read (a Hub adapter downloaded) and checked against the model before it loads."""
+    if not run.lora.named and run.lora.merged is None:
+        return AdapterSet(run.lora)
+    if run.offload is not None:
+        raise UsageError("--lora cannot go with --offload: adapters are added to layers the device holds whole; drop one "
+                         "of them (or merge the adapter into the model with PEFT, and offload that).")
+    if run.quantize not in (None, "int8"):
+        raise UsageError(f"--lora cannot go with --quantize {run.quantize} yet: the device converts the layers the "
+                         f"adapters are added to; use --quantize int8, or none.")
+    if run.lora.merged is not None and run.quantize is not None and source.pre_sharded_manifest is not None:
+        raise UsageError("--lora PATH (merged into the weights) needs the model's full-precision weights, and this folder "
+                         "holds them in int8: pass the original model, or name the adapter (--lora NAME=PATH) to run it "
+                         "beside the int8 weights.")
+    check_names(run.lora, source.names)
+    adapters = AdapterSet(run.lora, world)
+    adapters.check_fits(source.config(), run.dtype, source.trust_remote_code)
+    return adapters
 
 
 def run_settings(
@@ -138,6 +163,9 @@ def run_settings(
     regex: str | None = None,
     choices: Sequence[str] | None = None,
     chat_template_kwargs: dict | None = ChatSettings.template_kwargs,
+    lora: str | Sequence[str] | Mapping[str, str] = (),
+    max_loras: int | None = None,
+    max_lora_rank: int | None = AdapterSettings.max_lora_rank,
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays
@@ -159,7 +187,10 @@ def run_settings(
     step between two (0: every prompt in one pass). Every completion may be held to one structure: ``json_schema`` (a
     JSON Schema, as an object or its text), ``json_object`` (any JSON object), ``regex`` (a pattern the whole completion
     matches) or ``choices`` (texts it must be one of). ``chat_template_kwargs``: more variables for the chat template
-    (``{"enable_thinking": False}``)."""
+    (``{"enable_thinking": False}``). ``lora``: PEFT LoRA adapters (folders or Hub ids), named (``NAME=PATH`` or a
+    mapping of names to paths) for rows to choose by name, or one without a name merged into the weights for every
+    row; ``max_loras`` of the named ones are held on the device at once (default: each, up to 8), at ranks up to
+    ``max_lora_rank`` (default: the largest of theirs)."""
     if batching not in BATCHING_MODES:
         raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
     check_quantization(accelerator, quantize)
@@ -197,9 +228,40 @@ def run_settings(
         else parse_memory_size(prefix_cache, "--prefix-cache"),
         prefill_chunk=prefill_chunk,
         structure=checked_structure(json_schema, json_object, regex, choices),
+        lora=adapter_settings(lora, max_loras, max_lora_rank),
     )
     _check(run)
     return run
+
+
+def adapter_settings(lora: str | Sequence[str] | Mapping[str, str], max_loras: int | None,
+                     max_lora_rank: int | None) -> AdapterSettings:
+    """The checked ``--lora`` (each ``NAME=PATH``, or one ``PATH`` merged into the weights), ``--max-loras`` and
+    ``--max-lora-rank``."""
+    check_settings(max_loras=max_loras, max_lora_rank=max_lora_rank)
+    specs = list(lora.items()) if isinstance(lora, Mapping) else [lora] if isinstance(lora, (str, os.PathLike)) else lora
+    named, merged = [], []
+    for spec in specs:
+        name, path = spec if isinstance(spec, tuple) else _name_and_path(os.fspath(spec))
+        (merged if name is None else named).append(path if name is None else (name, os.fspath(path)))
+    if merged and (named or len(merged) > 1):
+        raise UsageError("--lora PATH without a name is merged into the weights for every row, and goes alone: name "
+                         "each adapter (--lora NAME=PATH) to choose them row by row.")
+    if not named and (max_loras is not None or max_lora_rank is not None):
+        given = "--max-loras" if max_loras is not None else "--max-lora-rank"
+        raise UsageError(f"{given} sizes the buffers of named adapters: add --lora NAME=PATH, or drop {given}.")
+    return AdapterSettings(tuple(named), merged[0] if merged else None,
+                           max_loras or min(len(named), DEFAULT_MOST_LORAS), max_lora_rank)
+
+
+def _name_and_path(spec: str) -> tuple[str | None, str]:
+    """(name, path) of ``NAME=PATH``; (None, path) for a path alone (its text before a ``=`` names a folder, or is empty)."""
+    name, equals, path = spec.partition("=")
+    if not equals or not name or "/" in name or os.sep in name or os.path.exists(spec):
+        return None, spec
+    if not path:
+        raise UsageError(f"--lora {spec!r} names no adapter folder: write --lora NAME=PATH.")
+    return name, path
 
 
 def check_quantization(accelerator: Accelerator, scheme: str | None) -> None:

@@ -22,9 +22,9 @@ from accelgen_cpu.extension_lock import (
     deepspeed_builds_in_its_folder,
 )
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
-from accelgen_cpu.native_kernels import kernels_status, native_kernels
+from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_operator
 from accelgen_cpu.norms import use_fused_norms
-from accelgen_cpu.packed_linear import pack_linear_layers
+from accelgen_cpu.packed_linear import FloatPanels, pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
 
@@ -82,6 +82,12 @@ class CpuAccelerator(Accelerator):
         if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
             pack_linear_layers(model, run.batch_size)
         return model
+
+    def linear_layout(self, weight: torch.Tensor) -> FloatPanels | None:
+        # a few rows times a small weight (an adapter's): the panels kernel is several times torch's product here
+        # (RESULTS.md, "LoRA adapters")
+        operator = native_operator("float_panels_linear") if weight.dtype == torch.float32 else None
+        return None if operator is None else FloatPanels(weight, operator)
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
         return launch_environment(plan.processes_per_node)

@@ -104,6 +104,21 @@ class FloatPanelsLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class FloatPanels:
+    """A float32 weight [out, in] the core writes itself (``Accelerator.linear_layout``), laid out in panels for the
+    plugin's product, and laid out again, in place, whenever the core has written it."""
+
+    def __init__(self, weight: torch.Tensor, operator) -> None:
+        self.weight, self.out_features, self._operator = weight, weight.shape[0], operator
+        self.panels = pack_float_panels(weight)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._operator(x, self.panels, self.out_features, None)
+
+    def refresh(self) -> None:
+        self.panels.copy_(pack_float_panels(self.weight))
+
+
 def pack_float_panels(weight: torch.Tensor) -> torch.Tensor:
     """The float32 ``weight`` [out, in] as the panels kernel reads it, [out * in]: panels of 16 outputs, each holding
     its outputs' weights input by input ([in, 16]), the last the ``out % 16`` outputs left ([in, out % 16]), so that

@@ -20,6 +20,7 @@ import torch
 from accelgen.common.errors import AccelgenWarning
 from accelgen.common.settings import World
 from accelgen.model.architectures import architecture_of
+from accelgen.model.loaded_model import AdapterBuffers
 from accelgen.model.shape import forward_accepts
 
 
@@ -28,16 +29,18 @@ class ModelForward:
 
     Call it as ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T],
     cache)``: the T tokens at cache positions ``cache_position`` attend to the keys marked 1 in
-    ``attention_mask`` up to their own position, and their keys and values go into ``cache``. With
-    ``zero_unseen_rows``, a row whose mask marks nothing (a finished row or an empty slot of a decode step: its output
-    is never read) runs on zeros in place of its tokens' embeddings: in a model without biases they stay zeros
-    through every layer, and a device whose kernels skip rows of zeros (``Accelerator.tuning.skips_zero_rows``) computes
-    nothing for it; the other rows' values are the same.
+    ``attention_mask`` up to their own position, and their keys and values go into ``cache``. With ``adapter_slots``
+    [B], each row is computed with the LoRA adapter in that slot of the ``adapters``' buffers (slot 0, or no
+    ``adapter_slots``: the base model). With ``zero_unseen_rows``, a row whose mask marks nothing (a finished row or an
+    empty slot of a decode step: its output is never read) runs on zeros in place of its tokens' embeddings: in a model
+    without biases they stay zeros through every layer, and a device whose kernels skip rows of zeros
+    (``Accelerator.tuning.skips_zero_rows``) computes nothing for it; the other rows' values are the same.
     """
 
-    def __init__(self, model: torch.nn.Module, world: World, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, world: World, dtype: torch.dtype, adapters: AdapterBuffers | None = None):
         self.model = model
         self.dtype = dtype
+        self.adapters = adapters
         architecture = architecture_of(model.config)
         self.builds_4d_mask = architecture.takes_4d_mask
         if architecture.make_capturable:
@@ -62,7 +65,7 @@ class ModelForward:
         return "static"
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
-                 zero_unseen_rows: bool = False) -> torch.Tensor:
+                 zero_unseen_rows: bool = False, adapter_slots: torch.Tensor | None = None) -> torch.Tensor:
         arguments = dict(
             attention_mask=additive_causal_mask(attention_mask, cache_position, self.dtype)
             if self.builds_4d_mask
@@ -80,13 +83,16 @@ class ModelForward:
             arguments["position_ids"] = position_ids
         if self._takes_logits_to_keep:
             arguments["logits_to_keep"] = 1
-        return self.model(**arguments).logits[:, -1, :]
+        if self.adapters is not None and adapter_slots is not None:  # each row's adapter for each of its tokens
+            adapter_slots = adapter_slots[:, None].expand(input_ids.shape)
+        return self._with_adapters(adapter_slots, arguments).logits[:, -1, :]
 
-    def packed_logits(self, input_ids, prompt_of, position_ids, ends, cache) -> torch.Tensor:
+    def packed_logits(self, input_ids, prompt_of, position_ids, ends, cache, adapter_slots=None) -> torch.Tensor:
         """The logits [k, V] of k prompts run one after another in one row (a model that ``packs_prompts``):
         input_ids [1, N] their tokens, prompt_of [N] which prompt each token is of, position_ids [1, N] each token's
         place in its prompt, ends [k] the index of each prompt's last token. Each token attends to its own prompt's
-        tokens up to itself (``block_causal_mask``); their keys and values go into ``cache``."""
+        tokens up to itself (``block_causal_mask``); their keys and values go into ``cache``; adapter_slots [k]: each
+        prompt's adapter, as for a call."""
         arguments = dict(
             input_ids=input_ids,
             attention_mask=block_causal_mask(prompt_of, self.dtype),
@@ -96,7 +102,19 @@ class ModelForward:
             position_ids=position_ids,
             logits_to_keep=ends,
         )
-        return self.model(**arguments).logits[0]
+        if self.adapters is not None and adapter_slots is not None:  # each prompt's adapter for each of its tokens
+            adapter_slots = adapter_slots.index_select(0, prompt_of)[None]
+        return self._with_adapters(adapter_slots, arguments).logits[0]
+
+    def _with_adapters(self, token_slots: torch.Tensor | None, arguments: dict):
+        """The model's output for ``arguments``, each token (token_slots [rows, tokens]) computed with the adapter in its
+        buffer slot (0, or None for all: the base model's)."""
+        if self.adapters is None:
+            return self.model(**arguments)
+        self.adapters.select(token_slots)
+        output = self.model(**arguments)
+        self.adapters.select(None)  # a pass that does not say (a cache's shape probe) is the base model's
+        return output
 
 
 def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
