@@ -57,7 +57,7 @@ def test_a_dataset_column_chooses_each_rows_adapter(llama_adapters, dataset, tmp
     folder, adapters = llama_adapters
     output = tmp_path / "out.jsonl"
     assert run("--model", folder, "--dataset", dataset, "--lora-column", "adapter", *lora_options(adapters),
-               "--batch-size", "3", "--output", output) == 0
+               "--batch-size", "3", "--output", output, "--details") == 0
     names = [name or None for name in CHOSEN]
     rows = rows_of(output)
     assert [row["completion_token_ids"] for row in rows] == peft_completions(folder, adapters, TEXTS, names, MAX_NEW_TOKENS)
