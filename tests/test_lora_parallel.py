@@ -39,7 +39,7 @@ def run_job(environment, tmp_path, folder, adapters, output_name, *options):
     lora += ["--lora-column", "adapter"] if adapters else []
     result = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(folder),
                              "--dataset", str(rows), *lora, "--batch-size", "3",
-                             "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet", *options],
+                             "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet", "--details", *options],
                             env=environment, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr
     return [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()], result.stderr

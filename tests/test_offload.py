@@ -169,7 +169,7 @@ def test_offloaded_dataset_completion_resumes_to_the_uninterrupted_output(four_l
 
 def peak_and_placement(environment, folder, *options):
     result = subprocess.run([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model", str(folder),
-                             "--prompt", "DeepSpeed is", "--max-new-tokens", "3", "--quiet", *options],
+                             "--prompt", "DeepSpeed is", "--max-new-tokens", "3", "--quiet", "--details", *options],
                             env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return int(re.search(r"peak_rss_bytes per rank ([\d,]+)", result.stderr).group(1).replace(",", ""))

@@ -367,7 +367,7 @@ def test_two_ranks_quantizing_their_own_slices_write_what_one_process_writes(tin
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--world-size", "2", "--master-port",
          str(free_port()), "--dtype", "float32", "--quantize", "int8", "--model", folder, *prompt_arguments,
-         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet"],
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), "--quiet", "--details"],
         env=cli_environment, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
