@@ -154,6 +154,30 @@ def test_a_batch_request_names_its_adapter_by_model(llama_adapters, tmp_path):
     assert lines[3]["response"] is None and "LoRA adapters 'a0', 'a1', 'a2'" in lines[3]["error"]["message"]
 
 
+def test_a_served_model_name_and_the_adapters_names_are_served_side_by_side(llama_adapters, tmp_path):
+    """A file written for another service (--served-model-name) may name adapters too: each request is completed by
+    what it names, and a name neither serves is refused naming both."""
+    folder, adapters = llama_adapters
+    requests = tmp_path / "requests.jsonl"
+    asked = [("Hello", "gpt-4o-mini"), ("In the beginning God", "a0"), ("Hello", "gpt-4o")]
+    requests.write_text("".join(json.dumps({"custom_id": f"r{number}", "method": "POST", "url": "/v1/completions",
+                                            "body": {"prompt": prompt, "model": model}}) + "\n"
+                                for number, (prompt, model) in enumerate(asked)))
+    output = tmp_path / "out.jsonl"
+    assert run("--model", folder, "--dataset", requests, *lora_options(adapters), "--served-model-name", "gpt-4o-mini",
+               "--output", output) == 0
+    lines = rows_of(output)
+    expected = peft_completions(folder, adapters, ["Hello", "In the beginning God"], [None, "a0"], MAX_NEW_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for line, tokens, model in zip(lines, expected, ["gpt-4o-mini", "a0"]):
+        assert line["response"]["body"]["model"] == model
+        assert line["response"]["body"]["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert lines[2]["response"] is None
+    assert lines[2]["error"]["message"] == ("asks for model 'gpt-4o', and this run serves 'gpt-4o-mini' "
+                                            "(--served-model-name) and LoRA adapters 'a0', 'a1', 'a2': add "
+                                            "--served-model-name 'gpt-4o' to serve it")
+
+
 def test_bench_spreads_its_rows_over_the_adapters_and_reports_them(llama_adapters, tmp_path, capsys):
     folder, adapters = llama_adapters
     result = tmp_path / "bench.json"
