@@ -188,9 +188,9 @@ def report(shape: str, runs: dict, arguments) -> None:
     unit = "prompt + kept tokens/s" if prompt_tokens else "kept tokens/s"
     print(f"\n{shape}: {rows} rows, completions of mean ~{mean} (cap {cap}), batch {BATCH}, {arguments.threads} "
           f"thread(s), medians of {arguments.rounds}, load average {os.getloadavg()[0]:.1f} at the end")
-    loaded = "| loaded, user's clock | loaded / quiet " if arguments.load_at else ""
+    loaded = "| loaded, user's clock | loaded / quiet | loaded, warm engine " if arguments.load_at else ""
     print(f"| contender | {unit}, user's clock | job s | warm engine | kept tokens {loaded}|")
-    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if arguments.load_at else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if arguments.load_at else ""))
     for name in dict.fromkeys(name for name, _ in runs):
         quiet = runs[name, False]
         user = statistics.median(rate(run, shape, "seconds") for run in quiet)
@@ -199,7 +199,8 @@ def report(shape: str, runs: dict, arguments) -> None:
                  f"{statistics.median(run['kept_tokens'] for run in quiet):,}"]
         if arguments.load_at:
             under_load = statistics.median(rate(run, shape, "seconds") for run in runs[name, True])
-            cells += [f"{under_load:,.0f}", f"{under_load / user:.2f}x"]
+            engine = statistics.median(rate(run, shape, "engine_seconds") for run in runs[name, True])
+            cells += [f"{under_load:,.0f}", f"{under_load / user:.2f}x", f"{engine:,.0f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
