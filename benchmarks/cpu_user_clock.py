@@ -19,6 +19,8 @@ Contenders (``--contenders``):
                                                 its default; inductor's cache empty (a fresh TORCHINDUCTOR_CACHE_DIR):
                                                 a compile, when the job gets one, costs its whole price
     accelgen_float32_warm, accelgen_int8_warm   the same with a cache that an earlier run of the shape filled
+    accelgen_float32_eager, accelgen_int8_eager the same job run eagerly (``--no-graphs``): what a first job on a fresh
+                                                machine must never be slower than
     ct2_float32, ct2_int8                       peer_job.py ct2 (CTranslate2's Generator, generate_batch, batches of 16)
     ov_float32, ov_int8                         peer_job.py ov (OpenVINO through optimum-intel, batches of 16)
 
@@ -59,8 +61,8 @@ sys.path.insert(0, str(HERE))
 SHAPES = {"short-200": (200, 40, 128, None), "short-4000": (4000, 40, 128, None), "long-200": (200, 200, 512, None),
           "long-4000": (4000, 200, 512, None), "prompts-200": (200, 20, 64, (300, 1000))}
 DEFAULT_SHAPES = ("short-200", "short-4000", "long-200", "prompts-200")
-CONTENDERS = ("accelgen_float32_cold", "accelgen_float32_warm", "accelgen_int8_cold", "accelgen_int8_warm",
-              "ct2_float32", "ct2_int8")
+CONTENDERS = ("accelgen_float32_cold", "accelgen_float32_warm", "accelgen_float32_eager", "accelgen_int8_cold",
+              "accelgen_int8_warm", "accelgen_int8_eager", "ct2_float32", "ct2_int8")
 BATCH = 16
 
 
@@ -102,7 +104,8 @@ def command_of(name: str, folder: Path, output: Path, arguments) -> list[str]:
         accelgen = str(Path(sys.executable).parent / "accelgen")
         return [accelgen, "run", "--device", "cpu", "--model", str(folder), "--dataset", str(folder / "rows.jsonl"),
                 "--column", "prompt", "--output", str(output), "--overwrite", "--batch-size", str(BATCH),
-                "--max-new-tokens", cap, "--do-sample", "--seed", "0", *(["--quantize", "int8"] if precision == "int8" else [])]
+                "--max-new-tokens", cap, "--do-sample", "--seed", "0", *(["--quantize", "int8"] if precision == "int8" else []),
+                *(["--no-graphs"] if name.endswith("_eager") else [])]
     return [arguments.peers_python, str(HERE / "peer_job.py"), engine, "--model", str(folder / f"{engine}-{precision}"),
             "--tokenizer", str(folder), "--rows", str(folder / "rows.jsonl"), "--output", str(output), "--batch-size", str(BATCH),
             "--max-new-tokens", cap, "--precision", precision]
