@@ -18,11 +18,16 @@ Contenders (``--contenders``):
                                                 --do-sample --seed 0`` (int8: ``--quantize int8``), everything else
                                                 its default; inductor's cache empty (a fresh TORCHINDUCTOR_CACHE_DIR):
                                                 a compile, when the job gets one, costs its whole price
-    accelgen_float32_warm, accelgen_int8_warm   the same with a cache that an earlier run of the shape filled
+    accelgen_float32_warm, accelgen_int8_warm   the same with the cache an earlier job of the same model and settings
+                                                filled (one run of the job with ``--graphs``, off the clock)
     accelgen_float32_eager, accelgen_int8_eager the same job run eagerly (``--no-graphs``): what a first job on a fresh
                                                 machine must never be slower than
     ct2_float32, ct2_int8                       peer_job.py ct2 (CTranslate2's Generator, generate_batch, batches of 16)
     ov_float32, ov_int8                         peer_job.py ov (OpenVINO through optimum-intel, batches of 16)
+
+With ``--baseline-path DIR``, each accelgen contender may also run as ``base_<name>``: the same command with
+accelgen imported from DIR (a folder holding ``accelgen`` and ``accelgen_cpu``, copied from the commit before a change),
+interleaved with the others, so that a change is measured against the code before it in the same run.
 
 The peers' models are converted before any round (``cpu_peers.convert``), off the clock, as a user converts once.
 The plugin's C++ kernels are built before any round too (``accelgen devices --prepare``, as an image or a first job
@@ -98,7 +103,7 @@ def long_prompts(tokenizer, rows: int, tokens: tuple[int, int]) -> list[str]:
 
 def command_of(name: str, folder: Path, output: Path, arguments) -> list[str]:
     """The command a user types for contender ``name``."""
-    engine, precision = name.split("_")[:2]
+    engine, precision = name.removeprefix("base_").split("_")[:2]
     cap = str(SHAPES[folder.name][2])
     if engine == "accelgen":
         accelgen = str(Path(sys.executable).parent / "accelgen")
@@ -111,17 +116,22 @@ def command_of(name: str, folder: Path, output: Path, arguments) -> list[str]:
             "--max-new-tokens", cap, "--precision", precision]
 
 
-def measure(name: str, folder: Path, caches: Path, arguments, load_after: float | None = None) -> dict:
+def measure(name: str, folder: Path, caches: Path, arguments, load_after: float | None = None,
+            fill: bool = False) -> dict:
     """One job of contender ``name``: its seconds on the user's clock, its kept (and prompt) tokens, its engine seconds;
-    ``load_after``: a busy process starts that many seconds after the job, ended when the job ends."""
+    ``load_after``: a busy process starts that many seconds after the job, ended when the job ends; ``fill``: the run
+    that fills a warm contender's cache, its step compiled whatever its length (``--graphs``)."""
     output = folder / f"out-{name}.jsonl"
     environment = dict(os.environ, OMP_NUM_THREADS=str(arguments.threads), HF_HUB_OFFLINE="1",
                        TRANSFORMERS_VERBOSITY="error")
-    if name.startswith("accelgen"):
+    if not _is_peer(name):
         cache = caches / f"{folder.name}-{name}" if name.endswith("_warm") else Path(tempfile.mkdtemp(dir=caches))
         environment["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    if name.startswith("base_"):
+        environment["PYTHONPATH"] = arguments.baseline_path
     started = time.perf_counter()
-    job = subprocess.Popen(command_of(name, folder, output, arguments), env=environment, stdout=subprocess.PIPE,
+    command = command_of(name, folder, output, arguments) + (["--graphs"] if fill else [])
+    job = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     load = None
     if load_after is not None:
@@ -141,7 +151,7 @@ def measure(name: str, folder: Path, caches: Path, arguments, load_after: float 
 
 def job_figures(name: str, output: Path, stdout: str, stderr: str) -> dict:
     """Kept tokens, prompt tokens and the engine's own seconds, from the job's output file and what it printed."""
-    if not name.startswith("accelgen"):
+    if _is_peer(name):
         return json.loads(stdout.strip().splitlines()[-1])
     kept = prompt_tokens = 0
     for line in output.read_text().splitlines():
@@ -154,6 +164,10 @@ def job_figures(name: str, output: Path, stdout: str, stderr: str) -> dict:
             "captures": int(summary[2]), "capture_seconds": float(summary[3] or 0)}
 
 
+def _is_peer(name: str) -> bool:
+    return name.split("_")[0] in ("ct2", "ov")
+
+
 def rate(run: dict, shape: str, clock: str) -> float:
     tokens = run["kept_tokens"] + (run["prompt_tokens"] if SHAPES[shape][3] else 0)
     return tokens / run[clock]
@@ -164,14 +178,14 @@ def run_shape(shape: str, scratch: Path, arguments) -> None:
 
     folder = prepare(shape, scratch)
     names = arguments.contenders.split(",")
-    peers = sorted({"_".join(name.split("_")[:2]) for name in names if not name.startswith("accelgen")})
+    peers = sorted({"_".join(name.split("_")[:2]) for name in names if _is_peer(name)})
     if peers:
         convert(folder, arguments.peers_python, peers)
     caches = scratch / "inductor"
     caches.mkdir(exist_ok=True)
-    for name in names:  # the warm caches filled, off the clock
+    for name in names:  # the warm caches filled, off the clock, by a job of the same model and settings that compiled
         if name.endswith("_warm"):
-            measure(name, folder, caches, arguments)
+            measure(name, folder, caches, arguments, fill=True)
     runs = {(name, loaded): [] for name in names for loaded in ([False, True] if arguments.load_at else [False])}
     for round_number in range(arguments.rounds):
         for name in names:
@@ -215,12 +229,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--load-at", type=float, help="a busy process arrives at this share of the quiet job's seconds")
+    parser.add_argument("--baseline-path", help="a folder holding the accelgen and accelgen_cpu packages of the code before")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds one job may take")
     arguments = parser.parse_args()
     unknown = set(arguments.shapes.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {', '.join(sorted(unknown))}; the shapes are {', '.join(SHAPES)}")
-    if any(not name.startswith("accelgen") for name in arguments.contenders.split(",")) and not arguments.peers_python:
+    if any(name.startswith("base_") for name in arguments.contenders.split(",")) and not arguments.baseline_path:
+        parser.error("base_* contenders need --baseline-path")
+    if any(_is_peer(name) for name in arguments.contenders.split(",")) and not arguments.peers_python:
         parser.error("ct2_* and ov_* need --peers-python (see cpu_peers.py's instructions), or leave them out with "
                      "--contenders")
     subprocess.run([str(Path(sys.executable).parent / "accelgen"), "devices", "--prepare"], check=True,
