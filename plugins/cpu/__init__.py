@@ -28,14 +28,7 @@ from accelgen_cpu.native_kernels import kernels_status, native_kernels
 from accelgen_cpu.norms import use_fused_norms
 from accelgen_cpu.packed_linear import pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
-from accelgen_cpu.threads import (
-    CHOSEN_BY_LAUNCHER,
-    ThreadChoice,
-    ThreadChooser,
-    choose_threads,
-    launch_environment,
-    usable_cores,
-)
+from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment, most_threads
 
 
 class CpuAccelerator(Accelerator):
@@ -89,10 +82,10 @@ class CpuAccelerator(Accelerator):
         )
 
         choice = self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
-        most = choice.threads if choice.user_set else choose_threads(choice.cores, 0.0, choice.ranks_here)
+        most = most_threads(world.local_size)
         self.load_follower = None if most <= 1 else LoadFollower(most, choice.cores, choice.ranks_here, choice.threads,
                                                                  torch.set_num_threads)
-        self._step_key = step_key(model.config, run, "any" if most > 1 else "1")
+        self._step_key = step_key(model.config, run, _compiled_for(most))
         through_interface = use_decode_attention(model)
         if run.offload is None and native_kernels():  # offloaded modules run under Accelerate's hooks
             if through_interface:
@@ -113,11 +106,7 @@ class CpuAccelerator(Accelerator):
             self.load_follower.after_step()
 
     def capture_pays_after(self, config, run: RunSettings, world: World) -> int:
-        # the threads the step would be compiled for, as prepare_model will find them (the machine quiet)
-        users = os.environ.get("OMP_NUM_THREADS", "") if CHOSEN_BY_LAUNCHER not in os.environ else ""
-        first = users.split(",", 1)[0].strip()
-        most = int(first) if first.isdigit() else choose_threads(usable_cores(), 0.0, world.local_size)
-        if compiled_before(step_key(config, run, "any" if most > 1 else "1")):
+        if compiled_before(step_key(config, run, _compiled_for(most_threads(world.local_size)))):
             return self.warm_capture_pays_after_steps
         return self.tuning.capture_pays_after_steps
 
@@ -244,6 +233,12 @@ def _compiled_now(step: Callable[..., torch.Tensor], example_inputs: tuple[torch
     compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=whole, options=options)
     compiled_step(*example_inputs)
     return compiled_step
+
+
+def _compiled_for(most_threads: int) -> str:
+    """The threads a run's compiled step is made for: "1", or "any" where the run may change its threads (its kernels
+    read them at each call)."""
+    return "any" if most_threads > 1 else "1"
 
 
 def _no_guards(entries: list) -> list[bool]:
