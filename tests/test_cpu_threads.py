@@ -1,5 +1,6 @@
 """The CPU plugin chooses its threads from the machine as it finds it (cores it may use, cores other processes keep
-busy, ranks of the job on the node), says what it chose in the summary, and keeps a thread count the user set.
+busy, ranks of the job on the node), says what it chose in the summary, and keeps a thread count the user set as the
+most it computes with (fewer while other processes keep its cores busy: test_cpu_load_follower.py).
 
 The jobs here start without the suite's OMP_NUM_THREADS (conftest), pinned to chosen cores so that what they find
 does not depend on the machine running the suite."""
@@ -95,7 +96,10 @@ def test_your_omp_num_threads_is_kept(tiny_model_folder, unset_threads, busy_pro
     busy_processes(cores, 2)  # the plugin would choose one thread here (two cores: torch runs at most two)
     result = run_pinned(cores, dict(unset_threads, OMP_NUM_THREADS=threads), "--model", str(tiny_model_folder("llama")))
     assert result.returncode == 0, result.stderr
-    assert device_phrase(result.stderr) == f"{threads} thread{'' if threads == '1' else 's'}: your OMP_NUM_THREADS"
+    chosen = f"{threads} thread{'' if threads == '1' else 's'}: your OMP_NUM_THREADS"
+    # two threads under that load may go down to one during the run, and the summary says so
+    followed = "; 1 thread while other processes kept cores busy \\([0-9]+% of the run\\)" if threads == "2" else ""
+    assert re.fullmatch(re.escape(chosen) + f"({followed})?", device_phrase(result.stderr)), result.stderr
 
 
 @pytest.mark.slow

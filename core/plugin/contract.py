@@ -27,6 +27,7 @@ import pluggy
 
 if TYPE_CHECKING:  # torch is imported where a method needs it: `accelgen --help` must not pay for it
     import torch
+    from transformers import PretrainedConfig
 
     from accelgen.common.settings import LaunchPlan, RunSettings, World
 
@@ -197,6 +198,14 @@ class Accelerator(abc.ABC):
         from accelgen.common.errors import UsageError
 
         raise UsageError(f"--quantize {scheme} is not supported on {self.name}.")
+
+    def capture_pays_after(self, config: "PretrainedConfig", run: "RunSettings", world: "World") -> int:
+        """The decode steps a job of this model (its ``config``) with these settings must be expected to take before
+        capturing its step pays for itself on this machine (with ``tuning.captures_by_default``; a shorter job runs
+        eagerly). A device whose capture costs less when it has captured the same step before (a compiler with a
+        cache) may answer less then; the answer only decides whether the step is captured, never what it computes.
+        Called before the model loads. Default: ``tuning.capture_pays_after_steps``."""
+        return self.tuning.capture_pays_after_steps
 
     def capture(
         self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"

@@ -55,10 +55,12 @@ class Request:
         """The request with a capture left undecided (``run.use_graphs`` None: the device's capture pays only for
         long jobs) decided for a job that may take ``decode_steps`` decode steps; None: a length not known
         beforehand (a streamed dataset), where the cost is certain and the payback is not: not captured. A decided
-        one is kept."""
+        one is kept. How many steps pay is the accelerator's answer for this model on this machine
+        (``Accelerator.capture_pays_after``)."""
         if self.run.use_graphs is not None:
             return self
-        pays = decode_steps is not None and decode_steps >= self.accelerator.tuning.capture_pays_after_steps
+        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after(
+            self.model.config(), self.run, self.world)
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
 
     def check_prefix_store(self, ranks: int) -> None:

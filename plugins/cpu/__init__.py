@@ -16,17 +16,19 @@ from accelgen.common.errors import UsageError, interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
 from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
+from accelgen_cpu.compile_marks import compiled_before, mark_compiled, step_key
 from accelgen_cpu.extension_lock import (
     check_extension_build_lock,
     deepspeed_build_folder,
     deepspeed_builds_in_its_folder,
 )
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
+from accelgen_cpu.load_follower import LoadFollower
 from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_operator
 from accelgen_cpu.norms import use_fused_norms
 from accelgen_cpu.packed_linear import FloatPanels, pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
-from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment
+from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment, most_threads
 
 
 class CpuAccelerator(Accelerator):
@@ -35,9 +37,10 @@ class CpuAccelerator(Accelerator):
     Capture is compilation (inductor, with its C++ wrapper): it costs tens of seconds the first time a model's step
     is compiled (seconds once inductor's cache holds it) and saves the eager step's per-operation overhead (the
     plugin's C++ operators are called from compiled code), so by default only the decode step of a job long enough
-    to pay that back even uncached is compiled (``--graphs`` / ``--no-graphs`` decide otherwise; RESULTS.md,
-    "Compiled decode step on the CPU"). The prefill shapes always run eagerly: each would compile anew, for a few
-    runs."""
+    to pay that back even uncached is compiled, or, where this machine compiled the same step before (its compile
+    cache holds it: ``compile_marks``), of a job long enough to pay back loading it (``--graphs`` / ``--no-graphs``
+    decide otherwise; RESULTS.md, "Compiled decode step on the CPU"). The prefill shapes always run eagerly: each
+    would compile anew, for a few runs."""
 
     name = "cpu"
     tuning = Tuning(
@@ -51,6 +54,8 @@ class CpuAccelerator(Accelerator):
         prefill_pass_steps=1.5,
         int8_quantizes_head=True,
     )
+    #: The decode steps after which a compile pays where inductor's cache holds the step (loading it costs seconds)
+    warm_capture_pays_after_steps = 4_000
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
     quantization_schemes = ("int8",)
@@ -58,6 +63,9 @@ class CpuAccelerator(Accelerator):
     #: Threads chosen for this run, once its model is ready (``prepare_model``); None before.
     thread_choice: ThreadChoice | None = None
     _thread_chooser: ThreadChooser | None = None  # from ``setup`` on
+    #: Follows the machine's load during the run (torch's threads), where the run may compute with more than one.
+    load_follower: LoadFollower | None = None
+    _step_key: str | None = None  # the run's decode step's in ``compile_marks``, from ``prepare_model`` on
 
     def is_available(self) -> bool:
         return True
@@ -73,7 +81,11 @@ class CpuAccelerator(Accelerator):
             use_decode_self_attention,
         )
 
-        self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
+        choice = self.thread_choice = (self._thread_chooser or ThreadChooser()).choose(world.local_size)
+        most = most_threads(world.local_size)
+        self.load_follower = None if most <= 1 else LoadFollower(most, choice.cores, choice.ranks_here, choice.threads,
+                                                                 torch.set_num_threads)
+        self._step_key = step_key(model.config, run, _compiled_for(most))
         through_interface = use_decode_attention(model)
         if run.offload is None and native_kernels():  # offloaded modules run under Accelerate's hooks
             if through_interface:
@@ -95,8 +107,20 @@ class CpuAccelerator(Accelerator):
     def clean_up_after_workers(self, plan: LaunchPlan) -> None:
         remove_buffers_left(plan)
 
+    def mark_step(self) -> None:
+        if self.load_follower is not None:
+            self.load_follower.after_step()
+
+    def capture_pays_after(self, config, run: RunSettings, world: World) -> int:
+        if compiled_before(step_key(config, run, _compiled_for(most_threads(world.local_size)))):
+            return self.warm_capture_pays_after_steps
+        return self.tuning.capture_pays_after_steps
+
     def summary_phrase(self) -> str | None:
-        return None if self.thread_choice is None else self.thread_choice.describe()
+        if self.thread_choice is None:
+            return None
+        followed = None if self.load_follower is None else self.load_follower.describe()
+        return self.thread_choice.describe() + ("" if followed is None else f"; {followed}")
 
     def check_shard(self, ranks: int) -> None:
         from accelgen.parallel.deepspeed_adapter import require_deepspeed
@@ -134,12 +158,17 @@ class CpuAccelerator(Accelerator):
         # the step's kernels (the plugin's operators among them) from compiled code, where the Python one spent a
         # call's overhead on each of them; a step with an operator the C++ wrapper cannot call (DeepSpeed's all-reduce,
         # under tensor parallelism) takes the Python one.
+        # A run whose threads follow the load compiles kernels that read the threads at each call.
+        follows_load = self.load_follower is not None
         try:
-            return _compiled(step, example_inputs, cpp_wrapper=True)
+            compiled = _compiled(step, example_inputs, cpp_wrapper=True, follows_load=follows_load)
         except (torch._dynamo.exc.BackendCompilerFailed, NotImplementedError) as error:
             if (interruption := interruption_in(error)) is not None:  # Ctrl-C or a stop, wrapped by the compiler
                 raise interruption from None
-            return _compiled(step, example_inputs, cpp_wrapper=False)
+            compiled = _compiled(step, example_inputs, cpp_wrapper=False, follows_load=follows_load)
+        if self._step_key is not None:  # the next job of this step finds it in the cache
+            mark_compiled(self._step_key)
+        return compiled
 
     def memory_stats(self) -> dict[str, int]:
         # the process's peak resident memory, weights and caches included
@@ -182,7 +211,7 @@ class CpuAccelerator(Accelerator):
 
 
 def _compiled(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...],
-              cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
+              cpp_wrapper: bool, follows_load: bool = False) -> Callable[..., torch.Tensor]:
     # The compiler keeps its graphs by code object, and the steps of every model share their code: each compiled step
     # gets a code object of its own, so that no other step, another model's above all, is ever given its graph.
     # A step compiled whole into one graph checks no guard before a call: the core calls it with nothing but the
@@ -191,23 +220,31 @@ def _compiled(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Ten
     # those on the model's modules and weights, which accelgen never changes after loading (the kernels are chosen
     # before; offloaded steps, whose weights arrive at each pass, are never compiled).
     try:
-        return _compiled_now(step, example_inputs, cpp_wrapper, whole=True)
+        return _compiled_now(step, example_inputs, cpp_wrapper, whole=True, follows_load=follows_load)
     except torch._dynamo.exc.Unsupported:  # a graph break
-        return _compiled_now(step, example_inputs, cpp_wrapper, whole=False)
+        return _compiled_now(step, example_inputs, cpp_wrapper, whole=False, follows_load=follows_load)
 
 
 def _compiled_now(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], cpp_wrapper: bool,
-                  whole: bool) -> Callable[..., torch.Tensor]:
+                  whole: bool, follows_load: bool) -> Callable[..., torch.Tensor]:
     """``step`` compiled (now, so that the time lands in capture, not in the first token): ``whole``, into one graph
-    that checks no guard; else in graphs that check all guards but the modules'."""
+    that checks no guard; else in graphs that check all guards but the modules'. ``follows_load``: its kernels take
+    the threads torch has at each call, not those it had when compiled."""
     # a conversion to bfloat16 rounds where the step says so, as the eager step does: left to itself the compiler carries
     # float32 on into the next operation, and a step's values would depend on which operations are the plugin's own
-    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper, "emulate_precision_casts": True}
+    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper, "emulate_precision_casts": True,
+                               "cpp.dynamic_threads": follows_load}
     if (skip_module_guards := getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)) is not None:
         options["guard_filter_fn"] = _no_guards if whole else skip_module_guards
     compiled_step = torch.compile(_of_its_own_code(step), dynamic=False, fullgraph=whole, options=options)
     compiled_step(*example_inputs)
     return compiled_step
+
+
+def _compiled_for(most_threads: int) -> str:
+    """The threads a run's compiled step is made for: "1", or "any" where the run may change its threads (its kernels
+    read them at each call)."""
+    return "any" if most_threads > 1 else "1"
 
 
 def _no_guards(entries: list) -> list[bool]:

@@ -8,7 +8,8 @@ about 5). So a process counts the cores it may use (its CPU affinity, its cgroup
 processes keep busy, shares what is left with the other ranks of its job on the node, and computes with that many
 threads. The wait policy (``OMP_WAIT_POLICY``) is read once, when the OpenMP runtime loads with torch: the launcher
 sets it for the ranks it starts (passive on a shared machine), a single process keeps what it was started with.
-A value the user set (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``) is kept.
+A value the user set (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``) is kept: the user's threads are the most a run computes
+with (``most_threads``), fewer while other processes keep cores busy (``load_follower``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ def launch_environment(processes_per_node: int) -> dict[str, str]:
     if "OMP_WAIT_POLICY" not in os.environ and busy >= SHARED_AT_BUSY_CORES and threads > 1:
         environment["OMP_WAIT_POLICY"] = "PASSIVE"
     return environment
+
+
+def most_threads(ranks_here: int) -> int:
+    """The most threads one of ``ranks_here`` processes of a job on this node computes with: the user's
+    ``OMP_NUM_THREADS`` (its outer level), else its share of the cores it may use."""
+    users = os.environ.get("OMP_NUM_THREADS") if CHOSEN_BY_LAUNCHER not in os.environ else None
+    if users is not None:
+        return max(1, _leading_number(users, 1))
+    return choose_threads(usable_cores(), 0.0, ranks_here)
 
 
 def _leading_number(value: str, otherwise: int) -> int:
