@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from accelgen.common.settings import AdapterSettings
 from accelgen.session.request import build_request
 from accelgen_cpu.compile_marks import MARKS, compiled_before, mark_compiled, step_key
 
@@ -25,6 +26,8 @@ def test_a_step_compiled_before_pays_after_fewer_steps(request_here):
     assert cpu.warm_capture_pays_after_steps < cpu.tuning.capture_pays_after_steps
     # another step shape, or the same compiled for threads read at each call, was not compiled
     assert cpu.capture_pays_after(config, dataclasses.replace(run, batch_size=8), world) == cpu.tuning.capture_pays_after_steps
+    with_adapters = dataclasses.replace(run, lora=AdapterSettings(named=(("a", "./a-lora"),), max_loras=1))
+    assert cpu.capture_pays_after(config, with_adapters, world) == cpu.tuning.capture_pays_after_steps
     assert not compiled_before(step_key(config, run, "any"))
 
 

@@ -30,7 +30,8 @@ def step_key(config, run: RunSettings, threads: str) -> str:
     shape = {name: value for name, value in sorted(config.to_dict().items())
              if not name.startswith("_") and name not in _NOT_SHAPE and isinstance(value, (int, float, str, bool))}
     settings = (run.dtype, run.quantize, run.batch_size, run.max_new_tokens, run.buckets, run.sampling.do_sample,
-                run.logprobs, run.constrained, run.num_samples > 1 or run.rows_choose)
+                run.logprobs, run.constrained, run.num_samples > 1 or run.rows_choose,
+                run.lora.named, run.lora.max_loras, run.lora.max_lora_rank)  # adapters' buffers are in the step
     text = json.dumps([shape, repr(settings), torch.__version__, threads], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
