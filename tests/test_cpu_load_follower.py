@@ -2,12 +2,19 @@
 all of them again once they have gone, never more than the run's most (the user's OMP_NUM_THREADS), and it says so in
 the summary. Driven here by made-up readings of /proc and a made-up clock: nothing is timed."""
 
+import itertools
 import os
 
+import pytest
+import torch
+
+import accelgen
 from accelgen_cpu.load_follower import LOOK_EVERY_SECONDS, LoadFollower
 from accelgen_cpu.threads import CpuTimes
 
 TICKS = os.sysconf("SC_CLK_TCK")
+PROMPTS = ["Hello there", "DeepSpeed is a machine learning framework", "The quick brown fox", "In the beginning",
+           "Static shapes let one graph serve"]
 
 
 class Machine:
@@ -71,3 +78,40 @@ def test_never_more_than_the_runs_most_and_quiet_says_nothing():
     machine.run_for(LOOK_EVERY_SECONDS, own=2.0, others=0.0)
     follower.after_step()
     assert set_to == [2] and follower.describe() is None  # the start's one thread is the thread choice's to say
+
+
+@pytest.mark.slow
+def test_a_compiled_step_whose_threads_change_between_steps_decodes_the_one_thread_tokens(tiny_model_folder, monkeypatch):
+    """A run of the user's OMP_NUM_THREADS=2 on a machine whose load comes and goes at every look: its compiled decode
+    step (kernels that read the threads at each call) runs at 1 and 2 threads in turn, and decodes what one eager
+    thread decodes. The load is made up (readings of a 2-core machine, one look per step); the threads are torch's."""
+    import accelgen_cpu
+
+    folder = tiny_model_folder("llama")
+    settings = dict(device="cpu", batch_size=4, max_new_tokens=24)
+    expected = [completion.completion_token_ids
+                for completion in accelgen.load(folder, graphs=False, **settings).generate(PROMPTS)]
+    machine, set_to, reads, seconds = Machine(), [], [], itertools.count()  # a clock a second on at each look
+
+    def coming_and_going() -> CpuTimes:  # another process busy over every other second; a look due at every step
+        reads.append(None)
+        machine.run_for(1.0, own=1.0, others=float(len(reads) % 2))
+        return machine.read()
+
+    def follower(most, cores, ranks_here, threads, set_threads):
+        def set_and_note(count: int) -> None:
+            set_to.append(count)
+            set_threads(count)
+        return LoadFollower(most, 2, ranks_here, threads, set_and_note, read=coming_and_going, clock=lambda: next(seconds))
+
+    monkeypatch.setattr(accelgen_cpu, "LoadFollower", follower)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    threads_before = torch.get_num_threads()
+    try:
+        generator = accelgen.load(folder, graphs=True, **settings)
+        completions = generator.generate(PROMPTS)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert generator.stats.graph_captures == 1
+    assert [completion.completion_token_ids for completion in completions] == expected
+    assert {1, 2} <= set(set_to) and len(set_to) >= 4  # the step ran at both counts, several times each
