@@ -121,14 +121,20 @@ def test_a_compiler_that_does_not_work_is_named_with_what_it_said(build_environm
 def test_a_run_stopped_during_its_build_stops_its_compilers_and_leaves_nothing(build_environment, tmp_path, stop):
     pids = tmp_path / "pids"
     environment = dict(build_environment, FAKE_COMPILER_MODE="hang", FAKE_COMPILER_PIDS=str(pids))
-    process = subprocess.Popen([sys.executable, "-c", LOAD], env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    # -X faulthandler: a run that has not ended a minute after the signal is made to say where it stands (SIGABRT)
+    process = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", LOAD], env=environment,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)
     compilers = [int(pid) for pid in pids.read_text().split()]
     process.send_signal(stop)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, stderr = process.communicate(timeout=60)
+        pytest.fail(f"the run did not end within 60 s of {stop.name}; where it stood:\n{stderr}")
     assert process.returncode != 0 and compilers
     for pid in compilers:
         with pytest.raises(ProcessLookupError):
