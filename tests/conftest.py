@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -49,6 +50,22 @@ def _seeded_and_quiet(monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+#: The signals whose handling a command changes while it runs (a Ctrl-C, a stop, a hang-up).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handling_as_it_was():
+    """Each test leaves this process's handling of the stop signals as it found it. A command run here (``main``)
+    that was stopped leaves them ignored on purpose (a launcher ignores a late Ctrl-C as it ends its ranks), and every
+    process a later test starts would inherit that: a Python child keeps an inherited SIGINT ignored."""
+    before = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    yield
+    for number, handler in before.items():
+        if signal.getsignal(number) is not handler:
+            signal.signal(number, handler)
 
 
 @contextlib.contextmanager
