@@ -113,7 +113,7 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     machine and source: under the builds' own lock, checked before use), then copied in by the run's first test
     process, so that a run adds a build's minutes only when the kernels' sources changed."""
     from accelgen_cpu.kernel_variants import executable_variants
-    from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK, BuildFailure, built_library
+    from accelgen_cpu.native_build import BuildFailure, built_library
     from accelgen_cpu.native_kernels import native_kernels
 
     with _extensions_dir(_USUAL_EXTENSIONS_DIR):
@@ -130,9 +130,8 @@ def _private_extensions_folder(tmp_path_factory) -> Path:
     with _one_process_at_a_time(run_folder / "torch_extensions.lock"):
         copied = folder.is_dir()
         folder.mkdir(exist_ok=True)
-        if not copied and (usual_root / KERNELS_FOLDER).is_dir():
-            shutil.copytree(usual_root / KERNELS_FOLDER, folder / KERNELS_FOLDER,
-                            ignore=shutil.ignore_patterns(".building-*", LOCK))
+        if not copied:
+            _copy_kernel_builds(usual_root, folder)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
     native_kernels()  # this processor's variant, loaded (or its warning) before the first test's output
     return folder
@@ -142,13 +141,18 @@ def extensions_folder_with_the_kernels(folder: Path) -> Path:
     """A new TORCH_EXTENSIONS_DIR at ``folder`` holding the run's builds of the CPU plugin's C++ kernels, so that a job
     given it compiles nothing of ours (a test of DeepSpeed's extension lock is not slowed, nor its lines joined, by a
     kernels build and its wait)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _copy_kernel_builds(Path(os.environ["TORCH_EXTENSIONS_DIR"]), folder)
+    return folder
+
+
+def _copy_kernel_builds(source: Path, target: Path) -> None:
+    """Copy the finished builds of the CPU kernels in the extensions folder ``source`` into ``target`` (no build in
+    progress, no lock), where there are any."""
     from accelgen_cpu.native_build import KERNELS_FOLDER, LOCK
 
-    kernels = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / KERNELS_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    if kernels.is_dir():
-        shutil.copytree(kernels, folder / KERNELS_FOLDER, ignore=shutil.ignore_patterns(".building-*", LOCK))
-    return folder
+    if (source / KERNELS_FOLDER).is_dir():
+        shutil.copytree(source / KERNELS_FOLDER, target / KERNELS_FOLDER, ignore=shutil.ignore_patterns(".building-*", LOCK))
 
 
 KERNEL_VARIANTS = ("avx512", "avx2", "portable")
