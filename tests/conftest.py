@@ -68,6 +68,59 @@ def _signal_handling_as_it_was():
             signal.signal(number, handler)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test leaves this process's environment as it found it. A job launched here (``main``) sets what its ranks
+    inherit (their threads, a shutdown timeout) in ``os.environ``, and every process a later test starts would inherit
+    that too."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def processes_under(pid: int) -> list[int]:
+    """The live processes descended from ``pid`` (torchrun's workers run in sessions of their own)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def run_to_the_end(command: list[str], environment: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(command)``, its output captured, for a command that may start processes of its own (a job's
+    ranks). Still running after ``timeout`` seconds, every process of it is made to say where it stands (faulthandler's
+    stacks, on SIGABRT), then killed, and the test fails with what they said: a hang is shown, not just timed."""
+    process = subprocess.Popen(command, env=dict(environment, PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        everyone = [process.pid, *processes_under(process.pid)]
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"{' '.join(command)} had not ended after {timeout} s; where its processes stood:\n{stderr}\n"
+                    f"standard output:\n{stdout}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 @contextlib.contextmanager
 def _one_process_at_a_time(lock: Path) -> Iterator[None]:
     """Inside the block, no other test process of this run (pytest-xdist's workers) is inside a block of ``lock``."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_to_the_end
 from test_tensor_parallel import accelgen_command, processes_of, rows_of
 
 import accelgen
@@ -163,8 +164,7 @@ def test_the_summary_says_which_replicas_a_slower_one_held_back(capsys):
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 def run_job(environment, *arguments, timeout=300):
-    return subprocess.run(accelgen_command("run", *arguments), env=environment, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_to_the_end(accelgen_command("run", *arguments), environment, timeout)
 
 
 @pytest.mark.slow

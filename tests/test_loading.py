@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import with_fault_drill
+from conftest import run_to_the_end, with_fault_drill
 from test_parity import MAX_NEW_TOKENS, reference_completions
 from tiny_models import build_model
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
@@ -30,8 +30,7 @@ PROMPTS = ["DeepSpeed is a machine learning framework", "Hello", "The quick brow
 
 
 def accelgen_script(environment, *arguments, timeout=300):
-    return subprocess.run([sys.executable, "-m", "accelgen.cli", *arguments], env=environment, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_to_the_end([sys.executable, "-m", "accelgen.cli", *arguments], environment, timeout)
 
 
 def prompt_arguments():
@@ -229,10 +228,9 @@ def test_a_shard_job_stopped_half_way_leaves_nothing_that_passes_for_complete(ti
     assert not output.exists() and not partial.exists()  # removed by the launcher once its ranks had ended
     # ranks that end half-way with no launcher of ours to clean up (torchrun started by hand; a launcher killed
     # outright) leave the staging folder behind
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(free_port()), "-m", "accelgen.cli", "shard", "--device", "cpu", "--model",
-                             str(tiny_model_folder("llama")), "--world-size", "2", "--dtype", "float32", "--output",
-                             str(output)], env=failing, capture_output=True, text=True, timeout=300)
+    result = run_to_the_end([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "accelgen.cli", "shard", "--device", "cpu", "--model", str(tiny_model_folder("llama")),
+                              "--world-size", "2", "--dtype", "float32", "--output", str(output)], failing, timeout=300)
     assert result.returncode != 0 and "injected fault on rank 1" in result.stderr
     assert not output.exists() and partial.is_dir()
     assert not (partial / MANIFEST).exists() and not (partial / "config.json").exists()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import one_error_line
+from conftest import one_error_line, run_to_the_end
 from killed_runs import killed_then_resumed_and_whole
 from test_conversations import TEMPLATE
 from transformers import AutoConfig, AutoTokenizer
@@ -220,8 +220,7 @@ def test_conversations_share_their_system_prompt_as_a_prefix(tiny_model_folder, 
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 def run_job(environment, *arguments, timeout=300):
-    return subprocess.run([sys.executable, "-m", "accelgen.cli", "run", *arguments], env=environment,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_to_the_end([sys.executable, "-m", "accelgen.cli", "run", *arguments], environment, timeout)
 
 
 @pytest.mark.slow

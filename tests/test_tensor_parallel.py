@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from accelerators import plugin_manager_with
-from conftest import with_fault_drill
+from conftest import run_to_the_end, with_fault_drill
 
 import accelgen
 from accelgen.cli import main
@@ -48,8 +48,7 @@ def processes_of(environment) -> list[int]:
 
 
 def run_job(environment, *arguments, timeout=240):
-    return subprocess.run(accelgen_command("run", *arguments), env=environment, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_to_the_end(accelgen_command("run", *arguments), environment, timeout)
 
 
 def rows_of(path):
@@ -165,12 +164,10 @@ def test_two_nodes_on_one_machine_generate_the_same(tiny_model_folder, tmp_path,
 def test_accelgen_runs_under_torchrun_started_by_hand(tiny_model_folder, tmp_path, job_environment):
     folder = str(tiny_model_folder("bloom"))
     output = tmp_path / "out.jsonl"
-    result = subprocess.run(
+    result = run_to_the_end(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "accelgen.cli", "run", "--device", "cpu", "--model", folder, "--prompt", "Hello",
-         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output)],
-        env=job_environment, capture_output=True, text=True, timeout=240,
-    )
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output)], job_environment, timeout=240)
     assert result.returncode == 0, result.stderr
     [expected] = accelgen.generate(["Hello"], model=folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS)
     assert [row["completion_token_ids"] for row in rows_of(output)] == [expected.completion_token_ids]
