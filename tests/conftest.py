@@ -68,6 +68,16 @@ def _signal_handling_as_it_was():
             signal.signal(number, handler)
 
 
+def as_a_terminal_starts_it() -> None:
+    """For ``subprocess.Popen(preexec_fn=...)``: the child starts with the stop signals at their defaults and none
+    blocked, as a terminal starts a command. Python keeps a stop signal ignored when it started ignored, and the test
+    process may have it so: a shell's background job (CI started with ``&``), or a library that set it without Python
+    knowing; a test that stops a child with a signal would then wait for nothing."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 @pytest.fixture(autouse=True)
 def _environment_as_it_was():
     """Each test leaves this process's environment as it found it. A job launched here (``main``) sets what its ranks

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import as_a_terminal_starts_it
 
 from accelgen.common.errors import UsageError
 from accelgen_cpu import kernel_variants
@@ -123,7 +124,8 @@ def test_a_run_stopped_during_its_build_stops_its_compilers_and_leaves_nothing(b
     environment = dict(build_environment, FAKE_COMPILER_MODE="hang", FAKE_COMPILER_PIDS=str(pids))
     # -X faulthandler: a run that has not ended a minute after the signal is made to say where it stands (SIGABRT)
     process = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", LOAD], env=environment,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=as_a_terminal_starts_it)
     deadline = time.monotonic() + 60
     while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import one_error_line_in
+from conftest import as_a_terminal_starts_it, one_error_line_in
 
 from accelgen.cli import main
 from accelgen.plugin import manager
@@ -315,9 +315,7 @@ def test_a_plugin_that_hangs_at_import_is_named_and_ctrl_c_still_stops_the_comma
     site = install_plugin(tmp_path / "site", source)
     process = subprocess.Popen([sys.executable, "-m", "accelgen.cli", "devices"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=dict(cli_environment, PYTHONPATH=str(site)),
-                               # Python raises KeyboardInterrupt on SIGINT unless it started with SIGINT ignored, as
-                               # it is in a shell's background job that may be running these tests
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=as_a_terminal_starts_it)
     deadline = threading.Timer(300, process.kill)  # the test fails, not hangs, if the line never comes
     deadline.start()
     try:

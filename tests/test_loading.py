@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import AccelgenWarning
 from accelgen.loading.pre_sharded import MANIFEST
-from accelgen.parallel.launcher import free_port
 
 pytest.importorskip("deepspeed")
 

@@ -4,7 +4,6 @@ run without reuse (``--prefix-cache 0``): the tokens must not change, only the p
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
