@@ -6,7 +6,8 @@ for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the d
 (:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
 before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
 first time it is met (where prefills are not captured and the model allows, prompts with nothing found stored
-run instead packed one after another in one row, none padded). Each row's LoRA adapter is a buffer slot its steps
+run instead packed one after another in one row, none padded: the prefill shapes and their steps are
+:mod:`accelgen.generation.prefill_steps`). Each row's LoRA adapter is a buffer slot its steps
 read (``DecodeState.adapter_slots``; a prefill's, per prompt), the adapters an insertion needs copied in before it.
 A later run of the same shapes replays what was captured. It never calls back up: what it needs (the model called
 on a cache, the accelerator, the settings) it is given when made.
@@ -26,8 +27,9 @@ from accelgen.common.errors import GraphCaptureWarning, first_line, interruption
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.constraints import SlotConstraints
+from accelgen.generation.prefill_steps import PrefillShape, RowsForward, chunk_step, padded, prefill_step, row_settings
 from accelgen.generation.prefix_reuse import PrefixReuse, store_bytes
-from accelgen.generation.sampling import RowSampling, seed_key
+from accelgen.generation.sampling import RowSampling
 from accelgen.generation.scheduler import Insertion, Row
 from accelgen.generation.stats import GenerationStats
 from accelgen.model.memory import check_cache_fits
@@ -37,8 +39,6 @@ from accelgen.model.transformers_adapter.static_cache import (
     copy_prompt_rows,
     needs_first_write,
     new_static_cache,
-    packed_rows,
-    prompt_rows,
     write_each_row_at,
 )
 from accelgen.parallel.process_groups import gather_from_ranks
@@ -46,50 +46,6 @@ from accelgen.plugin.contract import Accelerator
 
 #: The most prompt tokens a prefill packs in one row: its mask holds the square of their count.
 PACKED_MOST_TOKENS = 2048
-
-
-class PrefillShape:
-    """The fixed-address buffers of one prefill shape (k prompts of a bucket of P tokens, m rows started from
-    them: one per prompt, or one per sample), and its step. Iterating gives the buffers in the order the step
-    takes them."""
-
-    def __init__(self, rows: int, bucket_length: int, draws: int, start: int, device: torch.device, mask_words: int = 0):
-        self.first_position = start  # the first position its step runs (those before are in the cache rows: stored, or chunks)
-        longs = decoding.long_zeros(device)
-        self.input_ids = longs(rows, bucket_length)  # [k, P] left-padded prompts
-        self.prompt_mask = longs(rows, bucket_length)  # [k, P] 1 = real token
-        self.slots = longs(rows)  # [k] the cache rows the prompts go to
-        self.draw_from = longs(draws)  # [m] the prompt each started row comes from
-        self.draw_keys = longs(draws)  # [m] each started row's draw key (``Row.draw_key``)
-        self.draw_slots = longs(draws)  # [m] each started row's slot
-        self.first_tokens = longs(draws)  # [m] each started row's first new token
-        floats = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
-        self.first_logprobs = floats(draws)  # [m] its log-probability
-        self.limits = longs(draws)  # [m] each started row's maximum of new tokens
-        self.sampling = RowSampling(floats(draws), floats(draws), longs(draws))  # [m] each started row's sampling
-        self.adapter_slots = longs(rows)  # [k] the buffer slot of each prompt's LoRA adapter (0: the base model's)
-        self.allowed = torch.full((draws, mask_words), -1, dtype=torch.int32, device=device)  # [m, W] its first token's mask
-        self.step: Callable[..., object] | None = None
-        self.packed_step: Callable[..., object] | None = None  # the step with its prompts packed in one row
-        #: the steps of the chunks before ``first_position``, by span [start, end) of positions, over ``passes_over``
-        self.chunk_steps: dict[tuple[int, int], Callable[..., object]] = {}
-
-    @property
-    def passes_over(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The buffers a chunk's step takes: the prompts, their mask and their slots."""
-        return self.input_ids, self.prompt_mask, self.slots
-
-    def __iter__(self):
-        return iter((self.input_ids, self.prompt_mask, self.slots, self.draw_from, self.draw_keys, self.draw_slots,
-                     self.first_tokens, self.first_logprobs, self.allowed, *self.sampling))
-
-    def start(self, rows: int) -> decoding.RowStart:
-        """What starting the first ``rows`` draws in their slots takes (after the step has run)."""
-        prompts = self.draw_from[:rows]
-        return decoding.RowStart(self.first_tokens[:rows], self.first_logprobs[:rows],
-                                 self.prompt_mask.index_select(0, prompts), self.draw_keys[:rows],
-                                 self.limits[:rows], RowSampling(*(values[:rows] for values in self.sampling)),
-                                 self.adapter_slots.index_select(0, prompts))
 
 
 class SlotShape:
@@ -226,38 +182,28 @@ class SlotRunner:
         fresh = prefill_shape is None
         if fresh:
             prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device, self.mask_words)
-        input_ids, prompt_mask = decoding.left_pad([row.prompt_ids for row in prompts], insertion.bucket_length,
-                                                   rows, self.rules.pad_token_id)
-        prefill_shape.input_ids.copy_(input_ids)
-        prefill_shape.prompt_mask.copy_(prompt_mask)
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
-        prefill_shape.slots.copy_(torch.tensor(_padded(prompt_slots, rows)))
-        prefill_shape.draw_from.copy_(torch.tensor(_padded(insertion.sources, draw_rows)))
-        prefill_shape.draw_keys.copy_(torch.tensor(_padded([row.draw_key for row in draws], draw_rows)))
-        prefill_shape.draw_slots.copy_(torch.tensor(_padded(draw_slots, draw_rows)))
-        prefill_shape.adapter_slots.copy_(torch.tensor(_padded([row.adapter_slot for row in prompts], rows)))
-        limits, sampling = _row_settings(draws)
-        prefill_shape.limits.copy_(torch.tensor(_padded(limits, draw_rows)))
-        for buffer, values in zip(prefill_shape.sampling, sampling):
-            buffer.copy_(torch.tensor(_padded(values, draw_rows), dtype=buffer.dtype))
+        prefill_shape.load(prompts, prompt_slots, draws, insertion.sources, draw_slots, self.rules.pad_token_id)
         if self.constraints is not None:  # each draw's first token under its structure
             masks = self.constraints.first_masks(draws, [prompts[source].prompt_ids for source in insertion.sources])
-            prefill_shape.allowed.copy_(masks[_padded(list(range(len(draws))), draw_rows)])
+            prefill_shape.allowed.copy_(masks[padded(list(range(len(draws))), draw_rows)])
         if self._steps_left:  # the decode steps between the passes must not write into the rows being prefilled
             decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
         for span in spans[:-1]:
             if span not in prefill_shape.chunk_steps:
                 prefill_shape.chunk_steps[span] = self._captured(
-                    self._chunk_step(prefill_shape, *span), prefill_shape.passes_over, "prefill_captures")
+                    chunk_step(prefill_shape, self._on_rows(), *span), prefill_shape.passes_over, "prefill_captures")
             self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span)
         if packed:
             if prefill_shape.packed_step is None:
-                prefill_shape.packed_step = self._prefill_step(prefill_shape, packed=True)
+                prefill_shape.packed_step = prefill_step(prefill_shape, self._on_rows(), self.rules, self._shares_prompts,
+                                                         packed=True)
             self._prefill_pass(prefill_shape.packed_step, tuple(prefill_shape), spans[-1])
         else:
             if prefill_shape.step is None:
-                prefill_shape.step = self._captured(self._prefill_step(prefill_shape), tuple(prefill_shape),
-                                                    "prefill_captures")
+                prefill_shape.step = self._captured(
+                    prefill_step(prefill_shape, self._on_rows(), self.rules, self._shares_prompts), tuple(prefill_shape),
+                    "prefill_captures")
             self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
         self.stats.prefills += 1
         self.stats.prefill_rows += rows
@@ -304,7 +250,7 @@ class SlotRunner:
             copy_prompt_rows(self.shape.cache, sources, slots, bucket)
             on_device = functools.partial(torch.tensor, device=self.device)
             _, prompt_mask = decoding.left_pad([row.prompt_ids for row in rows], bucket, len(rows), self.rules.pad_token_id)
-            limits, (temperatures, top_ps, seed_keys) = _row_settings(rows)
+            limits, (temperatures, top_ps, seed_keys) = row_settings(rows)
             start = decoding.RowStart(
                 on_device([row.first_token for row in rows]), on_device([row.first_logprob for row in rows]),
                 prompt_mask.to(self.device), on_device([row.draw_key for row in rows]), on_device(limits),
@@ -395,7 +341,8 @@ class SlotRunner:
         if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
             one = torch.ones((1, 1), dtype=torch.long, device=self.device)
             first = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._forward_into_rows(cache, cache_length, first)(one * self.rules.pad_token_id, one, one * 0, first)
+            RowsForward(self.forward, cache, cache_length, self.rows_aligned).into(first)(
+                one * self.rules.pad_token_id, one, one * 0, first)
             self.accelerator.mark_step()
         self._make_decode_step(shape)
         return shape
@@ -414,64 +361,14 @@ class SlotRunner:
 
         shape.decode_step = self._captured(decode_step, tuple(shape.state), "graph_captures")
 
-    def _prefill_step(self, prefill_shape: PrefillShape, packed: bool = False) -> Callable[..., torch.Tensor]:
-        """The prefill of one shape as a step over its buffers: the prompts' keys and values into the cache rows
-        named by its ``slots``, each prompt's first token into its ``first_tokens``; ``packed``: the prompts whole,
-        packed in one row (``decoding.run_packed_prompts``)."""
-        rules, cache, start = self.rules, self.shape.cache, prefill_shape.first_position
-        adapter_slots = prefill_shape.adapter_slots
-        forward = self._forward_into_rows(cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots, start,
-                                          adapter_slots)
+    def _on_rows(self) -> RowsForward:
+        """The model on the cache of the slots in use, for prefills into its rows."""
+        return RowsForward(self.forward, self.shape.cache, self.shape.state.attention_mask.shape[1], self.rows_aligned)
 
-        shares_prompts = self.run.num_samples > 1 or self.run.rows_choose  # a row may ask for several samples
-
-        def prefill_step(input_ids, prompt_mask, slots, draw_from, draw_keys, draw_slots, first_tokens, first_logprobs,
-                         allowed, *sampling):
-            into_rows = functools.partial(self._packed_forward, cache, slots, adapter_slots) if packed else None
-            tokens, logprobs = decoding.prefill(forward, input_ids, prompt_mask, draw_from, draw_keys,
-                                                RowSampling(*sampling), rules, start, into_rows, allowed)
-            if shares_prompts:  # each sample's row of the cache gets its prompt's keys and values
-                copy_prompt_rows(cache, slots.index_select(0, draw_from), draw_slots, input_ids.shape[1])
-            first_logprobs.copy_(logprobs)
-            return first_tokens.copy_(tokens)
-
-        return prefill_step
-
-    def _chunk_step(self, prefill_shape: PrefillShape, start: int, end: int) -> Callable[..., torch.Tensor]:
-        """The pass of positions [start, end) of a prefill shape's prompts (a chunk before its last) as a step over
-        ``passes_over``: their keys and values into the cache rows named by its ``slots``."""
-        forward = self._forward_into_rows(self.shape.cache, self.shape.state.attention_mask.shape[1], prefill_shape.slots,
-                                          start, prefill_shape.adapter_slots)
-
-        def chunk_step(input_ids, prompt_mask, slots):
-            return decoding.run_prompt_positions(forward, input_ids, prompt_mask, start, end)
-
-        return chunk_step
-
-    def _packed_forward(self, cache, slots: torch.Tensor, adapter_slots: torch.Tensor, input_ids: torch.Tensor,
-                        prompt_of: torch.Tensor, position_ids: torch.Tensor, ends: torch.Tensor,
-                        token_positions: torch.Tensor) -> torch.Tensor:
-        """The model on prompts packed in one row (``decoding.PackedForward``), prompt i's keys and values into row
-        ``slots[i]`` of ``cache``, computed with the adapter in buffer slot ``adapter_slots[i]``."""
-        view = packed_rows(cache, slots.index_select(0, prompt_of), token_positions)
-        return self.forward.packed_logits(input_ids, prompt_of, position_ids, ends, view, adapter_slots)
-
-    def _forward_into_rows(self, cache, cache_length: int, slots: torch.Tensor, start: int = 0,
-                           adapter_slots: torch.Tensor | None = None) -> decoding.Forward:
-        """The model called on prompts whose keys and values go into the rows ``slots`` [k] of ``cache`` (from
-        position ``start`` on, attending to what the rows hold before it), each computed with the adapter in its buffer
-        slot of ``adapter_slots`` [k] (None: the base model)."""
-        on_view = functools.partial(self.forward, cache=prompt_rows(cache, slots, self.rows_aligned, start),
-                                    adapter_slots=adapter_slots)
-        if not self.rows_aligned:
-            return on_view
-
-        def forward(input_ids, prompt_mask, position_ids, cache_position):
-            # the model attends over whole cache rows, with a mask sized to match
-            mask = torch.nn.functional.pad(prompt_mask, (0, cache_length - prompt_mask.shape[1]))
-            return on_view(input_ids, mask, position_ids, cache_position)
-
-        return forward
+    @property
+    def _shares_prompts(self) -> bool:
+        """Whether a prompt may start several rows (samples), each needing its prompt's keys and values."""
+        return self.run.num_samples > 1 or self.run.rows_choose
 
     def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...], counter: str) -> Callable:
         """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else ``step``
@@ -525,15 +422,3 @@ class SlotRunner:
         yield
         self.accelerator.synchronize()
         setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - started)
-
-
-def _row_settings(rows: list[Row]) -> tuple[list[int], tuple[list[float], list[float], list[int]]]:
-    """The rows' maximums of new tokens, and their sampling (temperatures, top-ps, seed keys), as host lists."""
-    settings = [row.settings for row in rows]
-    return ([own.max_new_tokens for own in settings],
-            ([own.temperature for own in settings], [own.top_p for own in settings], [seed_key(own.seed) for own in settings]))
-
-
-def _padded(values: list[int], length: int) -> list[int]:
-    """``values`` made ``length`` long by repeating the first (a padding row writes what the first writes)."""
-    return values + values[:1] * (length - len(values))
