@@ -32,12 +32,29 @@ HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
 def _no_shared_memory_buffers_left():
     """Under the test double the ranks' DeepSpeed runs its CPU accelerator, whose all-reduce makes shared-memory
     buffers in /dev/shm that only the CPU plugin removes (on a Gaudi, DeepSpeed's HPU accelerator reduces over HCCL
-    and makes none): the ones a test's job made go with it."""
+    and makes none): the ones a test's job made go with it. Only those no live process maps: a buffer made meanwhile
+    by a job of a test running beside this one (pytest-xdist) is that job's, and a rank of it waits for its name (had
+    its name gone, the job would wait forever in DeepSpeed's join, as it once did in CI)."""
     pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
     before = set(Path("/dev/shm").glob(pattern))
     yield
+    mapped = paths_mapped_by_live_processes()
     for path in set(Path("/dev/shm").glob(pattern)) - before:
-        path.unlink(missing_ok=True)
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+
+
+def paths_mapped_by_live_processes() -> set[str]:
+    """The files that some live process has mapped (``/proc/PID/maps``)."""
+    mapped = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines = (entry / "maps").read_text().splitlines()
+            except OSError:  # ended meanwhile, or not ours to read
+                continue
+            mapped.update(line.split(maxsplit=5)[5] for line in lines if line.count(" ") >= 5 and "/" in line)
+    return mapped
 
 
 @pytest.fixture
