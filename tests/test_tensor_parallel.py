@@ -215,6 +215,49 @@ def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environm
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
+#: /dev/shm as a job may find it: full (another job's buffers fill it), or a container's default (64 MiB)
+SHORT_SHARED_MEMORY = {
+    "full": "mount -t tmpfs -o size=1m tmpfs /dev/shm && (cat /dev/zero > /dev/shm/fill 2>/dev/null; true)",
+    "a-container-default": "mount -t tmpfs -o size=64m tmpfs /dev/shm",
+}
+
+
+def with_shared_memory(setup: str, command: list[str]) -> list[str]:
+    """``command`` run with a /dev/shm of its own (a mount namespace), as ``setup`` makes it."""
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f'{setup} && exec "$@"', "sh", *command]
+
+
+def can_give_a_process_its_own_shared_memory() -> bool:
+    try:
+        return subprocess.run(with_shared_memory(SHORT_SHARED_MEMORY["full"], ["true"]), capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.transformers_release
+@pytest.mark.parametrize("shared_memory", sorted(SHORT_SHARED_MEMORY))
+def test_a_job_short_of_shared_memory_reduces_over_gloo_and_says_so(tiny_model_folder, tmp_path, job_environment,
+                                                                    shared_memory):
+    """DeepSpeed writes each rank's all-reduce buffer (66 MiB) into /dev/shm unchecked: on a full one its ranks died
+    with SIGSEGV while they joined (as once in CI), on a 64 MiB one with SIGSEGV or, at a large all-reduce, SIGBUS.
+    The job now reduces over gloo, says why in one line, and generates what one process generates."""
+    if not can_give_a_process_its_own_shared_memory():
+        pytest.skip("this machine lets no process mount a /dev/shm of its own (unshare --user --mount is refused)")
+    folder = str(tiny_model_folder("bloom"))
+    output = tmp_path / "out.jsonl"
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    command = accelgen_command("run", "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
+                               "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output))
+    result = run_to_the_end(with_shared_memory(SHORT_SHARED_MEMORY[shared_memory], command), job_environment, 240)
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "shared-memory all-reduce" in line]
+    assert line.startswith("accelgen: warning: DeepSpeed's shared-memory all-reduce needs 66 MiB of /dev/shm per rank "
+                           "and a rank could not have it (No space left on device; ") and "--shm-size=1g" in line
+    expected = accelgen.generate(PROMPTS, model=folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+
+
 def test_the_cpu_removes_the_buffers_its_ranks_on_this_node_left_once_they_have_ended():
     """A rank killed while DeepSpeed joined (after it made its shared-memory all-reduce buffer, before it could remove
     the name) leaves the buffer in /dev/shm: the launcher has the CPU plugin remove this node's ranks' names of the
