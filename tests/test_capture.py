@@ -19,6 +19,7 @@ from accelgen.common.errors import GraphCaptureWarning
 from accelgen.common.settings import RunSettings
 from accelgen.generation.decoding import DecodeState
 from accelgen.generation.scheduler import LOOK_INTERVAL
+from accelgen_cpu import CpuAccelerator
 from accelgen_cuda.graph_pool import SharedGraphPool
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
@@ -161,14 +162,37 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_after_one_warning_line(tiny
 
 
 class CompilingCpu(CapturingCpu):
-    """Captures as a compiler does by default: the decode step of a job of at least 40 decode steps, never a prefill."""
+    """Captures as a compiler does by default: the decode step of a job of at least 40 decode steps, never a prefill;
+    the capture runs the step twice over the buffers it is given (as CUDA graphs' warm-ups and a compiler's first
+    call do)."""
 
     tuning = dataclasses.replace(CapturingCpu.tuning, capture_pays_after_steps=40, captures_prefill=False)
+    warm_capture_pays_after_steps = 40  # the same once the CPU's compile cache holds the step (a test compiled it)
+
+    def capture(self, step, example_inputs, run):
+        for _ in range(2):
+            step(*example_inputs)
+        return step
+
+
+class RefillingCompilingCpu(CompilingCpu):
+    """Also starts a row in a slot as soon as it frees (so rows run in some slots while others are free)."""
+
+    tuning = dataclasses.replace(CompilingCpu.tuning, prefill_pass_steps=0)
+
+
+class CpuCompilingSoon(CpuAccelerator):
+    """The CPU with its own compiler, compiling the decode step of a job of at least 40 decode steps; a row starts in a
+    slot as soon as it frees."""
+
+    tuning = dataclasses.replace(CpuAccelerator.tuning, capture_pays_after_steps=40, prefill_pass_steps=0)
+    warm_capture_pays_after_steps = 40
 
 
 @pytest.mark.parametrize("prompts, flag, captures", [
-    (2, None, 0),  # 2 rows x 20 tokens in 2 slots: 20 steps at most
-    (8, None, 1),  # 80 steps at most
+    (2, None, 0),  # 2 rows x 20 tokens in 2 slots: 20 steps at most, decided before the job
+    (8, None, 0),  # 80 steps at most, but once four rows have taken 19 steps each, 38 are left: too few
+    (16, None, 1),  # 114 steps left after the first four rows: captured then
     (8, "--no-graphs", 0),
     (2, "--graphs", 1),
 ])
@@ -184,6 +208,46 @@ def test_a_device_whose_capture_pays_only_for_long_jobs_captures_the_decode_step
     assert f"graph captures: {captures}" in capsys.readouterr().err
     written = [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()]
     assert written == eager_token_ids(tiny_model_folder("llama"), texts, batch_size=2)
+
+
+@pytest.mark.parametrize("architecture, accelerator", [("llama", RefillingCompilingCpu), ("bloom", RefillingCompilingCpu),
+                                                       ("llama", CpuCompilingSoon)])
+def test_a_step_captured_while_rows_run_in_it_leaves_their_tokens_as_eager_ones(tiny_model_folder, tmp_path, capsys,
+                                                                                 architecture, accelerator):
+    """The capture of a job found long enough runs the step over the slots' buffers with rows in them (warm-ups, a
+    compiler's first call): sampled rows, some ending on a stop text (so that rows run in some slots as the step is
+    captured), every token as an eager run draws it."""
+    texts = [f"{PROMPTS[number % len(PROMPTS)]} {number}" for number in range(48)]
+    output = tmp_path / "out.jsonl"
+    settings = dict(do_sample=True, seed=7, temperature=1.3, stop=["s"])
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder(architecture)), "--max-new-tokens",
+                   str(NEW_TOKENS), "--batch-size", "4", "--do-sample", "--seed", "7", "--temperature", "1.3",
+                   "--stop", "s", "--quiet", "--details", "--output", str(output),
+                   *[argument for text in texts for argument in ("--prompt", text)]],
+                  plugin_manager=plugin_manager_with(accelerator()))
+    assert status == 0
+    assert "graph captures: 1" in capsys.readouterr().err
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    expected = accelgen.load(str(tiny_model_folder(architecture)), device="cpu", graphs=False,
+                             max_new_tokens=NEW_TOKENS, batch_size=4, **settings).generate(texts)
+    assert [row["completion_token_ids"] for row in rows] == token_ids(expected)
+    assert {"stop", "length"} <= {row["finish_reason"] for row in rows}
+
+
+def test_rows_that_end_early_leave_a_long_looking_job_eager(tiny_model_folder, tmp_path, capsys):
+    """16 requests of at most 3 tokens in a run of --max-new-tokens 20: 160 decode steps at most, 4 steps per row
+    measured: never captured."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"custom_id": f"r{number}", "method": "POST", "url": "/v1/completions",
+                                            "body": {"prompt": f"{PROMPTS[0]} {number}", "max_tokens": 3}}) + "\n"
+                                for number in range(16)))
+    output = tmp_path / "out.jsonl"
+    status = main(["run", "--device", "cpu", "--model", str(tiny_model_folder("llama")), "--dataset", str(requests),
+                   "--max-new-tokens", str(NEW_TOKENS), "--batch-size", "2", "--quiet", "--details", "--output",
+                   str(output)], plugin_manager=plugin_manager_with(CompilingCpu()))
+    assert status == 0
+    assert "graph captures: 0" in capsys.readouterr().err
+    assert len(output.read_text().splitlines()) == 16
 
 
 def test_a_dataset_job_whose_device_compiles_its_step_says_so_before_its_first_rows(tiny_model_folder, tmp_path, capsys):

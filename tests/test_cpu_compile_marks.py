@@ -33,13 +33,17 @@ def test_a_step_compiled_before_pays_after_fewer_steps(request_here):
 
 def test_a_job_decides_from_the_marks(request_here, monkeypatch):
     config, run = request_here.model.config(), request_here.run
-    steps = request_here.accelerator.warm_capture_pays_after_steps
-    assert request_here.capture_decided(steps).run.use_graphs is False
+    warm = request_here.accelerator.warm_capture_pays_after_steps
+    rows = warm // run.max_new_tokens * run.batch_size  # rows that take that many decode steps at most
+    assert request_here.capture_decided(rows).run.use_graphs is False  # not even at most: compiled from nothing
     mark_compiled(step_key(config, run, "1"))
-    assert request_here.capture_decided(steps).run.use_graphs is True
-    assert request_here.capture_decided(steps - 1).run.use_graphs is False
+    later = request_here.capture_decided(rows)  # may pay: left to its rows, which may end early
+    assert later.run.use_graphs is None and later.capture_later.pays_after_steps == warm
+    assert request_here.capture_decided(rows - run.batch_size).run.use_graphs is False
+    every_token = dataclasses.replace(request_here, run=dataclasses.replace(run, ignore_eos=True))
+    assert every_token.capture_decided(rows).run.use_graphs is True  # every row's length known: decided now
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # two threads: kernels that read them at each call, not marked yet
-    assert request_here.capture_decided(steps).run.use_graphs is False
+    assert request_here.capture_decided(rows).run.use_graphs is False
 
 
 def test_an_unwritable_cache_is_left_unmarked(request_here, tmp_path, monkeypatch):

@@ -159,6 +159,12 @@ class RunSettings:
         """Whether rows may be held to a structure: the decode step then takes each slot's mask of allowed tokens."""
         return self.structure is not None or self.structured_rows
 
+    @property
+    def rows_end_early(self) -> bool:
+        """Whether a row may end before its ``max_new_tokens`` (at end-of-sequence, a stop text, the end of its
+        structure, its own budget); if not, every row's end is known before it starts."""
+        return not self.ignore_eos or bool(self.stop) or self.rows_choose or self.constrained
+
     def row_settings(self, own: RowSettings | None = None) -> RowSettings:
         """A row's settings, every field set: its ``own`` where it has them, else the run's (a greedy run's
         temperature is 0). Raise UsageError, in the request's words, for own settings this run cannot take."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from accelgen.common.prompts import PromptRequest
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
 from accelgen.generation.adapter_slots import AdapterSlots
+from accelgen.generation.capture_decision import CaptureWhenItPays
 from accelgen.generation.constraints import SlotConstraints
 from accelgen.generation.grammars import GrammarCompiler
 from accelgen.generation.reasoning import ThinkMarkers
@@ -49,10 +50,15 @@ class EncodedPrompt(NamedTuple):
 class Generator:
     """Generates completions with one loaded model, with static shapes."""
 
-    def __init__(self, loaded: LoadedModel, run: RunSettings, adapter_slots: AdapterSlots | None = None):
+    def __init__(self, loaded: LoadedModel, run: RunSettings, adapter_slots: AdapterSlots | None = None,
+                 capture_later: CaptureWhenItPays | None = None):
         """A generator of ``loaded`` for ``run``; ``adapter_slots``: what the LoRA adapters' buffers hold, when another
-        generator of the same model filled them (they are the model's)."""
+        generator of the same model filled them (they are the model's); ``capture_later``: when to capture the decode
+        step of a run that starts eagerly (``accelgen.generation.capture_decision``)."""
         self.loaded, self.run = loaded, run
+        self.capture_later = capture_later
+        #: called as the step is captured later (a long capture holds the rows up: the caller may say why)
+        self.on_capture: Callable[[], None] | None = None
         self.model, self.tokenizer, self.accelerator = loaded.model, loaded.tokenizer, loaded.accelerator
         self.world = loaded.world
         self.stats = GenerationStats()
@@ -186,6 +192,9 @@ class Generator:
             runner.decode(plan.steps)
             ended = scheduler.collect(self.ends.with_stopped(runner.finished_slots(), scheduler.running, runner))
             ready = scheduler.finish(*runner.read_back(ended))
+            if self.capture_later is not None and self.capture_later.pays_now(scheduler.rows_ended,
+                                                                              scheduler.steps_of_ended_rows):
+                self._capture_now()
             if ready:
                 stats.batches += 1
                 self._count_adapter_rows(ready)
@@ -197,6 +206,14 @@ class Generator:
             stats.grammar_compile_seconds = self.constraints.compile_seconds
         if source_error is not None:
             raise source_error
+
+    def _capture_now(self) -> None:
+        """Capture the decode step from here on: the rows so far say the rows left pay for it."""
+        self.capture_later = None
+        self.run = dataclasses.replace(self.run, use_graphs=True)
+        if self.on_capture is not None:
+            self.on_capture()
+        self.runner.capture_now()
 
     def _count_adapter_rows(self, rows: list[Row]) -> None:
         """Count the prompts of ``rows`` per LoRA adapter ("": the base model), where rows choose adapters."""

@@ -16,6 +16,7 @@ on a cache, the accelerator, the settings) it is given when made.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -346,6 +347,22 @@ class SlotRunner:
             self.accelerator.mark_step()
         self._make_decode_step(shape)
         return shape
+
+    def capture_now(self) -> None:
+        """Capture the decode step from here on (a run that started eagerly, found long enough for it): the slots'
+        step now, over its buffers with their rows in them, the other shapes' when next made. A capture may run the
+        step (warm-ups, a compiler's first call): the buffers it ran on are put back as they were, and what it wrote
+        into the cache is what the next step writes there (the same tokens at the same positions; draws are a
+        function of the buffers, and keys and values past a row's position are written before they are read)."""
+        self.run = dataclasses.replace(self.run, use_graphs=True)
+        self._shapes = {length: shape for length, shape in self._shapes.items() if shape is self.shape}
+        if self.shape is None:
+            return
+        as_they_were = [buffer.clone() for buffer in self.shape.state]
+        self._make_decode_step(self.shape)
+        for buffer, kept in zip(self.shape.state, as_they_were):
+            buffer.copy_(kept)
+        self.accelerator.mark_step()
 
     def _make_decode_step(self, shape: SlotShape) -> None:
         """The shape's decode step, captured before any row is in it (a warm-up run harms nothing then), or

@@ -157,7 +157,7 @@ class Scheduler:
         self.bad_rows_end = run.skip_bad_rows
         #: whether a row may end before its budget (at end-of-sequence, a stop text, a row's own budget); if not,
         #: the host knows every row's end and looks only then
-        self.rows_end_early = not run.ignore_eos or bool(run.stop) or run.rows_choose
+        self.rows_end_early = run.rows_end_early
         self.buckets, self.context_limit = tuple(sorted(run.buckets)), context_limit
         self.waiting: collections.deque[Row] = collections.deque()
         self.running: dict[int, Row] = {}  # by slot
@@ -165,6 +165,9 @@ class Scheduler:
         self.cache_bucket: int | None = None
         self._places = 0  # rows added so far
         self._next_out = 0  # the place of the next row to give out
+        #: the rows that have ended in their slots so far, and the decode steps they took in all (a row's steps end
+        #: at the look that saw it end; a fixed batch's rows take the batch's)
+        self.rows_ended = self.steps_of_ended_rows = 0
 
     # -- rows in ----------------------------------------------------------------------------------------
 
@@ -325,6 +328,8 @@ class Scheduler:
         for slot, tokens in (new_tokens or {}).items():
             row = self.running.pop(slot)
             row.state, row.slot, row.new_tokens = "finished", None, tokens
+            self.rows_ended += 1
+            self.steps_of_ended_rows += row.settings.max_new_tokens - 1 - row.budget
             row.logprobs = None if logprobs is None else logprobs[slot]
             self.finished[row.place] = row
         ready = []

@@ -327,12 +327,9 @@ def _row_samples_left(request: Request, job: CompletionJob) -> int:
     return (job.rows.total - job.done) * request.run.num_samples - job.samples_kept
 
 
-def _decode_steps_at_most(request: Request, job: CompletionJob) -> int | None:
-    """The decode steps the rows left to complete take at most (each row its whole ``--max-new-tokens``, the slots
-    always full); None when their number is not known (a streamed dataset)."""
-    if job.rows.total is None:
-        return None
-    return -(-_row_samples_left(request, job) // request.run.batch_size) * request.run.max_new_tokens
+def _rows_left(request: Request, job: CompletionJob) -> int | None:
+    """The completions the rows left to complete take; None when their number is not known (a streamed dataset)."""
+    return None if job.rows.total is None else _row_samples_left(request, job)
 
 
 def complete(
@@ -349,7 +346,7 @@ def complete(
     if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
     request = _slots_for_the_rows(request, job)
-    request = request.capture_decided(_decode_steps_at_most(request, job))
+    request = request.capture_decided(_rows_left(request, job))
     try:
         started = time.perf_counter()
         generator = load_request(request)
@@ -360,6 +357,9 @@ def complete(
         if progress and request.run.use_graphs and request.accelerator.tuning.capture_pays_after_steps:
             progress.announce("compiling the decode step before the first rows (seconds to minutes the first time, "
                               "less once the compiler's cache holds it)")
+        if progress and request.capture_later is not None:
+            generator.on_capture = lambda: progress.announce(
+                "compiling the decode step: the rows so far say the rows left will pay for it")
         number = job.done // request.run.batch_size + 1
         completed = False
         written = RowCount()

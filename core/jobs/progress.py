@@ -44,8 +44,8 @@ class Progress:
         return None if self.total is None else self.total * (self.samples_per_row if self.samples_per_row > 1 else 1)
 
     def announce(self, doing: str) -> None:
-        """Say that ``doing`` (compiling the decode step) comes before the first rows: on the bar, as its description
-        until rows come; else as a line. Its time is left out of the rate (``update``'s ``paused_seconds``)."""
+        """Say that ``doing`` (compiling the decode step) holds the rows up: on the bar, as its description until
+        rows come; else as a line. Its time is left out of the rate (``update``'s ``paused_seconds``)."""
         if self._bar is not None:
             self._bar.set_description_str(doing)
         else:

@@ -59,9 +59,10 @@ class Tuning:
 
     #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
     captures_by_default: bool = False
-    #: With ``captures_by_default``: the decode steps a job must be expected to take before capturing pays for
+    #: With ``captures_by_default``: the decode steps a job's rows left must take before capturing pays for
     #: itself (a compiler's cost, seconds to minutes, against what it saves per step); a shorter job, or one whose
-    #: length is not known (a call of the Python API), then runs eagerly. 0: capturing always pays.
+    #: length is not known (a call of the Python API), runs eagerly, and one that may be long enough starts eagerly
+    #: until its ended rows say (``accelgen.generation.capture_decision``). 0: capturing always pays.
     capture_pays_after_steps: int = 0
     #: Whether the prefill shapes (a row count and a prompt bucket each) are captured too, or only the decode step.
     #: False where one capture costs more than the prefills of a shape save (a compiler: each shape compiles anew).
@@ -216,9 +217,10 @@ class Accelerator(abc.ABC):
         tokens; ``example_inputs`` are those buffers, holding valid values (``accelgen.generation.decoding.DecodeState``).
         The returned callable is called with the same buffers (same shapes and addresses) for every decoded
         token and must have the same effect on them; what it returns is not read. ``capture`` may run
-        ``step`` once (to warm up or compile); the core sets the buffers again afterwards. It is called once
+        ``step`` (to warm up or compile); the core sets the buffers again afterwards. It is called once
         per static shape, and again for a shape whose buffers and cache were made anew (the KV cache grows
-        when a longer prompt bucket is met); the calls are counted.
+        when a longer prompt bucket is met); the calls are counted. With ``capture_pays_after_steps`` it may be
+        called while rows run in the buffers (a job found long enough as its rows end).
 
         When the step cannot be captured, raise (the step's own error says best why): the core then runs it
         eagerly, with one warning, and tries no more captures for that model. An error that

@@ -60,7 +60,8 @@ def load_request(request: Request) -> Generator:
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
-                                 loading_host_memory, loaded.placement, adapters), run)
+                                 loading_host_memory, loaded.placement, adapters), run,
+                     capture_later=request.capture_later)
 
 
 def generate(prompts: Sequence[str | list[dict]], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:

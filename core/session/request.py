@@ -31,6 +31,7 @@ from accelgen.common.settings import (
 )
 from accelgen.common.structure import Structure, job_structure
 from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.generation.capture_decision import CaptureWhenItPays
 from accelgen.generation.grammars import structure_problem
 from accelgen.generation.prefix_store import BLOCK_TOKENS
 from accelgen.loading.model_source import ModelSource
@@ -50,18 +51,26 @@ class Request:
     accelerator: Accelerator
     world: World
     adapters: AdapterSet  # the LoRA adapters of ``run.lora``, read and checked against the model
+    #: the capture of a job that may be long enough for it, decided as its rows end (``capture_decided``)
+    capture_later: CaptureWhenItPays | None = None
 
-    def capture_decided(self, decode_steps: int | None) -> "Request":
+    def capture_decided(self, rows: int | None) -> "Request":
         """The request with a capture left undecided (``run.use_graphs`` None: the device's capture pays only for
-        long jobs) decided for a job that may take ``decode_steps`` decode steps; None: a length not known
-        beforehand (a streamed dataset), where the cost is certain and the payback is not: not captured. A decided
-        one is kept. How many steps pay is the accelerator's answer for this model on this machine
-        (``Accelerator.capture_pays_after``)."""
+        long jobs) decided for a job of ``rows`` rows (their samples) left; None: a number not known beforehand (a
+        streamed dataset), where the cost is certain and the payback is not: not captured. A decided one is kept. How
+        many decode steps pay is the accelerator's answer for this model on this machine
+        (``Accelerator.capture_pays_after``). A job whose rows all take their whole ``--max-new-tokens`` is decided
+        now; one whose rows may end early and that may be long enough is left to its rows (``capture_later``),
+        eager until they say it pays (``accelgen.generation.capture_decision``)."""
         if self.run.use_graphs is not None:
             return self
-        pays = decode_steps is not None and decode_steps >= self.accelerator.capture_pays_after(
-            self.model.config(), self.run, self.world)
-        return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=pays))
+        pays_after = self.accelerator.capture_pays_after(self.model.config(), self.run, self.world)
+        rows_here = None if rows is None else -(-rows // self.world.replicas)  # each replica runs its share
+        steps_at_most = None if rows_here is None else -(-rows_here // self.run.batch_size) * self.run.max_new_tokens
+        may_pay = steps_at_most is not None and steps_at_most >= pays_after
+        if may_pay and self.run.rows_end_early:
+            return dataclasses.replace(self, capture_later=CaptureWhenItPays(pays_after, rows_here, self.run.batch_size))
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=may_pay))
 
     def check_prefix_store(self, ranks: int) -> None:
         """Raise UsageError when ``--prefix-cache`` asks for a store smaller than one block of prompt keys and values
