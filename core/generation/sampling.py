@@ -68,11 +68,11 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
         remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - rows.top_ps.unsqueeze(-1), keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    if allowed is None:
-        return logits.exp()
+    if allowed is None and sampling.top_k <= 0 and not (sampling.top_p < 1.0 or per_row):
+        return logits.exp()  # nothing filtered out
     # most tokens are -inf here, which torch's CPU exp takes a slow path for (as any result below float32's smallest
     # normal number): those weigh 0 without it
-    return logits.clamp(min=SMALLEST_EXPONENT).exp().masked_fill(logits < SMALLEST_EXPONENT, 0)
+    return torch.where(logits < SMALLEST_EXPONENT, 0.0, logits.clamp(min=SMALLEST_EXPONENT).exp())
 
 
 #: The smallest x whose exp(x) is a normal float32 number.
