@@ -215,6 +215,59 @@ def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environm
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
+#: A plugin replacing the CPU accelerator by one whose capture pays after 40 decode steps and runs the step twice over
+#: the buffers it is given (as warm-ups and a compiler's first call do), a freed slot refilled at once.
+CPU_CAPTURING_SOON = """
+import dataclasses
+
+import accelgen
+from accelgen_cpu import CpuAccelerator
+
+
+class CpuCapturingSoon(CpuAccelerator):
+    tuning = dataclasses.replace(CpuAccelerator.tuning, capture_pays_after_steps=40, prefill_pass_steps=0)
+    warm_capture_pays_after_steps = 40
+
+    def capture(self, step, example_inputs, run):
+        for _ in range(2):
+            step(*example_inputs)
+        return step
+
+
+@accelgen.hookimpl
+def accelgen_register_accelerators(register):
+    register(CpuCapturingSoon())
+"""
+
+
+def test_ranks_capture_their_step_at_the_same_look_of_a_job_found_long_enough(tiny_model_folder, tmp_path,
+                                                                              job_environment):
+    """The capture of a job that starts eagerly is decided by each rank from the rows that have ended, and runs the
+    step (its all-reduces) while rows run: the ranks decide alike, at the same look, or one would wait for ever on
+    the other's collectives. Sampled rows ending on a stop text: the tokens of one process, eager."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "accelgen_capturing_soon.py").write_text(CPU_CAPTURING_SOON)
+    metadata = site / "accelgen_capturing_soon-0.1.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: accelgen-capturing-soon\nVersion: 0.1\n")
+    (metadata / "entry_points.txt").write_text("[accelgen]\ncapturing-soon = accelgen_capturing_soon\n")
+    folder = str(tiny_model_folder("llama"))
+    texts = [f"{PROMPTS[number % len(PROMPTS)]} {number}" for number in range(48)]
+    output = tmp_path / "out.jsonl"
+    sampling = ["--do-sample", "--seed", "7", "--temperature", "1.3", "--stop", "s"]
+    result = run_job(dict(job_environment, PYTHONPATH=str(site)), "--device", "cpu", "--world-size", "2", "--model",
+                     folder, *[argument for text in texts for argument in ("--prompt", text)], "--batch-size", "4",
+                     "--max-new-tokens", "20", *sampling, "--output", str(output), "--quiet", "--details")
+    assert result.returncode == 0, result.stderr
+    assert "graph captures: 1" in result.stderr
+    expected = accelgen.generate(texts, model=folder, device="cpu", batch_size=4, max_new_tokens=20, do_sample=True,
+                                 seed=7, temperature=1.3, stop=["s"])
+    rows = rows_of(output)
+    assert [row["completion_token_ids"] for row in rows] == [c.completion_token_ids for c in expected]
+    assert {"stop", "length"} <= {row["finish_reason"] for row in rows}
+
+
 #: /dev/shm as a job may find it: full (another job's buffers fill it), or a container's default (64 MiB)
 SHORT_SHARED_MEMORY = {
     "full": "mount -t tmpfs -o size=1m tmpfs /dev/shm && (cat /dev/zero > /dev/shm/fill 2>/dev/null; true)",
