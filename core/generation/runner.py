@@ -1,16 +1,14 @@
 """The runner: the device side of the engine, which carries out the scheduler's plans.
 
-It owns the KV cache's memory (one :class:`~accelgen.model.transformers_adapter.static_cache.CacheStorage`,
-checked against the device's free memory before it grows), and for each cache length the slots are made
-for (a prompt bucket plus the new tokens) a :class:`SlotShape`: the cache, the decode step's buffers
-(:class:`~accelgen.generation.decoding.DecodeState`) and the decode step, captured by the accelerator
-before any row is in it, and one prefill step per prefill shape (k rows of a P-token bucket), captured the
-first time it is met (where prefills are not captured and the model allows, prompts with nothing found stored
-run instead packed one after another in one row, none padded: the prefill shapes and their steps are
-:mod:`accelgen.generation.prefill_steps`). Each row's LoRA adapter is a buffer slot its steps
-read (``DecodeState.adapter_slots``; a prefill's, per prompt), the adapters an insertion needs copied in before it.
-A later run of the same shapes replays what was captured. It never calls back up: what it needs (the model called
-on a cache, the accelerator, the settings) it is given when made.
+The slots' shapes (:mod:`accelgen.generation.slot_shapes`: the KV cache's memory and, per cache length, the cache, the
+decode step's buffers and the decode step) are made as the plans need them; the runner inserts rows into them, one
+prefill step per prefill shape (k rows of a P-token bucket), captured the first time it is met (where prefills are not
+captured and the model allows, prompts with nothing found stored run instead packed one after another in one row,
+none padded: the prefill shapes and their steps are :mod:`accelgen.generation.prefill_steps`), and runs the decode
+step. Each row's LoRA adapter is a buffer slot its steps read (``DecodeState.adapter_slots``; a prefill's, per
+prompt), the adapters an insertion needs copied in before it. A later run of the same shapes replays what was
+captured. It never calls back up: what it needs (the model called on a cache, the accelerator, the settings) it is
+given when made.
 """
 
 from __future__ import annotations
@@ -19,12 +17,10 @@ import contextlib
 import dataclasses
 import functools
 import time
-import warnings
 from typing import Callable, Iterator
 
 import torch
 
-from accelgen.common.errors import GraphCaptureWarning, first_line, interruption_in
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.constraints import SlotConstraints
@@ -32,32 +28,15 @@ from accelgen.generation.prefill_steps import PrefillShape, RowsForward, chunk_s
 from accelgen.generation.prefix_reuse import PrefixReuse, store_bytes
 from accelgen.generation.sampling import RowSampling
 from accelgen.generation.scheduler import Insertion, Row
+from accelgen.generation.slot_shapes import SlotShape, SlotShapes, StepCapture
 from accelgen.generation.stats import GenerationStats
-from accelgen.model.memory import check_cache_fits
 from accelgen.model.transformers_adapter.forward import ModelForward
-from accelgen.model.transformers_adapter.static_cache import (
-    CacheStorage,
-    copy_prompt_rows,
-    needs_first_write,
-    new_static_cache,
-    write_each_row_at,
-)
+from accelgen.model.transformers_adapter.static_cache import copy_prompt_rows
 from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.plugin.contract import Accelerator
 
 #: The most prompt tokens a prefill packs in one row: its mask holds the square of their count.
 PACKED_MOST_TOKENS = 2048
-
-
-class SlotShape:
-    """Everything the slots need for one cache length, kept while the storage it views lives."""
-
-    def __init__(self, cache, state: decoding.DecodeState, forward: decoding.Forward):
-        self.cache = cache  # [B, heads, L, head_dim] per layer
-        self.state = state
-        self.forward = forward  # the model on this cache
-        self.decode_step: Callable[..., object] | None = None  # decode_step(*state): captured, or plain
-        self.prefill_shapes: dict[tuple[int, int], PrefillShape] = {}
 
 
 class SlotRunner:
@@ -77,10 +56,7 @@ class SlotRunner:
         self.rows_aligned = not model_forward.builds_4d_mask
         #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
         self.packs_prompts = accelerator.tuning.packs_prompts and model_forward.packs_prompts
-        self.capture_failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
-        self._storage: CacheStorage | None = None
-        self._shapes: dict[int, SlotShape] = {}  # by cache length
-        self.shape: SlotShape | None = None  # the one in use
+        self.capture = StepCapture(accelerator, run, stats, self.model.config.model_type)
         self._decode_started = 0.0  # when the decode steps up to the next look began
         self._last_step_at: float | None = None  # when the last decode step that rows wait on was issued
         self._positions_waited = 0  # prompt positions prefilled since then
@@ -91,23 +67,35 @@ class SlotRunner:
             min(gather_from_ranks(store_bytes(run.prefix_cache, accelerator.memory_stats().get("free_bytes")), world)),
             device, stats)
         stats.prefix_store_bytes = None if self.prefixes is None else self.prefixes.budget_bytes
+        self.shapes = SlotShapes(model_forward, accelerator, device, run, world, rules, self.capture, constraints,
+                                 self.rows_aligned, self.prefixes)
+
+    @property
+    def shape(self) -> SlotShape | None:
+        """The slots' shape in use."""
+        return self.shapes.current
+
+    @property
+    def capture_failure(self) -> str | None:
+        """Why the accelerator could not capture (then steps run eagerly), or None."""
+        return self.capture.failure
 
     @property
     def cache_length_in_use(self) -> int | None:
         """Positions per row of the KV cache memory held (its largest cache), None before any."""
-        return self._storage.capacity if self._storage else None
+        return self.shapes.cache_length_in_use
 
     # -- the plan's parts, in order -----------------------------------------------------------------
 
     def use_bucket(self, bucket: int) -> None:
         """Slots for prompts of up to ``bucket`` tokens (only called while no slot holds a row)."""
-        cache_length = bucket + self.run.max_new_tokens
-        if self.shape is not None and self.shape.state.attention_mask.shape[1] == cache_length:
-            return
-        self._make_room_for(cache_length)
-        if cache_length not in self._shapes:
-            self._shapes[cache_length] = self._new_shape(cache_length)
-        self.shape = self._shapes[cache_length]
+        self.shapes.use(bucket + self.run.max_new_tokens)
+
+    def capture_now(self) -> None:
+        """Capture the decode step from here on (a run that started eagerly, found long enough for it), while rows
+        run in the slots (``SlotShapes.capture_now``)."""
+        self.run = dataclasses.replace(self.run, use_graphs=True)
+        self.shapes.capture_now()
 
     def insert(self, insertion: Insertion) -> int:
         """Start the insertion's rows: parked samples from their prompt's cache row (first, before a prefill here
@@ -192,7 +180,7 @@ class SlotRunner:
             decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
         for span in spans[:-1]:
             if span not in prefill_shape.chunk_steps:
-                prefill_shape.chunk_steps[span] = self._captured(
+                prefill_shape.chunk_steps[span] = self.capture(
                     chunk_step(prefill_shape, self._on_rows(), *span), prefill_shape.passes_over, "prefill_captures")
             self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span)
         if packed:
@@ -202,7 +190,7 @@ class SlotRunner:
             self._prefill_pass(prefill_shape.packed_step, tuple(prefill_shape), spans[-1])
         else:
             if prefill_shape.step is None:
-                prefill_shape.step = self._captured(
+                prefill_shape.step = self.capture(
                     prefill_step(prefill_shape, self._on_rows(), self.rules, self._shares_prompts), tuple(prefill_shape),
                     "prefill_captures")
             self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
@@ -324,60 +312,6 @@ class SlotRunner:
         logprobs = self.shape.state.logprobs[slots, : self.run.max_new_tokens].tolist() if self.rules.logprobs else None
         return dict(zip(slots, self.new_tokens(slots))), None if logprobs is None else dict(zip(slots, logprobs))
 
-    # -- shapes -------------------------------------------------------------------------------------
-
-    def _new_shape(self, cache_length: int) -> SlotShape:
-        """The cache, buffers and forward of slots with ``cache_length`` positions per row."""
-        cache = new_static_cache(self.model, cache_length, self.run.torch_dtype, self.device, self._storage)
-        self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
-        state = decoding.DecodeState.allocate(self.run.batch_size, cache_length, self.run.max_new_tokens, self.device,
-                                              self.mask_words)
-        if self.constraints is not None:  # the new buffers allow every token: the host's mask goes in before a step
-            self.constraints.changed = True
-        write_each_row_at(cache, state.write_positions)
-        # rows that see nothing (finished, or none) run on zeros where the kernels skip them; a model whose masks need
-        # rows at one position sees its rows' masks unchanged
-        zero_unseen_rows = self.accelerator.tuning.skips_zero_rows and not self.rows_aligned
-        shape = SlotShape(cache, state, functools.partial(self.forward, cache=cache, zero_unseen_rows=zero_unseen_rows))
-        if needs_first_write(cache):  # one padding token into slot 0, which holds no row: a capture cannot allocate
-            one = torch.ones((1, 1), dtype=torch.long, device=self.device)
-            first = torch.zeros(1, dtype=torch.long, device=self.device)
-            RowsForward(self.forward, cache, cache_length, self.rows_aligned).into(first)(
-                one * self.rules.pad_token_id, one, one * 0, first)
-            self.accelerator.mark_step()
-        self._make_decode_step(shape)
-        return shape
-
-    def capture_now(self) -> None:
-        """Capture the decode step from here on (a run that started eagerly, found long enough for it): the slots'
-        step now, over its buffers with their rows in them, the other shapes' when next made. A capture may run the
-        step (warm-ups, a compiler's first call): the buffers it ran on are put back as they were, and what it wrote
-        into the cache is what the next step writes there (the same tokens at the same positions; draws are a
-        function of the buffers, and keys and values past a row's position are written before they are read)."""
-        self.run = dataclasses.replace(self.run, use_graphs=True)
-        self._shapes = {length: shape for length, shape in self._shapes.items() if shape is self.shape}
-        if self.shape is None:
-            return
-        as_they_were = [buffer.clone() for buffer in self.shape.state]
-        self._make_decode_step(self.shape)
-        for buffer, kept in zip(self.shape.state, as_they_were):
-            buffer.copy_(kept)
-        self.accelerator.mark_step()
-
-    def _make_decode_step(self, shape: SlotShape) -> None:
-        """The shape's decode step, captured before any row is in it (a warm-up run harms nothing then), or
-        plain; none when no row takes a decode step."""
-        if self.run.max_new_tokens <= 1:
-            return
-        forward, rules, rows_aligned = shape.forward, self.rules, self.rows_aligned
-
-        def decode_step(*buffers: torch.Tensor) -> torch.Tensor:
-            state = decoding.DecodeState(*buffers)
-            on_rows_adapters = functools.partial(forward, adapter_slots=state.adapter_slots)
-            return decoding.decode_one_token(on_rows_adapters, state, rules, rows_aligned)
-
-        shape.decode_step = self._captured(decode_step, tuple(shape.state), "graph_captures")
-
     def _on_rows(self) -> RowsForward:
         """The model on the cache of the slots in use, for prefills into its rows."""
         return RowsForward(self.forward, self.shape.cache, self.shape.state.attention_mask.shape[1], self.rows_aligned)
@@ -386,50 +320,6 @@ class SlotRunner:
     def _shares_prompts(self) -> bool:
         """Whether a prompt may start several rows (samples), each needing its prompt's keys and values."""
         return self.run.num_samples > 1 or self.run.rows_choose
-
-    def _captured(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...], counter: str) -> Callable:
-        """``step`` captured by the accelerator over ``buffers`` when graphs are on and capture works, else ``step``
-        itself. Any failure to capture other than running out of memory leaves steps eager, with one warning:
-        the eager step runs the very same code, so a real bug in it still surfaces there, as itself. A Ctrl-C or a
-        stop signal that the compiler wrapped in its own error goes on as itself."""
-        if not self.run.use_graphs or self.capture_failure is not None:
-            return step
-        if counter == "prefill_captures" and not self.accelerator.tuning.captures_prefill:
-            return step
-        started = time.perf_counter()
-        try:
-            captured = self.accelerator.capture(step, buffers, self.run)
-        except Exception as error:  # noqa: BLE001 - see the docstring
-            if self.accelerator.is_out_of_memory(error):
-                raise
-            if (interruption := interruption_in(error)) is not None:  # Ctrl-C or a stop, wrapped by the compiler
-                raise interruption from None
-            self.capture_failure = first_line(error)
-            warnings.warn(
-                f"the {self.accelerator.name} accelerator cannot capture the decode step of this "
-                f"{self.model.config.model_type} model ({self.capture_failure}); running it eagerly: same output, "
-                f"slower (pass --no-graphs to skip the attempt)",
-                GraphCaptureWarning, stacklevel=2,
-            )
-            return step
-        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        self.stats.capture_seconds += time.perf_counter() - started
-        return captured
-
-    def _make_room_for(self, cache_length: int) -> None:
-        """A cache storage of at least ``cache_length`` positions, checked against the device's free memory. A
-        larger one replaces the old, and the shapes whose caches (and graphs) lived in the old one go first."""
-        if self._storage is not None and cache_length <= self._storage.capacity:
-            return
-        self._shapes.clear()
-        self.shape = self._storage = None
-        check_cache_fits(self.model.config, dtype=self.run.dtype, batch_size=self.run.batch_size, cache_length=cache_length,
-                         world_size=self.world.size, device_name=self.accelerator.name,
-                         free_bytes=self.accelerator.memory_stats().get("free_bytes"),
-                         device_is_host=self.accelerator.shares_host_memory,
-                         prefix_store_bytes=0 if self.prefixes is None else self.prefixes.bytes_to_come,
-                         prefill_chunk=self.run.prefill_chunk)
-        self._storage = CacheStorage(self.run.batch_size, cache_length)
 
     @contextlib.contextmanager
     def _timed(self, field: str) -> Iterator[None]:
