@@ -14,7 +14,6 @@ given when made.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from typing import Callable, Iterator
@@ -49,7 +48,6 @@ class SlotRunner:
         self.forward, self.accelerator, self.device = model_forward, accelerator, device
         self.run, self.world, self.rules, self.stats = run, world, rules, stats
         self.constraints = constraints
-        self.mask_words = 0 if constraints is None else constraints.mask.shape[1]
         self.model = model_forward.model
         self.adapters = model_forward.adapters  # the LoRA adapters' buffers, where rows choose adapters
         #: a model that sizes its own masks from the cache position needs every row at one position
@@ -94,7 +92,6 @@ class SlotRunner:
     def capture_now(self) -> None:
         """Capture the decode step from here on (a run that started eagerly, found long enough for it), while rows
         run in the slots (``SlotShapes.capture_now``)."""
-        self.run = dataclasses.replace(self.run, use_graphs=True)
         self.shapes.capture_now()
 
     def insert(self, insertion: Insertion) -> int:
@@ -158,7 +155,7 @@ class SlotRunner:
         # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small,
         # never captured (a captured step keeps one shape)
         packed = (self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
-                  and not (self.run.use_graphs and self.accelerator.tuning.captures_prefill))
+                  and not (self.capture.captures and self.accelerator.tuning.captures_prefill))
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
         rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.tuning.captures_prefill
@@ -170,7 +167,7 @@ class SlotRunner:
         prefill_shape = shape.prefill_shapes.get(key)
         fresh = prefill_shape is None
         if fresh:
-            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device, self.mask_words)
+            prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device, self.shapes.mask_words)
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
         prefill_shape.load(prompts, prompt_slots, draws, insertion.sources, draw_slots, self.rules.pad_token_id)
         if self.constraints is not None:  # each draw's first token under its structure

@@ -42,6 +42,11 @@ class StepCapture:
         self.accelerator, self.run, self.stats, self.model_type = accelerator, run, stats, model_type
         self.failure: str | None = None  # why the accelerator could not capture (then steps run eagerly)
 
+    @property
+    def captures(self) -> bool:
+        """Whether steps are captured now (the run's choice; a run found long enough turns it on)."""
+        return bool(self.run.use_graphs)
+
     def turn_on(self) -> None:
         """Capture from here on (a run that started eagerly, found long enough for it)."""
         self.run = dataclasses.replace(self.run, use_graphs=True)
@@ -51,7 +56,7 @@ class StepCapture:
         capture other than running out of memory leaves steps eager, with one warning: the eager step runs the very
         same code, so a real bug in it still surfaces there, as itself. A Ctrl-C or a stop signal that the compiler
         wrapped in its own error goes on as itself."""
-        if not self.run.use_graphs or self.failure is not None:
+        if not self.captures or self.failure is not None:
             return step
         if counter == "prefill_captures" and not self.accelerator.tuning.captures_prefill:
             return step
@@ -111,6 +116,11 @@ class SlotShapes:
         """Positions per row of the KV cache memory held (its largest cache), None before any."""
         return self._storage.capacity if self._storage else None
 
+    @property
+    def mask_words(self) -> int:
+        """Words of 32 tokens in a row of the slots' masks of allowed tokens (0: the run holds no row to a structure)."""
+        return 0 if self.constraints is None else self.constraints.mask.shape[1]
+
     def use(self, cache_length: int) -> SlotShape:
         """The shape of ``cache_length`` positions per row, made the current one (only called while no slot holds a
         row): kept from before, or made (with a larger storage first where the cache needs one)."""
@@ -143,8 +153,8 @@ class SlotShapes:
         run = self.run
         cache = new_static_cache(self.forward.model, cache_length, run.torch_dtype, self.device, self._storage)
         self.accelerator.mark_step()  # on transformers 4.55 that ran a forward pass (its shape probe)
-        mask_words = 0 if self.constraints is None else self.constraints.mask.shape[1]
-        state = decoding.DecodeState.allocate(run.batch_size, cache_length, run.max_new_tokens, self.device, mask_words)
+        state = decoding.DecodeState.allocate(run.batch_size, cache_length, run.max_new_tokens, self.device,
+                                              self.mask_words)
         if self.constraints is not None:  # the new buffers allow every token: the host's mask goes in before a step
             self.constraints.changed = True
         write_each_row_at(cache, state.write_positions)

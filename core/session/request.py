@@ -64,10 +64,11 @@ class Request:
         eager until they say it pays (``accelgen.generation.capture_decision``)."""
         if self.run.use_graphs is not None:
             return self
+        if rows is None:
+            return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=False))
         pays_after = self.accelerator.capture_pays_after(self.model.config(), self.run, self.world)
-        rows_here = None if rows is None else -(-rows // self.world.replicas)  # each replica runs its share
-        steps_at_most = None if rows_here is None else -(-rows_here // self.run.batch_size) * self.run.max_new_tokens
-        may_pay = steps_at_most is not None and steps_at_most >= pays_after
+        rows_here = -(-rows // self.world.replicas)  # each replica runs its share
+        may_pay = -(-rows_here // self.run.batch_size) * self.run.max_new_tokens >= pays_after  # every row its whole
         if may_pay and self.run.rows_end_early:
             return dataclasses.replace(self, capture_later=CaptureWhenItPays(pays_after, rows_here, self.run.batch_size))
         return dataclasses.replace(self, run=dataclasses.replace(self.run, use_graphs=may_pay))
