@@ -221,7 +221,7 @@ def test_the_summary_is_short_and_the_details_are_asked_for_or_kept_in_the_run_r
     assert run_cli(*command, "--overwrite", "--details") == 0
     summary, details, memory = capsys.readouterr().err.splitlines()
     assert details.startswith("accelgen: device cpu (") and "dtype float32, world size 1, decode " in details
-    assert "graph captures: 0; continuous batching, slot occupancy" in details
+    assert "graph captures: 0, decode steps traced: 1; continuous batching, slot occupancy" in details
     assert memory.startswith("accelgen: parameter bytes per rank ")
 
 

@@ -34,7 +34,7 @@ def test_a_step_compiled_before_pays_after_fewer_steps(request_here):
 def test_a_job_decides_from_the_marks(request_here, monkeypatch):
     config, run = request_here.model.config(), request_here.run
     warm = request_here.accelerator.warm_capture_pays_after_steps
-    rows = warm // run.max_new_tokens * run.batch_size  # rows that take that many decode steps at most
+    rows = -(-warm // run.max_new_tokens) * run.batch_size  # rows that take that many decode steps at most
     assert request_here.capture_decided(rows).run.use_graphs is False  # not even at most: compiled from nothing
     mark_compiled(step_key(config, run, "1"))
     later = request_here.capture_decided(rows)  # may pay: left to its rows, which may end early

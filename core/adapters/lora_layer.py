@@ -74,6 +74,14 @@ class LoraLinear(torch.nn.Module):
         self.register_buffer("lora_a", torch.zeros(columns, in_features, dtype=rows.dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(out_features, columns, dtype=rows.dtype, device=device), persistent=False)
         self.layouts = (lay_out(self.lora_a), lay_out(self.lora_b))  # the device's, or None: torch's products
+        # the layouts' tensors, this layer's state too: a step traced by a device holds them as its module's, freed with
+        # it, not as constants of its graph, which torch keeps until the process ends (DecodeStep)
+        held = {id(self.lora_a), id(self.lora_b)}  # a layout may keep the buffer it lays out: registered once
+        for which, layout in zip("ab", self.layouts):
+            for name, value in vars(layout).items() if layout is not None else ():
+                if isinstance(value, torch.Tensor) and id(value) not in held:
+                    self.register_buffer(f"layout_{which}_{name}", value, persistent=False)
+                    held.add(id(value))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = self.rows.mask

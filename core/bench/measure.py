@@ -93,6 +93,7 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
         **structure_figures(sized, timings, sized.stats.mask_seconds - mask_seconds_before),
         "graph_captures": sized.stats.graph_captures,
         "capture_seconds": sized.stats.capture_seconds,
+        "step_traces": sized.stats.step_traces,  # decode steps traced instead of captured (the CPU's short runs)
         "memory": accelerator.memory_stats(),
         # offloaded weights brought to the device per forward pass (prefill or decode step), warm-up runs included
         "offload_moved_bytes_per_pass": (placement.moved_bytes - traffic_before[0])
@@ -198,6 +199,7 @@ def measurement_record(
         "graphs": bool(generator.run.use_graphs) and generator.capture_failure is None,
         "batching": generator.batching,
         "capture_failure": generator.capture_failure,
+        "trace_failure": generator.stats.trace_failure,
         "offload": None if generator.loaded.placement is None else generator.loaded.placement.record(),
         "lora": _lora_record(generator),
         "model": {

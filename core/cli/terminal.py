@@ -107,6 +107,7 @@ def print_details(report: "RunReport") -> None:
         f"graph captures: {report.graph_captures}"
         + (f" ({report.capture_seconds:.1f} s)" if report.graph_captures else "")
         + (", decoded eagerly: the decode step could not be captured" if report.capture_failure else "")
+        + (f", decode steps traced: {report.step_traces}" if report.step_traces else "")
         + f"; {report.batching} batching"
         + ("" if report.slot_occupancy is None else f", slot occupancy {100 * report.slot_occupancy:.0f}%")
         + _prompt_figures(report.prompts) + _structure_figures(report.structure)

@@ -137,6 +137,7 @@ class RunSettings:
     max_input_tokens: int | None = None  # truncate prompts to their first N tokens
     ignore_eos: bool = False
     use_graphs: bool | None = False  # None: left to the job's length (``Request.capture_decided``); eager until then
+    trace_steps: bool = False  # a decode step not captured runs as the device traces it (``Accelerator.trace_step``)
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
@@ -199,7 +200,7 @@ class RunSettings:
         JSON values."""
         settings = dataclasses.asdict(self)
         sampling = settings.pop("sampling")
-        del settings["use_graphs"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
+        del settings["use_graphs"], settings["trace_steps"], settings["offload"], settings["batching"], settings["skip_bad_rows"]
         del settings["rows_choose"], settings["structured_rows"]  # the rows' own settings are the dataset's, which the job pins
         del settings["prefix_cache"], settings["prefill_chunk"]  # what a whole prompt's one prefill writes
         del settings["lora"]  # adapters are pinned by their content (``accelgen.adapters.adapter_set``), not by path

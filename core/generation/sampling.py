@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from accelgen.common.settings import SamplingSettings
+from accelgen.common.static_sizes import static_shape
 
 _MASK_32 = 0xFFFFFFFF
 
@@ -58,7 +59,7 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
     # distribution, and no exponential overflows
     logits = (logits - logits.amax(-1, keepdim=True)) * (1 / rows.temperatures.clamp(min=1e-5)).unsqueeze(-1)
     if sampling.top_k > 0:
-        kth_largest = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
+        kth_largest = torch.topk(logits, min(sampling.top_k, static_shape(logits)[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if sampling.top_p < 1.0 or per_row:
         sorted_logits, sorted_indices = torch.sort(logits, descending=False)
@@ -124,7 +125,7 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     another; these add V / 64 and 64 a row where one over the row adds V. Counts, not searches, so that every device
     runs them. Where rounding puts the mark at or past the end of the weight (of the row, or of the block it falls
     in), the draw takes the last token of any weight there."""
-    rows, width = weights.shape
+    rows, width = static_shape(weights)
     blocks = -(-width // DRAW_BLOCK)
     weights = weights.float()
     if blocks * DRAW_BLOCK != width:  # tokens of weight 0 after the last

@@ -27,6 +27,7 @@ from accelgen.model.memory import check_cache_fits
 from accelgen.model.transformers_adapter.forward import ModelForward
 from accelgen.model.transformers_adapter.static_cache import (
     CacheStorage,
+    each_row_write,
     needs_first_write,
     new_static_cache,
     write_each_row_at,
@@ -36,7 +37,8 @@ from accelgen.plugin.contract import Accelerator
 
 class StepCapture:
     """Steps captured by the accelerator over their buffers when ``run.use_graphs`` and capture works (each capture
-    counted in ``stats``), else the steps themselves."""
+    counted in ``stats``); else decode steps as the accelerator traces them, when ``run.trace_steps`` and tracing
+    works; else the steps themselves."""
 
     def __init__(self, accelerator: Accelerator, run: RunSettings, stats: GenerationStats, model_type: str):
         self.accelerator, self.run, self.stats, self.model_type = accelerator, run, stats, model_type
@@ -56,10 +58,10 @@ class StepCapture:
         capture other than running out of memory leaves steps eager, with one warning: the eager step runs the very
         same code, so a real bug in it still surfaces there, as itself. A Ctrl-C or a stop signal that the compiler
         wrapped in its own error goes on as itself."""
-        if not self.captures or self.failure is not None:
-            return step
         if counter == "prefill_captures" and not self.accelerator.tuning.captures_prefill:
             return step
+        if not self.captures or self.failure is not None:
+            return self._traced(step, buffers) if counter == "graph_captures" else step
         started = time.perf_counter()
         try:
             captured = self.accelerator.capture(step, buffers, self.run)
@@ -79,6 +81,49 @@ class StepCapture:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         self.stats.capture_seconds += time.perf_counter() - started
         return captured
+
+    def _traced(self, step: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...]) -> Callable:
+        """The decode step as the accelerator traces it over ``buffers``, or ``step`` itself: where the run does not
+        trace, or the accelerator could not (the reason kept, no more tries). Tracing costs next to nothing: no
+        warning says a step runs as it is (same output; the run record keeps why). Running out of memory, Ctrl-C and
+        stop signals go on as themselves, as for a capture."""
+        if not self.run.trace_steps or self.stats.trace_failure is not None:
+            return step
+        started = time.perf_counter()
+        try:
+            traced = self.accelerator.trace_step(step, buffers, self.run)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            if self.accelerator.is_out_of_memory(error):
+                raise
+            if (interruption := interruption_in(error)) is not None:
+                raise interruption from None
+            self.stats.trace_failure = first_line(error)
+            return step
+        if traced is not step:
+            self.stats.step_traces += 1
+            self.stats.capture_seconds += time.perf_counter() - started
+        return traced
+
+
+class DecodeStep(torch.nn.Module):
+    """A slot shape's decode step (``step``, called with the shape's buffers) as a module that holds what the step reads
+    and writes besides its buffers: the model (its weights) and the shape's cache (each layer's keys and values, as
+    buffers). A device that traces the step (``Accelerator.trace_step``) then finds them as the module's own state, freed
+    with it: a tensor a trace finds anywhere else becomes a constant of its graph, which torch keeps until the process
+    ends (pytorch/pytorch#43119), and a cache the slots replaced by a larger one would stay with it."""
+
+    def __init__(self, model: torch.nn.Module, cache, step: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model = model
+        for index in range(len(getattr(cache, "layers", ()))):
+            written = each_row_write(cache, index)  # None for a layer that has not taken its memory yet
+            if written is not None:
+                self.register_buffer(f"keys_{index}", written[0], persistent=False)
+                self.register_buffer(f"values_{index}", written[1], persistent=False)
+        self._step = step
+
+    def forward(self, *buffers: torch.Tensor) -> torch.Tensor:
+        return self._step(*buffers)
 
 
 class SlotShape:
@@ -183,7 +228,8 @@ class SlotShapes:
             on_rows_adapters = functools.partial(forward, adapter_slots=state.adapter_slots)
             return decoding.decode_one_token(on_rows_adapters, state, rules, rows_aligned)
 
-        shape.decode_step = self.capture(decode_step, tuple(shape.state), "graph_captures")
+        step = DecodeStep(self.forward.model, shape.cache, decode_step)
+        shape.decode_step = self.capture(step, tuple(shape.state), "graph_captures")
 
     def _make_room_for(self, cache_length: int) -> None:
         """A cache storage of at least ``cache_length`` positions, checked against the device's free memory. A

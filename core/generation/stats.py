@@ -23,6 +23,8 @@ class GenerationStats:
     graph_captures: int = 0  # decode steps captured (one per cache length the slots were made for)
     prefill_captures: int = 0  # prefill steps captured (one per prefill shape: row count and bucket)
     capture_seconds: float = 0.0  # spent capturing (compiling, where the device compiles), not in any timing
+    step_traces: int = 0  # decode steps traced instead of captured (``Accelerator.trace_step``), in capture_seconds
+    trace_failure: str | None = None  # why the accelerator could not trace the decode step (then it ran as it is)
     batches: int = 0  # times rows were given out (a fixed batch; continuous: the rows ready at one look)
     prefills: int = 0  # prefills run (each inserts one or more rows into free slots)
     prefill_passes: int = 0  # their forward passes: one each, or one per chunk (--prefill-chunk)

@@ -153,6 +153,8 @@ class RunReport:
     structure: StructureFigures | None = None  # what holding rows to structures cost (this replica's), when some were
     first_error: str | None = None  # which row was this run's first error row, and why (on the writer)
     adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
+    step_traces: int = 0  # decode steps traced instead of captured (``Accelerator.trace_step``)
+    trace_failure: str | None = None  # why the decode step could not be traced (then it ran as it is)
 
     @property
     def rows_per_second(self) -> float:
@@ -194,6 +196,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
         structure=StructureFigures.of(generator, replicas), first_error=first_error,
+        step_traces=stats.step_traces, trace_failure=stats.trace_failure,
         adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
                                    else 0, replicas or [stats]),
     )

@@ -106,7 +106,7 @@ class Accelerator(abc.ABC):
     Methods are called in this order during a run: (``worker_environment`` and ``launch_command`` in the
     launching process, when several ranks are asked for) -> ``is_available`` -> ``setup`` -> ``shard``
     while the model loads (only when ``world.size > 1``) -> ``prepare_model`` -> ``capture`` (once per
-    static shape) -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while
+    static shape), or ``trace_step`` for a step not captured -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while
     measuring. None of them may import a vendor library at module import time: import it inside the
     method, so that ``import`` works on any machine. None reads the launcher's environment (``RANK``,
     ``WORLD_SIZE``...): the core reads it once and passes the :class:`~accelgen.common.settings.World` down.
@@ -226,6 +226,22 @@ class Accelerator(abc.ABC):
         eagerly, with one warning, and tries no more captures for that model. An error that
         ``is_out_of_memory`` recognises is reported as running out of memory instead.
         Default: the step itself (no graphs)."""
+        return step
+
+    def trace_step(
+        self, step: Callable[..., "torch.Tensor"], example_inputs: tuple["torch.Tensor", ...], run: "RunSettings"
+    ) -> Callable[..., "torch.Tensor"]:
+        """Return ``step`` in a form that costs less per call and next to nothing to make (a trace of its operations
+        that the device's runtime replays without the Python around them, made in one run of the step), for a decode
+        step that ``capture`` does not take: a job too short for a capture to pay, or one whose capture waits until
+        its rows say it pays. ``step`` and ``example_inputs`` are as for ``capture``, and what it returns is called
+        the same way, with the same buffers; ``step`` is a module holding the model and the shape's cache as its state
+        (``accelgen.generation.slot_shapes.DecodeStep``), so that a trace of it holds them as its module's, not as
+        constants. Not called when the user turns graphs off (``--no-graphs``) or weights
+        are offloaded. Raise when the step cannot be traced (a value the host reads from its tensors, an operation the
+        runtime does not know): the core then runs it as it is, without a word (the same computation), keeps the
+        reason in the run record, and tries no more traces for that model.
+        Default: the step itself."""
         return step
 
     def linear_layout(self, weight: "torch.Tensor") -> LinearLayout | None:

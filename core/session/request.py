@@ -181,7 +181,8 @@ def run_settings(
 ) -> RunSettings:
     """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
     ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays
-    only for long jobs leaves it to the job: :meth:`Request.capture_decided`). ``offload`` ("cpu" or "disk")
+    only for long jobs leaves it to the job: :meth:`Request.capture_decided`), a step not captured running as the
+    device traces it (``Accelerator.trace_step``); ``graphs=False`` runs every step as it is. ``offload`` ("cpu" or "disk")
     keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
     has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
     "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
@@ -212,6 +213,7 @@ def run_settings(
     if offload is not None and graphs:
         raise UsageError("--graphs cannot go with --offload: offloaded weights are brought to the device in every "
                          "step, which no captured graph replays; drop --graphs.")
+    trace_steps = graphs is not False and offload is None  # what is not captured is traced, unless graphs are off
     if graphs is None:  # offloaded steps are never captured; otherwise the device decides, or the job's length
         if not accelerator.tuning.captures_by_default or offload is not None:
             graphs = False
@@ -226,6 +228,7 @@ def run_settings(
         max_input_tokens=max_input_tokens,
         ignore_eos=ignore_eos,
         use_graphs=graphs,
+        trace_steps=trace_steps,
         buckets=tuple(buckets),
         sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
         offload=offload_settings(offload, max_device_memory, offload_folder),

@@ -1,5 +1,6 @@
 """The built-in CPU accelerator: runs everywhere, chooses its threads from the machine as it finds it, packs float
-weights once in oneDNN's layout, captures the decode step with ``torch.compile``, runs int8 weights as int8 products
+weights once in oneDNN's layout, captures the decode step with ``torch.compile`` (a job too short for that traces it into
+TorchScript), runs int8 weights as int8 products
 of rows quantized as they come, and runs C++ kernels of its own where they pay (``kernels/``, built once per machine
 by :mod:`accelgen_cpu.native_kernels`): a decode step's attention over only the cache positions each row sees, and
 for Llama's attention modules the whole of it in one operator; Llama-family RMSNorm; int8 products of a few rows."""
@@ -28,6 +29,7 @@ from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_o
 from accelgen_cpu.norms import use_fused_norms
 from accelgen_cpu.packed_linear import FloatPanels, pack_linear_layers
 from accelgen_cpu.shared_memory import prepare_shared_memory_all_reduce, remove_buffers_left, unlink_shared_memory_buffer
+from accelgen_cpu.step_trace import traced
 from accelgen_cpu.threads import ThreadChoice, ThreadChooser, launch_environment, most_threads
 
 
@@ -35,17 +37,18 @@ class CpuAccelerator(Accelerator):
     """The host's own processor. Ranks share it (each with the threads it was given), over gloo.
 
     Capture is compilation (inductor, with its C++ wrapper): it costs tens of seconds the first time a model's step
-    is compiled (seconds once inductor's cache holds it) and saves the eager step's per-operation overhead (the
-    plugin's C++ operators are called from compiled code), so by default only the decode step of a job long enough
-    to pay that back even uncached is compiled, or, where this machine compiled the same step before (its compile
-    cache holds it: ``compile_marks``), of a job long enough to pay back loading it (``--graphs`` / ``--no-graphs``
-    decide otherwise; RESULTS.md, "Compiled decode step on the CPU"). The prefill shapes always run eagerly: each
-    would compile anew, for a few runs."""
+    is compiled (seconds once inductor's cache holds it). A decode step not compiled is traced into TorchScript
+    (``step_trace``: made in one run of the step), which saves most of the eager step's per-operation overhead too, so
+    that a compile saves little more per step: by default only the decode step of a job long enough to pay it back
+    even uncached is compiled, or, where this machine compiled the same step before (its compile cache holds it:
+    ``compile_marks``), of a job long enough to pay back loading it (``--graphs`` / ``--no-graphs`` decide otherwise;
+    RESULTS.md, "Traced decode steps"). The prefill shapes always run eagerly: each would compile anew, for a few
+    runs."""
 
     name = "cpu"
     tuning = Tuning(
         captures_by_default=True,
-        capture_pays_after_steps=20_000,
+        capture_pays_after_steps=100_000,
         captures_prefill=False,
         packs_prompts=True,  # its attention reads only the positions each query sees (decode_attention.py)
         skips_zero_rows=True,  # its int8 products and its attention compute nothing for a row of zeros, or one that sees nothing
@@ -55,7 +58,7 @@ class CpuAccelerator(Accelerator):
         int8_quantizes_head=True,
     )
     #: The decode steps after which a compile pays where inductor's cache holds the step (loading it costs seconds)
-    warm_capture_pays_after_steps = 4_000
+    warm_capture_pays_after_steps = 25_000
     supported_dtypes = ("float32", "bfloat16")
     shares_host_memory = True
     quantization_schemes = ("int8",)
@@ -169,6 +172,13 @@ class CpuAccelerator(Accelerator):
         if self._step_key is not None:  # the next job of this step finds it in the cache
             mark_compiled(self._step_key)
         return compiled
+
+    def trace_step(
+        self, step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor, ...], run: RunSettings
+    ) -> Callable[..., torch.Tensor]:
+        # A step not compiled runs its operations from TorchScript's C++ (``step_trace``): made in one run of the step,
+        # it saves most of the Python between them (module calls, transformers' wrappers) at every call.
+        return traced(step, example_inputs)
 
     def memory_stats(self) -> dict[str, int]:
         # the process's peak resident memory, weights and caches included

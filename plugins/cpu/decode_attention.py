@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from accelgen.common.static_sizes import static_shape
 from accelgen.model.transformers_adapter.static_cache import each_row_write
 from accelgen_cpu.native_kernels import native_operator
 
@@ -68,15 +69,16 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     step) takes the decode kernel; a prompt's queries the C++ prompt kernel where it is built (each query reads only
     the positions it sees: none of the padding before a shorter prompt, none after itself); what neither handles goes
     to transformers' SDPA function."""
-    ours = (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-            and attention_mask.shape[2] == query.shape[2] and query.shape[1] % key.shape[1] == 0
+    queries, keys = static_shape(query), static_shape(key)
+    mask = None if attention_mask is None else static_shape(attention_mask)
+    ours = (mask is not None and len(mask) == 4 and mask[1] == 1 and mask[2] == queries[2] and queries[1] % keys[1] == 0
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
-    kernel = _kernel if query.shape[2] == 1 else _prompt_kernel
+    kernel = _kernel if queries[2] == 1 else _prompt_kernel
     if not ours or kernel is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = kernel(query, key, value, attention_mask[..., : key.shape[2]], scale)
+    scale = scaling if scaling is not None else queries[-1] ** -0.5
+    output = kernel(query, key, value, attention_mask[..., : keys[2]], scale)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -121,8 +123,9 @@ def _decode_self_attention_forward(module: torch.nn.Module, own_forward, operato
             return own_forward(*args, **kwargs)
         hidden_states, mask = kwargs.get("hidden_states"), kwargs.get("attention_mask")
         cache = next((kwargs[name] for name in _CACHE_KEYWORDS if kwargs.get(name) is not None), None)
-        rows = each_row_write(cache, module.layer_idx) if hidden_states is not None and hidden_states.shape[1] == 1 else None
-        if (rows is None or mask is None or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
+        one_token = hidden_states is not None and static_shape(hidden_states)[1] == 1
+        rows = each_row_write(cache, module.layer_idx) if one_token else None
+        if (rows is None or mask is None or mask.dim() != 4 or static_shape(mask)[1:3] != (1, 1)
                 or kwargs.get("position_embeddings") is None or rows[0].dtype != hidden_states.dtype):
             return own_forward(*args, **kwargs)
         keys, values, write_positions = rows

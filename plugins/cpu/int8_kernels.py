@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from accelgen.common.static_sizes import static_shape
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
 from accelgen_cpu.native_kernels import native_operator
 from accelgen_cpu.packed_linear import find_packed, register_packed
@@ -63,7 +64,7 @@ class _LastInput:
     def quantized_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling() or x.is_inference():
             return quantize_input_rows(x)
-        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
+        key = (x.data_ptr(), static_shape(x), x.stride(), x.dtype, x._version)  # sizes as numbers in a trace too
         if key != self._key or self._rows is None:
             self._key, self._held, self._rows = key, x, quantize_input_rows(x)
         return self._rows
