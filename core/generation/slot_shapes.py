@@ -66,10 +66,7 @@ class StepCapture:
         try:
             captured = self.accelerator.capture(step, buffers, self.run)
         except Exception as error:  # noqa: BLE001 - see the docstring
-            if self.accelerator.is_out_of_memory(error):
-                raise
-            if (interruption := interruption_in(error)) is not None:  # Ctrl-C or a stop, wrapped by the compiler
-                raise interruption from None
+            self._raise_if_it_goes_on(error)
             self.failure = first_line(error)
             warnings.warn(
                 f"the {self.accelerator.name} accelerator cannot capture the decode step of this {self.model_type} "
@@ -93,16 +90,21 @@ class StepCapture:
         try:
             traced = self.accelerator.trace_step(step, buffers, self.run)
         except Exception as error:  # noqa: BLE001 - see the docstring
-            if self.accelerator.is_out_of_memory(error):
-                raise
-            if (interruption := interruption_in(error)) is not None:
-                raise interruption from None
+            self._raise_if_it_goes_on(error)
             self.stats.trace_failure = first_line(error)
             return step
         if traced is not step:
             self.stats.step_traces += 1
             self.stats.capture_seconds += time.perf_counter() - started
         return traced
+
+    def _raise_if_it_goes_on(self, error: Exception) -> None:
+        """Raise what a failed capture or trace must not hide: running out of memory, and Ctrl-C or a stop signal that
+        the compiler or tracer wrapped in its own error (as itself)."""
+        if self.accelerator.is_out_of_memory(error):
+            raise error
+        if (interruption := interruption_in(error)) is not None:
+            raise interruption from None
 
 
 class DecodeStep(torch.nn.Module):
