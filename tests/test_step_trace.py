@@ -27,12 +27,14 @@ def token_ids(completions):
     return [completion.completion_token_ids for completion in completions]
 
 
-@pytest.mark.parametrize("architecture, quantize", [(family, None) for family in FAMILIES]
-                         + [(family, "int8") for family in ("llama", "bloom", "opt")])  # the families int8 quantizes
-def test_a_traced_decode_step_writes_every_token_the_step_as_it_is_writes(tiny_model_folder, architecture, quantize):
+@pytest.mark.parametrize("architecture, quantize, dtype", [(family, None, "float32") for family in FAMILIES]
+                         + [(family, "int8", "float32") for family in ("llama", "bloom", "opt")]  # int8's families
+                         + [(family, None, "bfloat16") for family in FAMILIES])  # oneDNN's packed products
+def test_a_traced_decode_step_writes_every_token_the_step_as_it_is_writes(tiny_model_folder, architecture, quantize,
+                                                                           dtype):
     folder = str(tiny_model_folder(architecture))
     settings = dict(device="cpu", max_new_tokens=NEW_TOKENS, batch_size=2, quantize=quantize, do_sample=True, seed=3,
-                    top_k=20, logprobs=True)
+                    top_k=20, logprobs=True, dtype=dtype)
     prompts = PROMPTS + ["a longer prompt " * 6]  # two prompt buckets: two cache lengths, a trace each
 
     traced_run = accelgen.load(folder, **settings)  # graphs left to the device: a call of the API never compiles

@@ -66,7 +66,9 @@ class PackedLinear(torch.nn.Module):
         self.native_handle = None if self._native_product is None else loaded_kernels().operators.keep_packed(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        # a compiled or traced step calls an operator that finds the weight by its handle (the compiler takes no
+        # oneDNN tensor as input; the tracer records no call with the list of optional scalars oneDNN's product takes)
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
             if self._native_product is not None:
                 return self._native_product(x, self.native_handle, self.out_features, self.bias)
             return packed_product(x, self.handle, self.out_features, self.bias)
