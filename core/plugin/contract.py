@@ -106,8 +106,8 @@ class Accelerator(abc.ABC):
     Methods are called in this order during a run: (``worker_environment`` and ``launch_command`` in the
     launching process, when several ranks are asked for) -> ``is_available`` -> ``setup`` -> ``shard``
     while the model loads (only when ``world.size > 1``) -> ``prepare_model`` -> ``capture`` (once per
-    static shape), or ``trace_step`` for a step not captured -> ``mark_step`` after every forward pass -> ``synchronize`` / ``memory_stats`` while
-    measuring. None of them may import a vendor library at module import time: import it inside the
+    static shape), or ``trace_step`` for a step not captured -> ``mark_step`` after every forward pass ->
+    ``synchronize`` / ``memory_stats`` while measuring. None of them may import a vendor library at module import time: import it inside the
     method, so that ``import`` works on any machine. None reads the launcher's environment (``RANK``,
     ``WORLD_SIZE``...): the core reads it once and passes the :class:`~accelgen.common.settings.World` down.
     """

@@ -57,7 +57,7 @@ def load_request(request: Request) -> Generator:
     # named adapters over the layers as the device runs them (split, laid out, int8)
     adapters = (ResidentAdapters(model, request.adapters, run, world, device, accelerator.linear_layout)
                 if request.adapters.named else None)
-    model.requires_grad_(False)  # inference: no weight records gradients (and a trace of a step holds them as constants)
+    model.requires_grad_(False)  # inference: no weight records gradients (nor may a tracer keep one as a constant)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
