@@ -27,7 +27,8 @@ Contenders (``--contenders``):
 
 With ``--baseline-path DIR``, each accelgen contender may also run as ``base_<name>``: the same command with
 accelgen imported from DIR (a folder holding ``accelgen`` and ``accelgen_cpu``, copied from the commit before a change),
-interleaved with the others, so that a change is measured against the code before it in the same run.
+interleaved with the others, so that a change is measured against the code before it in the same run. The code before
+runs as ``python -m accelgen.cli`` (what ``accelgen`` runs, found on the path the script installed here may not name).
 
 The peers' models are converted before any round (``cpu_peers.convert``), off the clock, as a user converts once.
 The plugin's C++ kernels are built before any round too (``accelgen devices --prepare``, as an image or a first job
@@ -106,8 +107,8 @@ def command_of(name: str, folder: Path, output: Path, arguments) -> list[str]:
     engine, precision = name.removeprefix("base_").split("_")[:2]
     cap = str(SHAPES[folder.name][2])
     if engine == "accelgen":
-        accelgen = str(Path(sys.executable).parent / "accelgen")
-        return [accelgen, "run", "--device", "cpu", "--model", str(folder), "--dataset", str(folder / "rows.jsonl"),
+        accelgen = [sys.executable, "-m", "accelgen.cli"] if name.startswith("base_") else [str(Path(sys.executable).parent / "accelgen")]
+        return [*accelgen, "run", "--device", "cpu", "--model", str(folder), "--dataset", str(folder / "rows.jsonl"),
                 "--column", "prompt", "--output", str(output), "--overwrite", "--batch-size", str(BATCH),
                 "--max-new-tokens", cap, "--do-sample", "--seed", "0", *(["--quantize", "int8"] if precision == "int8" else []),
                 *(["--no-graphs"] if name.endswith("_eager") else [])]

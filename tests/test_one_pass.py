@@ -1,5 +1,5 @@
 """A run does each piece of work once: every weight file's header is read once, a CPU run never reaches for
-Habana's software, and the command line starts without torch."""
+Habana's software, the command line starts without torch, and the script's start is traversed by no full collection."""
 
 import json
 import os
@@ -99,3 +99,52 @@ def test_accelgen_compare_runs_without_torch(tmp_path, cli_environment):
         "print('torch' in sys.modules)\nsys.exit(status)", cli_environment)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+#: Runs the command line in a process of its own (``entry``: ``script``, as the ``accelgen`` script does, or ``main``, as a
+#: program calls it) and prints the generations of the collections made before and after the start's objects were
+#: frozen, how many are frozen at the end, and the collector's thresholds then.
+COLLECTIONS_OF_A_RUN = """
+import gc, json, sys
+events = []
+gc.callbacks.append(lambda phase, info: phase == "start" and events.append((info["generation"], gc.get_freeze_count() > 0)))
+thresholds = gc.get_threshold()
+from accelgen import cli
+status = getattr(cli, sys.argv[1])(sys.argv[2:])
+print(json.dumps({"status": status, "before": [generation for generation, frozen in events if not frozen],
+                  "after": [generation for generation, frozen in events if frozen], "frozen": gc.get_freeze_count(),
+                  "thresholds_kept": gc.get_threshold() == thresholds}))
+"""
+
+
+def _collections_of_a_run(entry: str, model: str, environment: dict) -> dict:
+    argv = ["run", "--device", "cpu", "--model", model, "--prompt", "Hello", "--max-new-tokens", "16", "--ignore-eos"]
+    result = subprocess.run([sys.executable, "-c", COLLECTIONS_OF_A_RUN, entry, *argv], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_script_leaves_what_its_start_builds_out_of_the_collectors_traversals(tiny_model_folder, cli_environment):
+    """The start (torch, transformers, the model) makes no full collection; once the model is loaded its objects are
+    frozen and the collector collects the generation's garbage at its usual thresholds; at exit every object is frozen
+    (the interpreter's last collections traverse nothing)."""
+    collections = _collections_of_a_run("script", str(tiny_model_folder("llama")), cli_environment)
+    assert collections["status"] == 0
+    assert 2 not in collections["before"]
+    assert collections["after"] and collections["thresholds_kept"]
+    assert collections["frozen"] > 100_000
+
+
+def test_main_called_from_python_leaves_the_collector_as_it_is(tiny_model_folder, cli_environment):
+    """Freezing in a program's own process would keep its garbage for the life of the process."""
+    collections = _collections_of_a_run("main", str(tiny_model_folder("llama")), cli_environment)
+    assert collections["status"] == 0
+    assert collections["frozen"] == 0 and collections["thresholds_kept"] and not collections["after"]
+
+
+def test_the_installed_script_is_the_one_that_keeps_the_start_out_of_the_collector():
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="accelgen")
+    assert script.value == "accelgen.cli:script"

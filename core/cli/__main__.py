@@ -11,9 +11,9 @@ worker = running_as_worker()
 if worker:
     start_worker()  # from here SIGINT ends a rank at once, with no KeyboardInterrupt
 try:
-    from accelgen.cli.commands import main  # only once a rank is tied to its launcher
+    from accelgen.cli.commands import script  # only once a rank is tied to its launcher
 
-    exit_status = main()
+    exit_status = script()
 except KeyboardInterrupt:  # while the command line itself is imported, where main() cannot catch it yet
     print("accelgen: interrupted", file=sys.stderr)
     exit_status = 130

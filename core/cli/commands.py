@@ -98,6 +98,15 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
             raise
 
 
+def script(argv: Sequence[str] | None = None) -> int:
+    """The ``accelgen`` script and ``python -m accelgen.cli``: :func:`main` in a process of its own, the collector kept
+    off what the command's start builds (``accelgen.common.collector``)."""
+    from accelgen.common.collector import command_process
+
+    with command_process():
+        return main(argv)
+
+
 def _stopped(signal_number: int, arguments: argparse.Namespace | None) -> int:
     """Say that SIGTERM or SIGHUP stopped the command; its exit status."""
     print(f"accelgen: stopped ({signal.Signals(signal_number).name}){_kept(arguments)}", file=sys.stderr)

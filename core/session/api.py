@@ -11,6 +11,7 @@ from typing import Sequence
 
 from accelgen.adapters.merge import merge_adapter
 from accelgen.adapters.resident import ResidentAdapters
+from accelgen.common.collector import start_up_ended
 from accelgen.common.host_memory import peak_resident_bytes, resident_bytes, restart_peak
 from accelgen.common.prompts import check_prompts
 from accelgen.generation.generator import Generator
@@ -60,9 +61,11 @@ def load_request(request: Request) -> Generator:
     model.requires_grad_(False)  # inference: no weight records gradients (nor may a tracer keep one as a constant)
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
-    return Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
-                                 loading_host_memory, loaded.placement, adapters), run,
-                     capture_later=request.capture_later)
+    generator = Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
+                                      loading_host_memory, loaded.placement, adapters), run,
+                          capture_later=request.capture_later)
+    start_up_ended()  # in the accelgen script: what the start built is left out of the collector's traversals
+    return generator
 
 
 def generate(prompts: Sequence[str | list[dict]], *, model: str | os.PathLike | None = None, **options) -> list[Completion]:
