@@ -193,9 +193,9 @@ def extension_build_folder(name: str) -> str:
 
 def torch_extensions_root() -> str:
     """torch's extensions folder: TORCH_EXTENSIONS_DIR, else the one torch.utils.cpp_extension makes per Python and
-    torch build under the user's cache."""
+    torch build under the user's cache (found as it finds it, without importing it: it imports setuptools)."""
     import torch
-    from torch.utils.cpp_extension import get_default_build_root
+    from torch._appdirs import user_cache_dir
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
@@ -206,7 +206,8 @@ def torch_extensions_root() -> str:
         else:
             accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+        user_cache = os.path.realpath(user_cache_dir(appname="torch_extensions"))  # get_default_build_root()
+        root = os.path.join(user_cache, f"{python}_{accelerator}")
     return root
 
 

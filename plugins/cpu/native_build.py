@@ -33,12 +33,14 @@ from pathlib import Path
 
 from accelgen_cpu.native_build_lock import LOCK, build_lock, duration, say
 from accelgen_cpu.native_compile import (
+    TORCH_LIBRARIES,
     BuildFailure,
     compile_all,
-    compile_command,
+    compile_flags,
     compiler_command,
     compiler_identity,
     link_command,
+    link_flags,
     run_compilers,
     stop_on_sigterm,
 )
@@ -177,8 +179,9 @@ def _digest(variant: str) -> str:
     import torch
 
     sources = sorted([*SOURCES.glob("*.cpp"), *SOURCES.glob("*.h")])
-    identity = {"variant": variant, "compile": compile_command(variant), "link": link_command([]),
+    identity = {"variant": variant, "compile": [*compiler_command(), *compile_flags(variant)], "link": [*link_flags(), *TORCH_LIBRARIES],
                 "compiler": compiler_identity(), "torch": torch.__version__,
+                "torch_folder": os.path.realpath(os.path.dirname(torch.__file__)),  # its headers' and libraries'
                 "sources": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sources}}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -73,25 +73,43 @@ def run_compilers(commands: list[list[str]], parallel: int) -> None:
 
 
 def compile_command(variant: str) -> list[str]:
-    import torch
     from torch.utils.cpp_extension import include_paths
+
+    return [*compiler_command(), *compile_flags(variant), *(f"-I{path}" for path in include_paths())]
+
+
+def compile_flags(variant: str) -> list[str]:
+    """The compiler's flags for ``variant``, but the folders of torch's headers (which follow from torch's folder: a
+    build's digest names that folder instead, without importing ``torch.utils.cpp_extension`` and setuptools with it, a
+    tenth of a job's start)."""
+    import torch
 
     from accelgen_cpu.kernel_variants import VARIANT_FLAGS, operators_namespace
 
-    openmp = ["-fopenmp"] if sys.platform != "darwin" else []  # Apple's clang has none: one thread an operator
-    return [*compiler_command(), *VARIANT_FLAGS[variant], "-fPIC", "-std=c++17", "-O3", "-fno-math-errno",
-            "-ffp-contract=off", "-fvisibility=hidden", "-fvisibility-inlines-hidden", *openmp,
+    return [*VARIANT_FLAGS[variant], "-fPIC", "-std=c++17", "-O3", "-fno-math-errno", "-ffp-contract=off",
+            "-fvisibility=hidden", "-fvisibility-inlines-hidden", *_openmp(),
             f"-DACCELGEN_KERNELS_NAMESPACE={operators_namespace(variant)}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{path}" for path in include_paths())]
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 
 
 def link_command(objects: list[Path]) -> list[str]:
     from torch.utils.cpp_extension import library_paths
 
-    openmp = ["-fopenmp"] if sys.platform != "darwin" else []
-    return [*compiler_command(), *map(str, objects), "-shared", *openmp, *(f"-L{path}" for path in library_paths()),
-            *(f"-Wl,-rpath,{path}" for path in library_paths()), "-lc10", "-ltorch_cpu"]
+    return [*compiler_command(), *map(str, objects), *link_flags(), *(f"-L{path}" for path in library_paths()),
+            *(f"-Wl,-rpath,{path}" for path in library_paths()), *TORCH_LIBRARIES]
+
+
+#: torch's libraries the kernels link with (found in torch's folder)
+TORCH_LIBRARIES = ("-lc10", "-ltorch_cpu")
+
+
+def link_flags() -> list[str]:
+    """The linker's flags, but the folders of torch's libraries and the libraries themselves (:data:`TORCH_LIBRARIES`)."""
+    return ["-shared", *_openmp()]
+
+
+def _openmp() -> list[str]:
+    return ["-fopenmp"] if sys.platform != "darwin" else []  # Apple's clang has none: one thread an operator
 
 
 def compiler_identity() -> str:
