@@ -1,4 +1,4 @@
-"""Layer 8: the ``accelgen`` command line: the parser, the commands, what the terminal shows.
+"""Layer 9: the ``accelgen`` command line: the parser, the commands, what the terminal shows.
 
 ``python -m accelgen.cli`` runs it too (every launched rank does); see ``accelgen.cli.__main__``. ``main`` (the command
 line called from Python) and ``script`` (the ``accelgen`` script: ``main`` in a process of its own) are imported when

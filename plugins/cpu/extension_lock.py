@@ -206,7 +206,7 @@ def torch_extensions_root() -> str:
         else:
             accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        user_cache = os.path.realpath(user_cache_dir(appname="torch_extensions"))  # get_default_build_root()
+        user_cache = os.path.realpath(user_cache_dir(appname="torch_extensions"))  # as get_default_build_root() finds it
         root = os.path.join(user_cache, f"{python}_{accelerator}")
     return root
 

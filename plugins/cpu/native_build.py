@@ -179,8 +179,8 @@ def _digest(variant: str) -> str:
     import torch
 
     sources = sorted([*SOURCES.glob("*.cpp"), *SOURCES.glob("*.h")])
-    identity = {"variant": variant, "compile": [*compiler_command(), *compile_flags(variant)], "link": [*link_flags(), *TORCH_LIBRARIES],
-                "compiler": compiler_identity(), "torch": torch.__version__,
+    identity = {"variant": variant, "compile": [*compiler_command(), *compile_flags(variant)],
+                "link": [*link_flags(), *TORCH_LIBRARIES], "compiler": compiler_identity(), "torch": torch.__version__,
                 "torch_folder": os.path.realpath(os.path.dirname(torch.__file__)),  # its headers' and libraries'
                 "sources": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sources}}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
