@@ -52,8 +52,9 @@ def test_a_pre_sharded_folder_reads_each_rank_file_header_once(tmp_path, tiny_mo
     assert rank_files and counted_header_reads == Counter({name: 1 for name in rank_files})
 
 
-def _run_python(code: str, environment: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
+def _run_python(code: str, environment: dict, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *arguments], env=environment, capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_a_cpu_run_never_imports_habana_software(tmp_path, tiny_model_folder, cli_environment):
@@ -119,8 +120,7 @@ print(json.dumps({"status": status, "before": [generation for generation, frozen
 
 def _collections_of_a_run(entry: str, model: str, environment: dict) -> dict:
     argv = ["run", "--device", "cpu", "--model", model, "--prompt", "Hello", "--max-new-tokens", "16", "--ignore-eos"]
-    result = subprocess.run([sys.executable, "-c", COLLECTIONS_OF_A_RUN, entry, *argv], env=environment,
-                            capture_output=True, text=True, timeout=300)
+    result = _run_python(COLLECTIONS_OF_A_RUN, environment, entry, *argv)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
