@@ -9,7 +9,8 @@ it in that layout at every call. Two layouts made once feed kernels directly:
   16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS.md,
   "float32 products in panels"); a row's result depends on that row alone;
 - otherwise (bfloat16, or no kernels): oneDNN's own blocked layout for the run's number of rows, faster than the
-  plain one (RESULTS.md, "Packed weights on the CPU").
+  plain one (RESULTS.md, "Packed weights on the CPU"), where oneDNN multiplies that type on this CPU (bfloat16 needs
+  AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2 CPU keeps bfloat16 layers plain).
 
 The laid-out weight takes the place of the plain one (same bytes, a copy of the process's own where the plain one was
 the file's map).
@@ -138,8 +139,6 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
     weights, where the kernel is built) or :class:`PackedLinear` ones laid out for ``rows`` rows, one at a time (the
     plain weight is freed as its laid-out copy is made); returns how many."""
     panels = native_operator("float_panels_linear") is not None  # where this CPU's kernels take it
-    if not (panels or _packing_works()):
-        return 0
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1
@@ -150,7 +149,7 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
                     and child.weight.dtype in (torch.float32, torch.bfloat16)):
                 if panels and child.weight.dtype == torch.float32:
                     setattr(parent, name, FloatPanelsLinear(child))
-                elif _packing_works():
+                elif packing_works(child.weight.dtype):
                     setattr(parent, name, PackedLinear(child, rows))
                 else:
                     continue
@@ -159,14 +158,18 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
 
 
 @functools.cache
-def _packing_works() -> bool:
-    """Whether this torch build has oneDNN's packed product and it gives the plain product's values."""
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build has oneDNN's packed product for ``dtype`` on this CPU and it gives the plain product's
+    values (oneDNN refuses bfloat16 on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: most AVX2 ones)."""
     if not torch.backends.mkldnn.is_available():
         return False
+    weight = torch.linspace(-1, 1, 32 * 16).reshape(32, 16).to(dtype)
+    rows = torch.linspace(1, -1, 3 * 16).reshape(3, 16).to(dtype)
     try:
-        weight, rows = torch.linspace(-1, 1, 32 * 16).reshape(32, 16), torch.linspace(1, -1, 3 * 16).reshape(3, 16)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
         product = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    return torch.allclose(product, torch.nn.functional.linear(rows, weight), atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    return torch.allclose(product.float(), torch.nn.functional.linear(rows, weight).float(), atol=tolerance,
+                          rtol=tolerance)
