@@ -300,10 +300,12 @@ def test_offloaded_int8_layers_keep_their_stored_layout_whichever_kernel_would_b
         four_layer_model, tmp_path, monkeypatch):
     """The CPU gives each int8 layer the kernel its rule names for the run's rows, some over a copy of the weight in
     another layout; an offloaded layer's weight arrives at each pass as stored, so offloaded runs keep that layout
-    (here the rule is made to name oneDNN's over a packed copy)."""
+    (here the rule is made to name one over another layout: oneDNN's over a packed copy, or where this CPU refuses
+    oneDNN's int8 product, the plugin's over panels, or ``_int_mm`` over an input-major copy)."""
     from accelgen_cpu import int8_kernels
 
-    monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels: "packed")
+    other_layout = next(kernel for kernel in ("packed", "fused", "columns") if kernel in int8_kernels.available_kernels())
+    monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels: other_layout)
     model = four_layer_model("llama")
     expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
                                            quantize="int8", max_new_tokens=NEW_TOKENS, batch_size=2))

@@ -1,18 +1,21 @@
 """The CPU's int8 products: each input row quantized to int8 as it comes (a scale of its own, as CTranslate2 and
-OpenVINO do), multiplied in int8 with the layer's int8 weights (VNNI instructions), the int32 sums scaled back by
+OpenVINO do), multiplied in int8 with the layer's int8 weights (byte products: VNNI or AVX2), the int32 sums scaled back by
 both scales. Each row's result depends on that row alone, whatever rows share the product.
 
 Four kernels give the same integers; which is fastest depends on the number of rows and the CPU's instructions, so
 each layer takes the one a rule over them names (:func:`int8_kernel_for`, from measurements):
 
-- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major (where oneDNN's product is missing);
+- ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major (where oneDNN's product is missing;
+  without VNNI it is slower than float32 by 5 to 70x);
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
-  for several rows the fastest by far (RESULTS.md, "int8 products on the CPU");
-- ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, on CPUs with AVX-512 VNNI) over the weight laid
-  out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one operator
-  where the others take about ten, each panel read once for up to 16 rows; from memory the fastest at one row and
-  at 16 (RESULTS.md, "int8 products in panels"). Layers of any width take it (the others: multiples of 16).
+  for several rows the fastest by far on AVX-512 (RESULTS.md, "int8 products on the CPU"); refused where it does not
+  give ``_int_mm``'s values (AVX2 without VNNI: oneDNN's unsigned rows saturate its 16-bit pair sums);
+- ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, AVX-512 VNNI's byte products or AVX2's) over the
+  weight laid out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one
+  operator where the others take about ten, each panel read once for several rows; from memory the fastest at one
+  row and at 16 (RESULTS.md, "int8 products in panels", "int8 on AVX2"). Layers of any width take it (the others:
+  multiples of 16).
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
 scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8
@@ -42,7 +45,7 @@ _TINY = 2.0**-100
 def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The product of ``x`` [rows, in] and the int8 ``weight`` [out, in] (either layout) through ``_int_mm``. The kernel
     needs rows of a multiple of 16 values (others give wrong values or crash): other layers take the plain product."""
-    if x.shape[-1] % 16:
+    if static_shape(x)[-1] % 16:  # a number while a step is traced, so that the trace holds the branch taken
         return int8_product(x, weight, scales)
     values, row_scales = _last_input.quantized_rows(x)
     sums = torch._int_mm(values, weight.t()).float().mul_(scales.float())  # as oneDNN's, to the last bit
@@ -154,8 +157,9 @@ def _(unsigned, handle, out_features):
     return unsigned.new_empty(unsigned.shape[0], out_features, dtype=torch.float32)
 
 
-#: The rows up to which the fused kernel is taken where it is built (AVX-512 VNNI); oneDNN's packed product past them,
-#: and at any rows where the fused kernel is not built (benchmarks/RESULTS.md, "The CPU kernels per instruction set").
+#: The rows up to which the fused kernel is taken where it is built (AVX-512 VNNI, AVX2); oneDNN's packed product past
+#: them where it gives ``_int_mm``'s values, and at any rows where the fused kernel is not built (benchmarks/RESULTS.md,
+#: "The CPU kernels per instruction set").
 FUSED_ROWS_AT_MOST = 16
 
 
