@@ -19,7 +19,7 @@ from accelgen.cli import main
 from accelgen.common.settings import RunSettings
 from accelgen.model.memory import parameter_bytes, parameter_bytes_of_config
 from accelgen.parallel.launcher import free_port
-from accelgen.quantization.int8_layer import Int8Linear, int8_product, quantize_rows
+from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
 from accelgen.quantization.while_loading import QuantizingWeights
 from accelgen_cpu import CpuAccelerator, int8_kernels
 from accelgen_cpu.int8_kernels import (
@@ -182,6 +182,28 @@ def test_a_layer_whose_rows_are_not_a_multiple_of_16_values_takes_the_fused_kern
     row_values, row_scales = int8_kernels.quantize_input_rows(x)
     sums = (row_values.double() @ values.double().t()).float()  # exact: every partial sum is an integer below 2**53
     assert torch.equal(model(x), sums.mul(scales.float()).mul(row_scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_variants_fused_kernel_gives_the_exact_int8_sums(kernel_variant, threads, dtype):
+    """Each build of the fused kernel this processor executes (AVX-512 VNNI's byte products, AVX2's by sign, where
+    the sum of two products must not saturate 16 bits: the largest values, +-127, in every row), whether or not a run
+    here takes it: the exact int32 sums of the rows' and the weight's int8 values, scaled, for 1 to 48 rows of
+    any width, the last tile and panel partly filled."""
+    operator = getattr(kernel_variant.operators, "int8_panels_linear", None)
+    if operator is None:
+        pytest.skip(f"the {kernel_variant.variant} build has no int8 kernel (torch's int8 product runs there)")
+    torch.manual_seed(0)
+    for inputs, outputs in ((256, 40), (682, 256), (20, 17)):
+        values, scales = quantize_rows(torch.randn(outputs, inputs))
+        values[0], values[1] = INT8_LIMIT, -INT8_LIMIT  # products at the bounds
+        for rows in (1, 2, 5, 16, 17, 48):
+            x = (torch.randn(rows, inputs) * torch.logspace(0, 3, rows)[:, None]).to(dtype)
+            x[0] = x[0].abs().amax()  # a row of +127s: with the weights' +-127, sums of two products at +-32258
+            row_values, row_scales = int8_kernels.quantize_input_rows(x)
+            sums = (row_values.double() @ values.double().t()).float()  # exact: integers below 2**53
+            ours = operator(x, int8_kernels.pack_int8_panels(values), scales.float().contiguous())
+            assert torch.equal(ours, sums.mul(scales.float()).mul(row_scales).to(dtype)), (inputs, outputs, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 48])

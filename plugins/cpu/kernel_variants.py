@@ -60,7 +60,7 @@ OPERATORS_TAKEN: dict[str, frozenset[str]] = {
     "avx512": frozenset({"decode_attention", "prompt_attention", "decode_self_attention", "float_panels_linear",
                          "int8_panels_linear", "rms_norm", "packed_linear"}),
     "avx2": frozenset({"decode_attention", "prompt_attention", "decode_self_attention", "float_panels_linear",
-                       "rms_norm", "packed_linear"}),
+                       "int8_panels_linear", "rms_norm", "packed_linear"}),
     "portable": frozenset({"decode_attention", "decode_self_attention", "rms_norm", "packed_linear"}),
 }
 

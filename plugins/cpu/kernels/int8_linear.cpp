@@ -1,18 +1,26 @@
-// The int8 product of rows in one operator, with AVX-512 VNNI's unsigned-by-signed byte products: each row of x
-// quantized to int8 with a scale of its own (its largest magnitude / 127, rounded half to even), multiplied by the
-// int8 weight, the int32 sums scaled back as (sums * weight scale) * row scale in float32 and rounded to x's dtype:
-// what plugins/cpu/int8_kernels.py computes with _int_mm or oneDNN, to the last bit, in one operator where those
-// take about ten (quantization, product, conversions, scalings), each a pass and a dispatch.
+// The int8 product of rows in one operator: each row of x quantized to int8 with a scale of its own (its largest
+// magnitude / 127, rounded half to even), multiplied by the int8 weight, the int32 sums scaled back as
+// (sums * weight scale) * row scale in float32 and rounded to x's dtype: what plugins/cpu/int8_kernels.py computes
+// with _int_mm or oneDNN, to the last bit, in one operator where those take about ten (quantization, product,
+// conversions, scalings), each a pass and a dispatch.
 //
 // The weight is laid out once in panels of 16 outputs (int8_kernels.pack_int8_panels): [ceil(N / 16), ceil(K / 4),
-// 16, 4] bytes, each the weight + 128 (VNNI's unsigned operand), so that one 64-byte load holds four inputs of
-// 16 outputs and one instruction adds four products to each of 16 sums. The rows' values (signed) go in tiles of
-// 16 rows, four bytes of each row side by side, each broadcast to the 16 outputs. Since sum_k (w + 128) q =
-// sum_k w q + 128 sum_k q, each row's 128 sum_k q comes off its sums: the same int32 sums as _int_mm's. A tile's
-// rows share each load of a panel: up to 16 rows read the weight once (a decode step's bound is reading it from
-// memory), and one row takes eight panels at once so that its sums proceed side by side. A row of zeros (a decode
+// 16, 4] bytes, each the weight + 128, so that one 64-byte load holds four inputs of 16 outputs. The rows' values
+// (signed) go in tiles of 16 rows, four bytes of each row side by side, each broadcast to the 16 outputs. A tile's
+// rows share each load of a panel: several rows read the weight once (a decode step's bound is reading it from
+// memory), and one row takes several panels at once so that its sums proceed side by side. A row of zeros (a decode
 // step's finished row or empty slot: ModelForward's zero_unseen_rows) takes no place in a tile: its product is a row
 // of zeros, written as such.
+//
+// Two builds of the four-byte products, the same int32 sums:
+// - AVX-512 VNNI: one instruction adds four unsigned-by-signed byte products to each of 16 sums, the panel's bytes
+//   (w + 128) the unsigned operand; since sum_k (w + 128) q = sum_k w q + 128 sum_k q, each row's 128 sum_k q comes
+//   off its sums;
+// - AVX2 (no VNNI: x86-64-v3, most CPUs): the panel's bytes back to signed w (the sign bit flipped), then the signed
+//   products by sign: |q| (unsigned) times w with q's sign, pairs added into 16 bits (vpmaddubsw), pairs of those
+//   into 32 (vpmaddwd). No sum of two products leaves 16 bits (127 * 127 * 2 < 32767: the weights and rows are
+//   quantized to [-127, 127], int8_layer.quantize_rows and the rows here), so no product saturates: the exact sums.
+//   (oneDNN's AVX2 product adds unsigned rows, 255 * 127 * 2, and saturates: int8_kernels refuses it.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,53 +35,37 @@
 
 #include "lanes.h"
 
-#if defined(ACCELGEN_LANES_AVX512) && defined(__AVX512VNNI__)
+#if (defined(ACCELGEN_LANES_AVX512) && defined(__AVX512VNNI__)) || defined(ACCELGEN_LANES_AVX2)
 namespace {
 using namespace ACCELGEN_KERNELS_NAMESPACE;
 
 constexpr float kLimit = 127.0f;
 constexpr float kSmallest = 0x1p-100f;  // the smallest largest magnitude a row takes (int8_kernels._TINY)
 
-constexpr int64_t kOutputs = 16;   // outputs of a panel: one register of int32 sums per row
+constexpr int64_t kOutputs = 16;   // outputs of a panel: 16 int32 sums per row (Sums)
 constexpr int64_t kTileRows = 16;  // rows of a tile: their quantized values interleaved four bytes at a time
-constexpr int kSumRegisters = 16;  // registers of sums a tile's product holds at most (of AVX-512's 32)
 
-// ``count`` rows of x (K values each; row m at x + rows[m] * K) quantized, signed, into a tile: [K4 / 4][kTileRows][4]
-// bytes (K4: K rounded up to 4), the rows past count and the values past K zero; each row's scale and 128 times the
-// sum of its values.
-// Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (the
-// conversion's default rounding, as nearbyint's), narrowed to bytes and written four by four, 64 bytes apart.
-template <typename T>
-void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded, int64_t count, int8_t* tile,
-                   float* row_scales, int32_t* corrections) {
-  std::fill(tile, tile + padded * kTileRows, 0);
-  const int64_t groups = padded / 4;
-  for (int64_t m = 0; m < count; ++m) {
-    const T* row = x + rows[m] * size;
-    __m512 largest_lanes = _mm512_setzero_ps();
-    for (int64_t k = 0; k < size; k += 16) {
-      largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(load_floats(row + k, size - k).v));
-    }
-    const float largest = std::max(_mm512_reduce_max_ps(largest_lanes), kSmallest);
-    const __m512 inverse = _mm512_set1_ps(kLimit / largest);
-    __m512i sums = _mm512_setzero_si512();
-    for (int64_t k = 0; k < size; k += 16) {
-      const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, size - k).v, inverse));
-      sums = _mm512_add_epi32(sums, values);
-      alignas(16) int32_t quads[4];  // the 16 values as bytes, four to an int32
-      _mm_store_si128(reinterpret_cast<__m128i*>(quads), _mm512_cvtepi32_epi8(values));
-      for (int64_t q = 0; q < 4 && k / 4 + q < groups; ++q)
-        std::memcpy(tile + (k / 4 + q) * kTileRows * 4 + m * 4, &quads[q], 4);
-    }
-    row_scales[m] = largest / kLimit;
-    corrections[m] = 128 * _mm512_reduce_add_epi32(sums);
-  }
+#if defined(ACCELGEN_LANES_AVX512)
+// What comes off a row's sums per unit of the sum of its values: the panels' bytes are unsigned (w + 128)
+constexpr int32_t kOffsetPerValue = 128;
+
+struct Sums {  // 16 int32 sums: one register
+  __m512i v;
+};
+
+// (sums - correction) * scale * row_scale, in float32, in that order
+ACCELGEN_INLINE Lanes scaled(Sums sums, int32_t correction, Lanes scale, Lanes row_scale) {
+  return Lanes{_mm512_cvtepi32_ps(_mm512_sub_epi32(sums.v, _mm512_set1_epi32(correction)))} * scale * row_scale;
 }
+
+// The panels a tile of ``rows`` rows takes at once: 16 registers of sums at most (of AVX-512's 32), 8 for one or two
+// rows (the product's latency is hidden by sums that proceed side by side)
+constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
 
 // The int32 sums of a tile's first Rows rows times Panels consecutive panels (panel_bytes apart), into
 // out[Rows][Panels]: constants, so that every sum stays in a register of its own.
 template <int Rows, int Panels>
-void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, int64_t padded, __m512i* out) {
+void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, int64_t padded, Sums* out) {
   __m512i sums[Rows][Panels];
   for (int m = 0; m < Rows; ++m)
     for (int p = 0; p < Panels; ++p) sums[m][p] = _mm512_setzero_si512();
@@ -87,20 +79,113 @@ void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, in
     }
   }
   for (int m = 0; m < Rows; ++m)
-    for (int p = 0; p < Panels; ++p) out[m * Panels + p] = sums[m][p];
+    for (int p = 0; p < Panels; ++p) out[m * Panels + p] = Sums{sums[m][p]};
 }
 
-// The panels a tile of ``rows`` rows takes at once: 16 registers of sums at most, 8 for one or two rows (the
-// product's latency is hidden by sums that proceed side by side)
-constexpr int panels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
-constexpr bool sums_fit_registers() {
-  for (int rows = 1; rows <= kTileRows; ++rows)
-    if (rows * panels_for(rows) > kSumRegisters) return false;
-  return true;
-}
-static_assert(sums_fit_registers(), "a tile's sums (rows x panels_for(rows)) must fit kSumRegisters");
+#else  // AVX2
+constexpr int32_t kOffsetPerValue = 0;  // signed products: nothing comes off
 
-using TileSums = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, __m512i*);
+struct Sums {  // 16 int32 sums: two registers
+  __m256i low, high;
+};
+
+ACCELGEN_INLINE Lanes scaled(Sums sums, int32_t correction, Lanes scale, Lanes row_scale) {
+  const __m256i off = _mm256_set1_epi32(correction);
+  const Lanes values{_mm256_cvtepi32_ps(_mm256_sub_epi32(sums.low, off)),
+                     _mm256_cvtepi32_ps(_mm256_sub_epi32(sums.high, off))};
+  return values * scale * row_scale;
+}
+
+// Of AVX2's 16 registers, a block's sums take two a row and panel, each panel's weights two, a row's values and
+// their magnitudes two, the ones of vpmaddwd one: one row takes two panels at once (12), more rows one panel, in
+// blocks of at most four rows (14), which read the panel from the cache in turn.
+constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
+constexpr int kBlockRows = 4;
+
+// out += the signed byte products of w and the broadcast row q (its magnitudes |q|), four by four, as int32
+ACCELGEN_INLINE __m256i add_products(__m256i sums, __m256i w, __m256i q, __m256i magnitudes, __m256i ones) {
+  const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(w, q));  // |q| * (w with q's sign)
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+}
+
+// tile_sums' block of Rows rows (from row First of the tile) times Panels panels.
+template <int Rows, int Panels>
+ACCELGEN_INLINE void block_sums(const int8_t* tile, int first, const uint8_t* panel, int64_t panel_bytes,
+                                int64_t padded, Sums* out) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256i sums[Rows][Panels][2];
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) sums[m][p][0] = sums[m][p][1] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < padded; k += 4) {
+    __m256i w[Panels][2];
+    for (int p = 0; p < Panels; ++p)
+      for (int h = 0; h < 2; ++h)
+        w[p][h] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * panel_bytes + k * kOutputs + h * 32)), flip);
+    const int8_t* values = tile + k * kTileRows + first * 4;
+    for (int m = 0; m < Rows; ++m) {
+      const __m256i q = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(values + m * 4));
+      const __m256i magnitudes = _mm256_sign_epi8(q, q);
+      for (int p = 0; p < Panels; ++p)
+        for (int h = 0; h < 2; ++h) sums[m][p][h] = add_products(sums[m][p][h], w[p][h], q, magnitudes, ones);
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int p = 0; p < Panels; ++p) out[(first + m) * Panels + p] = Sums{sums[m][p][0], sums[m][p][1]};
+}
+
+// The int32 sums of a tile's first Rows rows times Panels consecutive panels (panel_bytes apart), into
+// out[Rows][Panels]: blocks of kBlockRows rows, each sum in a register of its own.
+template <int Rows, int Panels, int First = 0>
+void tile_sums(const int8_t* tile, const uint8_t* panel, int64_t panel_bytes, int64_t padded, Sums* out) {
+  constexpr int kRows = std::min(kBlockRows, Rows - First);
+  block_sums<kRows, Panels>(tile, First, panel, panel_bytes, padded, out);
+  if constexpr (First + kRows < Rows) tile_sums<Rows, Panels, First + kRows>(tile, panel, panel_bytes, padded, out);
+}
+#endif
+
+// The most Sums a tile's product gives (rows x panels_for(rows))
+constexpr int tile_sums_at_most() {
+  int most = 0;
+  for (int rows = 1; rows <= kTileRows; ++rows) most = std::max(most, rows * panels_for(rows));
+  return most;
+}
+constexpr int kTileSums = tile_sums_at_most();
+
+// ``count`` rows of x (K values each; row m at x + rows[m] * K) quantized, signed, into a tile: [K4 / 4][kTileRows][4]
+// bytes (K4: K rounded up to 4), the rows past count and the values past K zero; each row's scale and what comes off
+// its sums (kOffsetPerValue times the sum of its values).
+// Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (as
+// nearbyint), written four by four, 64 bytes apart.
+template <typename T>
+void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded, int64_t count, int8_t* tile,
+                   float* row_scales, int32_t* corrections) {
+  std::fill(tile, tile + padded * kTileRows, 0);
+  const int64_t groups = padded / 4;
+  for (int64_t m = 0; m < count; ++m) {
+    const T* row = x + rows[m] * size;
+    Lanes largest_lanes = zeros();
+    for (int64_t k = 0; k < size; k += kLanes) largest_lanes = maximum(largest_lanes, magnitude(load_floats(row + k, size - k)));
+    const float largest = std::max(largest_of(largest_lanes), kSmallest);
+    const Lanes inverse = broadcast(kLimit / largest);
+    int32_t sum = 0;
+    for (int64_t k = 0; k < size; k += kLanes) {
+      alignas(64) float integers[kLanes];  // whole numbers in [-127, 127]
+      store(nearest_integers(load_floats(row + k, size - k) * inverse), integers);
+      int8_t bytes[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        bytes[i] = static_cast<int8_t>(integers[i]);
+        sum += bytes[i];
+      }
+      for (int64_t q = 0; q < 4 && k / 4 + q < groups; ++q)
+        std::memcpy(tile + (k / 4 + q) * kTileRows * 4 + m * 4, bytes + q * 4, 4);
+    }
+    row_scales[m] = largest / kLimit;
+    corrections[m] = kOffsetPerValue * sum;
+  }
+}
+
+using TileSums = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, Sums*);
 
 template <int... Counts>
 constexpr std::array<TileSums, sizeof...(Counts)> wide_table(std::integer_sequence<int, Counts...>) {
@@ -114,13 +199,12 @@ constexpr std::array<TileSums, sizeof...(Counts)> narrow_table(std::integer_sequ
 constexpr auto kWide = wide_table(std::make_integer_sequence<int, kTileRows>{});
 constexpr auto kNarrow = narrow_table(std::make_integer_sequence<int, kTileRows>{});
 
-// Whether the ``size`` values of ``row`` are all zeros.
+// Whether the ``size`` values of ``row`` are all zeros (a NaN is not).
 template <typename T>
 bool all_zeros(const T* row, int64_t size) {
-  __mmask16 nonzero = 0;
-  for (int64_t k = 0; k < size; k += 16)
-    nonzero |= _mm512_cmp_ps_mask(load_floats(row + k, size - k).v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-  return nonzero == 0;
+  for (int64_t k = 0; k < size; ++k)
+    if (!(static_cast<float>(row[k]) == 0.0f)) return false;
+  return true;
 }
 
 template <typename T>
@@ -147,7 +231,7 @@ void panels_product(const T* x, int64_t all_rows, int64_t size, const uint8_t* p
   const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
   const int64_t units = (panel_count + group - 1) / group;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    __m512i sums[kSumRegisters];  // rows x panels_for(rows)
+    Sums sums[kTileSums];  // rows x panels_for(rows)
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
       for (int64_t t = 0; t < tiles; ++t) {
@@ -160,14 +244,12 @@ void panels_product(const T* x, int64_t all_rows, int64_t size, const uint8_t* p
                                                        padded, sums);
           for (int64_t m = 0; m < count; ++m) {
             const int64_t index = t * kTileRows + m, row = computed[index];
-            const __m512i correction = _mm512_set1_epi32(corrections[index]);
-            const __m512 row_scale = _mm512_set1_ps(row_scales[index]);
+            const Lanes row_scale = broadcast(row_scales[index]);
             for (int q = 0; q < take; ++q) {
               const int64_t n = (first_panel + p + q) * kOutputs;
-              const __m512 scale = _mm512_maskz_loadu_ps(first_lanes(outputs - n), scales + n);
-              const __m512 value = _mm512_mul_ps(
-                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[m * take + q], correction)), scale), row_scale);
-              store_floats(Lanes{value}, out + row * outputs + n, outputs - n);
+              const Lanes value = scaled(sums[m * take + q], corrections[index], load_floats(scales + n, outputs - n),
+                                         row_scale);
+              store_floats(value, out + row * outputs + n, outputs - n);
             }
           }
           p += take;
@@ -219,4 +301,4 @@ TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) {
   library.impl("int8_panels_linear", &int8_panels_linear_meta);
 }
 
-#endif  // AVX-512 VNNI: where the compiler's target lacks it, the operator is not defined
+#endif  // AVX-512 VNNI or AVX2: where the compiler's target has neither, the operator is not defined
