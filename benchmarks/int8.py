@@ -16,9 +16,17 @@ Load (``--part load``): seconds to load the same model from pre-sharded folders 
 bfloat16 and with ``--quantize int8`` (target: int8 within 0.6x of bfloat16), from a cold page cache (dropped
 before each load: run as root) and a warm one.
 
-    python benchmarks/int8.py                      # every part
+Products (``--part products``, not in ``all``): one int8 layer's product with each int8 kernel this machine runs
+(``accelgen_cpu.int8_kernels.available_kernels``) against float32's product as a float32 run multiplies (the
+plugin's panels where its kernels take them, else ``F.linear``), on the 0.5B model's widths and the dataset model's
+(hidden 256, MLP 682, 32,000-token head), float32 rows, 1 thread, from the cache: microseconds, medians of
+``--rounds`` x 20 calls (3 where a call takes over 10 ms), kernels interleaved within each round (``columns``, which
+the rule never names, left out).
+
+    python benchmarks/int8.py                      # speed, quality and load
     python benchmarks/int8.py --part quality       # seconds
     python benchmarks/int8.py --part speed --rounds 1 --layers 4
+    python benchmarks/int8.py --part products --rounds 5
 """
 
 from __future__ import annotations
@@ -214,9 +222,62 @@ def quality_of(folder: Path, title: str) -> None:
               f"({100 * agreement(name) / total:.1f}%)")
 
 
+#: (rows, inputs, outputs) of the products part: batch-1 decode and batch 16 on the 0.5B model's widths; the dataset
+#: model's layers at 16 rows (a decode step), 64 and 155 (prefills' packed tokens)
+PRODUCT_CASES = ((1, 2048, 5632), (1, 5632, 2048), (16, 2048, 5632), (16, 256, 682), (16, 682, 256), (16, 256, 256),
+                 (16, 256, 32000), (64, 256, 682), (155, 256, 682))
+
+
+def products(arguments) -> None:
+    import time
+
+    from accelgen.quantization.int8_layer import Int8Linear, quantize_rows
+    from accelgen_cpu.int8_kernels import available_kernels, int8_product_on_cpu, use_int8_kernel
+    from accelgen_cpu.native_kernels import native_operator
+    from accelgen_cpu.packed_linear import pack_float_panels
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    panels_product = native_operator("float_panels_linear")
+    kernels = tuple(kernel for kernel in available_kernels() if kernel != "columns")  # the rule never names it
+    float_name = "float32 panels" if panels_product is not None else "float32 F.linear"
+    print(f"| rows, in x out | {' | '.join(kernels)} | {float_name} |\n|---|" + "---:|" * (len(kernels) + 1))
+    for rows, inputs, outputs in PRODUCT_CASES:
+        weight, x = torch.randn(outputs, inputs), torch.randn(rows, inputs)
+        values, scales = quantize_rows(weight)
+        calls = {}
+        for kernel in kernels:
+            if kernel != "fused" and inputs % 16:
+                continue  # _int_mm and oneDNN take rows of a multiple of 16 values: such a layer takes the plain product
+            layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
+            use_int8_kernel(layer, kernel)
+            calls[kernel] = lambda layer=layer, x=x: layer(x)
+        if panels_product is not None:
+            panels = pack_float_panels(weight)
+            calls[float_name] = lambda x=x, panels=panels, outputs=outputs: panels_product(x, panels, outputs, None)
+        else:
+            calls[float_name] = lambda x=x, weight=weight: torch.nn.functional.linear(x, weight)
+        timings: dict[str, list[float]] = {name: [] for name in calls}
+        with torch.no_grad():
+            for _ in range(arguments.rounds):
+                for name, call in calls.items():
+                    started = time.perf_counter()
+                    call()
+                    repeats = 20 if time.perf_counter() - started < 0.01 else 3  # torch's _int_mm takes seconds here
+                    started = time.perf_counter()
+                    for _ in range(repeats):
+                        call()
+                    timings[name].append((time.perf_counter() - started) / repeats * 1e6)
+        medians = {name: statistics.median(values) for name, values in timings.items()}
+        best = min(medians.values())
+        cells = [medians.get(name) for name in (*kernels, float_name)]
+        print(f"| {rows}, {inputs}x{outputs} | " + " | ".join(
+            "-" if cell is None else f"**{cell:,.0f}**" if cell == best else f"{cell:,.0f}" for cell in cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["speed", "quality", "load", "all"], default="all")
+    parser.add_argument("--part", choices=["speed", "quality", "load", "products", "all"], default="all")
     parser.add_argument("--scratch", help="folder for the load part's checkpoints (default: the system's temporary folder)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -228,6 +289,8 @@ def main() -> None:
         load_time(arguments)
     if arguments.part in ("speed", "all"):
         speed(arguments)
+    if arguments.part == "products":
+        products(arguments)
 
 
 if __name__ == "__main__":
