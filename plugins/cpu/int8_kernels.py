@@ -6,7 +6,7 @@ Four kernels give the same integers; which is fastest depends on the number of r
 each layer takes the one a rule over them names (:func:`int8_kernel_for`, from measurements):
 
 - ``"rows"``: torch's ``_int_mm`` over the weight as stored, [out, in] row-major (where oneDNN's product is missing;
-  without VNNI it is slower than float32 by 5 to 70x);
+  without VNNI it is slower than float32 by 4 to 30x);
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
   for several rows the fastest by far on AVX-512 (RESULTS.md, "int8 products on the CPU"); refused where it does not
