@@ -248,7 +248,7 @@ def products(arguments) -> None:
         calls = {}
         for kernel in kernels:
             if kernel != "fused" and inputs % 16:
-                continue  # _int_mm and oneDNN take rows of a multiple of 16 values: such a layer takes the plain product
+                continue  # _int_mm and oneDNN take rows of a multiple of 16 values: such a layer runs the plain product
             layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
             use_int8_kernel(layer, kernel)
             calls[kernel] = lambda layer=layer, x=x: layer(x)

@@ -31,7 +31,7 @@ def float_panels_taken():
 def test_a_packed_layer_gives_the_plain_layers_values(dtype, tolerance, rows, bias):
     """Laid out for 16 rows, the product of 1, 3 or 16 rows, as a matrix and as [batch, positions, features]."""
     if not packing_works(dtype):
-        pytest.skip(f"this CPU's oneDNN has no packed {dtype} product (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+        pytest.skip(f"this CPU's oneDNN has no packed {dtype} product (bfloat16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 80, bias=bias).to(dtype)
     packed = PackedLinear(linear, 16)

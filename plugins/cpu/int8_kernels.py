@@ -1,6 +1,6 @@
 """The CPU's int8 products: each input row quantized to int8 as it comes (a scale of its own, as CTranslate2 and
-OpenVINO do), multiplied in int8 with the layer's int8 weights (byte products: VNNI or AVX2), the int32 sums scaled back by
-both scales. Each row's result depends on that row alone, whatever rows share the product.
+OpenVINO do), multiplied in int8 with the layer's int8 weights (byte products: VNNI or AVX2), the int32 sums scaled
+back by both scales. Each row's result depends on that row alone, whatever rows share the product.
 
 Four kernels give the same integers; which is fastest depends on the number of rows and the CPU's instructions, so
 each layer takes the one a rule over them names (:func:`int8_kernel_for`, from measurements):
@@ -14,8 +14,8 @@ each layer takes the one a rule over them names (:func:`int8_kernel_for`, from m
 - ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, AVX-512 VNNI's byte products or AVX2's) over the
   weight laid out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one
   operator where the others take about ten, each panel read once for several rows; from memory the fastest at one
-  row and at 16 (RESULTS.md, "int8 products in panels", "int8 on AVX2"). Layers of any width take it (the others:
-  multiples of 16).
+  row and at 16 (RESULTS.md, "int8 products in panels", "int8 products on AVX2"). Layers of any width take it (the
+  others: multiples of 16).
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
 scale is applied to its result afterwards, as for ``_int_mm``; its rows are unsigned (zero point 128): the int8

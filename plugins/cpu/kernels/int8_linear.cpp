@@ -121,7 +121,8 @@ ACCELGEN_INLINE void block_sums(const int8_t* tile, int first, const uint8_t* pa
     for (int p = 0; p < Panels; ++p)
       for (int h = 0; h < 2; ++h)
         w[p][h] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * panel_bytes + k * kOutputs + h * 32)), flip);
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * panel_bytes + k * kOutputs + h * 32)),
+            flip);
     const int8_t* values = tile + k * kTileRows + first * 4;
     for (int m = 0; m < Rows; ++m) {
       const __m256i q = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(values + m * 4));
@@ -165,7 +166,8 @@ void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded
   for (int64_t m = 0; m < count; ++m) {
     const T* row = x + rows[m] * size;
     Lanes largest_lanes = zeros();
-    for (int64_t k = 0; k < size; k += kLanes) largest_lanes = maximum(largest_lanes, magnitude(load_floats(row + k, size - k)));
+    for (int64_t k = 0; k < size; k += kLanes)
+      largest_lanes = maximum(largest_lanes, magnitude(load_floats(row + k, size - k)));
     const float largest = std::max(largest_of(largest_lanes), kSmallest);
     const Lanes inverse = broadcast(kLimit / largest);
     int32_t sum = 0;
