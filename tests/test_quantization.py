@@ -168,6 +168,15 @@ def test_each_row_is_multiplied_in_int8_within_its_own_rounding(rows, kernel):
     assert torch.equal(compiled(x), product)
 
 
+def exact_int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The int8 product every kernel must give to the last bit: ``x``'s rows quantized as the kernels quantize them,
+    the exact int32 sums of their and the weight's int8 ``values`` (in float64: every partial sum is an integer below
+    2**53), scaled as ``(sums * weight scale) * row scale`` in float32, rounded to ``x``'s dtype."""
+    row_values, row_scales = int8_kernels.quantize_input_rows(x)
+    sums = (row_values.double() @ values.double().t()).float()
+    return sums.mul(scales.float()).mul(row_scales).to(x.dtype)
+
+
 def test_a_layer_whose_rows_are_not_a_multiple_of_16_values_takes_the_fused_kernel_with_exact_sums():
     """``_int_mm`` and oneDNN take rows of a multiple of 16 values only; the fused kernel takes any (the dataset
     benchmark's MLP is 682 wide): such a layer takes it, and its int32 sums are the exact products of the rows'
@@ -179,9 +188,7 @@ def test_a_layer_whose_rows_are_not_a_multiple_of_16_values_takes_the_fused_kern
     int8_kernels.choose_int8_kernels(model, rows=4)
     assert isinstance(model[0].product, FusedInt8Product)
     x = torch.randn(5, 682) * torch.logspace(0, 2, 5)[:, None]
-    row_values, row_scales = int8_kernels.quantize_input_rows(x)
-    sums = (row_values.double() @ values.double().t()).float()  # exact: every partial sum is an integer below 2**53
-    assert torch.equal(model(x), sums.mul(scales.float()).mul(row_scales))
+    assert torch.equal(model(x), exact_int8_product(x, values, scales))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -200,10 +207,8 @@ def test_every_variants_fused_kernel_gives_the_exact_int8_sums(kernel_variant, t
         for rows in (1, 2, 5, 16, 17, 48):
             x = (torch.randn(rows, inputs) * torch.logspace(0, 3, rows)[:, None]).to(dtype)
             x[0] = x[0].abs().amax()  # a row of +127s: with the weights' +-127, sums of two products at +-32258
-            row_values, row_scales = int8_kernels.quantize_input_rows(x)
-            sums = (row_values.double() @ values.double().t()).float()  # exact: integers below 2**53
             ours = operator(x, int8_kernels.pack_int8_panels(values), scales.float().contiguous())
-            assert torch.equal(ours, sums.mul(scales.float()).mul(row_scales).to(dtype)), (inputs, outputs, rows)
+            assert torch.equal(ours, exact_int8_product(x, values, scales)), (inputs, outputs, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 48])
@@ -220,9 +225,7 @@ def test_the_fused_kernel_gives_the_plain_products_values_to_the_last_bit(rows, 
         layer = Int8Linear(values.clone(), scales, None, int8_product_on_cpu)
         use_int8_kernel(layer, "fused")
         x = (torch.randn(rows, inputs) * torch.logspace(0, 3, rows)[:, None]).to(dtype)
-        row_values, row_scales = int8_kernels.quantize_input_rows(x)
-        sums = (row_values.double() @ values.double().t()).float()  # exact: integers below 2**53
-        assert torch.equal(layer(x), sums.mul(scales.float()).mul(row_scales).to(dtype)), (inputs, outputs)
+        assert torch.equal(layer(x), exact_int8_product(x, values, scales)), (inputs, outputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
