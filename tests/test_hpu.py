@@ -21,40 +21,12 @@ from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan
 from accelgen.model.memory import parameter_bytes
+from accelgen.parallel.launcher import free_port
 from accelgen_hpu import HpuAccelerator, bridge
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
 
 HABANA_DOUBLE = str(Path(__file__).parent / "habana_double")
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_memory_buffers_left():
-    """Under the test double the ranks' DeepSpeed runs its CPU accelerator, whose all-reduce makes shared-memory
-    buffers in /dev/shm that only the CPU plugin removes (on a Gaudi, DeepSpeed's HPU accelerator reduces over HCCL
-    and makes none): the ones a test's job made go with it. Only those no live process maps: a buffer made meanwhile
-    by a job of a test running beside this one (pytest-xdist) is that job's, and a rank of it waits for its name (had
-    its name gone, the job would wait forever in DeepSpeed's join, as it once did in CI)."""
-    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
-    before = set(Path("/dev/shm").glob(pattern))
-    yield
-    mapped = paths_mapped_by_live_processes()
-    for path in set(Path("/dev/shm").glob(pattern)) - before:
-        if str(path) not in mapped:
-            path.unlink(missing_ok=True)
-
-
-def paths_mapped_by_live_processes() -> set[str]:
-    """The files that some live process has mapped (``/proc/PID/maps``)."""
-    mapped = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                lines = (entry / "maps").read_text().splitlines()
-            except OSError:  # ended meanwhile, or not ours to read
-                continue
-            mapped.update(line.split(maxsplit=5)[5] for line in lines if line.count(" ") >= 5 and "/" in line)
-    return mapped
 
 
 @pytest.fixture
@@ -257,14 +229,17 @@ def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generat
         subprocess.run([sys.executable, "-m", "accelgen.cli", "shard", "--device", "cpu", "--model", folder, "--world-size",
                         "2", "--dtype", "float32", "--output", model], env=environment, check=True, capture_output=True)
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "accelgen.cli", "run", "--device", "hpu", "--world-size", "2", "--dtype", "float32",
          "--model", model, *prompt_arguments, "--batch-size", "2", "--max-new-tokens", "10", "--output", str(output),
-         "--details"],
+         "--details", "--master-port", str(port)],
         env=environment, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "deepspeed.launcher.launch" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks
+    # as on a Gaudi (HCCL), the ranks reduced without DeepSpeed's shared-memory buffers, so none is left behind
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
     expected = accelgen.generate(PROMPTS, model=folder, device="hpu", dtype="float32", batch_size=2,
                                  max_new_tokens=10)
