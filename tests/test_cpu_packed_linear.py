@@ -166,3 +166,18 @@ def test_offloaded_runs_pack_nothing(tiny_model_folder, tmp_path):
                               max_device_memory=400_000, offload_folder=str(tmp_path))
     assert _packed_and_plain(generator.model)[0] == 0
     assert len(generator.generate(PROMPTS)[0].completion_token_ids) == 4
+
+
+def test_a_prompts_rows_taken_in_chunks_give_what_each_row_gives_alone(kernel_variant, threads):
+    """A prompt's hundreds of rows, which the product takes in chunks that stay in cache (here 300 rows of 2,048
+    inputs: three chunks, the last one partial): each row's bits what it gives alone, the plain layer's values."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(53, 2048), torch.randn(300, 2048)
+    panels = pack_float_panels(weight)
+
+    def product(rows):
+        return kernel_variant.operators.float_panels_linear(rows, panels, 53, None)
+
+    together = product(x)
+    assert torch.equal(together, torch.cat([product(x[row:row + 1]) for row in range(300)]))
+    assert torch.allclose(together, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-4)

@@ -2,8 +2,8 @@
 // N x K values, each panel holding its 16 outputs' weights input by input ([K][16]), the last one the N % 16 outputs
 // left ([K][N % 16]: no padding), so that one 64-byte load holds one input's weights for 16 outputs and one fused
 // multiply-add adds a row's product to 16 sums. Each panel's stream asks for its weights a page ahead. The rows go in
-// tiles of up to 8; each of a tile's rows is broadcast, input by input, to the panels the tile takes at once. A
-// panel is read once for a tile's rows, and the one or two rows of a decode step take eight panels at once, so
+// tiles of up to 8 (AVX2: 6); each of a tile's rows is broadcast, input by input, to the panels the tile takes at
+// once. A panel is read once for a tile's rows, and the one or two rows of a decode step take eight panels at once, so
 // that eight streams of weights are read side by side: one layout serves the single row of a batch-1 decode, whose
 // bound is reading the weight from memory, and the 16 rows of a prompt or of a batch, whose bound is the
 // multiply-adds, where oneDNN's layouts are each good at one of the two (RESULTS.md, "float32 products in panels").
@@ -32,11 +32,18 @@ constexpr int kSumRegisters = kLaneRegisters * 3 / 4;  // Lanes of sums a tile's
 #if defined(ACCELGEN_LANES_AVX512)
 constexpr int64_t kTileRows = 8;  // rows of a tile
 #else
-constexpr int64_t kTileRows = kSumRegisters < 4 ? kSumRegisters : 4;  // fewer registers: fewer rows a tile
+// as many rows as sums fit (AVX2: 6 rows of one panel, 12 of the 16 ymm registers): a prompt's product keeps 12
+// fused multiply-adds in flight for each input's 2 weight loads and 6 broadcasts
+constexpr int64_t kTileRows = kSumRegisters;
 #endif
 // How far ahead of its loads each panel's stream asks for its weights (into L2): the hardware's prefetching stops at
 // each 4 KB page, a whole page ahead here (a line per input of a whole panel)
 constexpr int64_t kPrefetchInputs = 64;
+// The rows go through the panels in chunks: a prompt's thousands of rows are megabytes, read again for every panel, and
+// a chunk of kChunkBytes (at least kChunkRows rows, whole tiles) stays in the second-level cache meanwhile; the
+// panels are read again for each chunk instead (from the third level: at least kChunkRows rows' products per read)
+constexpr int64_t kChunkBytes = 192 * 1024;
+constexpr int64_t kChunkRows = 128;
 
 // The sums of Rows rows of x (``size`` values each, consecutive) times Panels consecutive whole panels
 // (panel_floats apart), into out[Rows][Panels]: constants, so that every sum stays in a register of its own.
@@ -104,31 +111,35 @@ void panels_product(const float* x, int64_t rows, int64_t size, const float* pan
   const int64_t panel_count = (outputs + kOutputs - 1) / kOutputs, tiles = (rows + kTileRows - 1) / kTileRows;
   const int group = panels_for(static_cast<int>(std::min(kTileRows, rows)));  // the panels of a thread's unit
   const int64_t units = (panel_count + group - 1) / group;
+  const int64_t chunk_tiles = std::max(kChunkRows, kChunkBytes / (size * int64_t{sizeof(float)})) / kTileRows;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     Lanes sums[kSumRegisters];  // rows x panels_for(rows)
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
-      const int64_t whole_in_unit = std::min<int64_t>(in_unit, outputs / kOutputs - first_panel);
-      for (int64_t t = 0; t < tiles; ++t) {  // the unit's panels stay in cache from one tile to the next
-        const int64_t count = std::min(kTileRows, rows - t * kTileRows);
-        const int wide = panels_for(static_cast<int>(count));
-        const float* tile = x + t * kTileRows * size;
-        for (int64_t p = 0; p < in_unit;) {  // the unit's panels, as many at once as the tile's rows take
-          const int take = wide <= whole_in_unit - p ? wide : 1;
-          const int64_t first_output = (first_panel + p) * kOutputs;
-          const auto& sums_of = p >= whole_in_unit ? kPartial : take == wide ? kWide : kNarrow;
-          sums_of[count - 1](tile, size, panels + first_output * size, panel_floats, sums,
-                             std::min(kOutputs, outputs - first_output));
-          for (int64_t m = 0; m < count; ++m) {
-            const int64_t row = t * kTileRows + m;
-            for (int q = 0; q < take; ++q) {
-              const int64_t n = (first_panel + p + q) * kOutputs, filled = std::min(kOutputs, outputs - n);
-              Lanes value = sums[m * take + q];
-              if (bias != nullptr) value = value + load_first(bias + n, filled);
-              store_floats(value, out + row * outputs + n, filled);
+    for (int64_t first_tile = 0; first_tile < tiles; first_tile += chunk_tiles) {  // the chunk stays in cache
+      const int64_t last_tile = std::min(tiles, first_tile + chunk_tiles);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t first_panel = unit * group, in_unit = std::min<int64_t>(group, panel_count - first_panel);
+        const int64_t whole_in_unit = std::min<int64_t>(in_unit, outputs / kOutputs - first_panel);
+        for (int64_t t = first_tile; t < last_tile; ++t) {  // the unit's panels stay in cache from one tile to the next
+          const int64_t count = std::min(kTileRows, rows - t * kTileRows);
+          const int wide = panels_for(static_cast<int>(count));
+          const float* tile = x + t * kTileRows * size;
+          for (int64_t p = 0; p < in_unit;) {  // the unit's panels, as many at once as the tile's rows take
+            const int take = wide <= whole_in_unit - p ? wide : 1;
+            const int64_t first_output = (first_panel + p) * kOutputs;
+            const auto& sums_of = p >= whole_in_unit ? kPartial : take == wide ? kWide : kNarrow;
+            sums_of[count - 1](tile, size, panels + first_output * size, panel_floats, sums,
+                               std::min(kOutputs, outputs - first_output));
+            for (int64_t m = 0; m < count; ++m) {
+              const int64_t row = t * kTileRows + m;
+              for (int q = 0; q < take; ++q) {
+                const int64_t n = (first_panel + p + q) * kOutputs, filled = std::min(kOutputs, outputs - n);
+                Lanes value = sums[m * take + q];
+                if (bias != nullptr) value = value + load_first(bias + n, filled);
+                store_floats(value, out + row * outputs + n, filled);
+              }
             }
+            p += take;
           }
-          p += take;
         }
       }
     }
