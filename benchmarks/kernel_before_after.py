@@ -65,8 +65,8 @@ def main() -> None:
         operators[name] = getattr(torch.ops, f"kernel_{name}").float_panels_linear
     torch.set_num_threads(arguments.threads)
     torch.manual_seed(0)
-    print(f"float_panels_linear, {arguments.variant} build, {arguments.threads} thread(s), medians of {arguments.rounds}; "
-          f"before = {arguments.before}")
+    print(f"float_panels_linear, {arguments.variant} build, {arguments.threads} thread(s), "
+          f"medians of {arguments.rounds}; before = {arguments.before}")
     print("| inputs x outputs | rows | before us | after us | after / before | G multiply-adds/s before / after |")
     print("|---|---:|---:|---:|---:|---:|")
     for inputs, outputs in SHAPES:
@@ -88,7 +88,8 @@ def main() -> None:
             median = {name: statistics.median(values) for name, values in seconds.items()}
             rate = {name: rows * inputs * outputs / value / 1e9 for name, value in median.items()}
             print(f"| {inputs} x {outputs} | {rows:,} | {median['before'] * 1e6:,.0f} | {median['after'] * 1e6:,.0f} | "
-                  f"{median['after'] / median['before']:.2f} | {rate['before']:.1f} / {rate['after']:.1f} |", flush=True)
+                  f"{median['after'] / median['before']:.2f} | {rate['before']:.1f} / {rate['after']:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
