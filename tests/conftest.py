@@ -329,6 +329,12 @@ def job_environment(cli_environment):
 FAULT_DRILL = Path(__file__).parent / "fault_drill"
 
 
+def shared_memory_buffers_of(port: int) -> list[Path]:
+    """The DeepSpeed shared-memory all-reduce buffers in /dev/shm named after a job on ``port`` (any address, any
+    rank): none may be left once the job is over."""
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
 def with_fault_drill(environment: dict, rank: int = 1, hook: str = "prepare_model", first_start_only: bool = False) -> dict:
     """``environment`` with the fault-drill plugin installed (``tests/fault_drill``): rank ``rank`` of the
     processes started with it raises in the accelerator's ``hook`` (with ``first_start_only``, not after a restart)."""

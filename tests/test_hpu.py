@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, with_fault_drill
+from conftest import PROMPTS, shared_memory_buffers_of, with_fault_drill
 from test_parity import MAX_NEW_TOKENS, reference_completions
 
 import accelgen
@@ -239,7 +239,7 @@ def test_two_ranks_started_by_deepspeeds_launcher_generate_what_one_rank_generat
     assert result.returncode == 0, result.stderr
     assert "deepspeed.launcher.launch" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks
     # as on a Gaudi (HCCL), the ranks reduced without DeepSpeed's shared-memory buffers, so none is left behind
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    assert not shared_memory_buffers_of(port)
 
     expected = accelgen.generate(PROMPTS, model=folder, device="hpu", dtype="float32", batch_size=2,
                                  max_new_tokens=10)

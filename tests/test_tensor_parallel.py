@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from accelerators import plugin_manager_with
-from conftest import run_to_the_end, with_fault_drill
+from conftest import run_to_the_end, shared_memory_buffers_of, with_fault_drill
 
 import accelgen
 from accelgen.cli import main
@@ -72,7 +72,7 @@ def test_two_ranks_generate_what_one_process_generates(
                      "--master-port", str(port), "--details")
     assert result.returncode == 0, result.stderr
     # DeepSpeed's shared-memory all-reduce buffers are not left behind in /dev/shm
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
+    assert not shared_memory_buffers_of(port)
 
     expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=batch_size,
                                  max_new_tokens=MAX_NEW_TOKENS)
@@ -212,7 +212,7 @@ def test_a_model_autotp_cannot_shard_is_one_line(tiny_model_folder, job_environm
     [line] = [line for line in result.stderr.splitlines() if line.startswith("accelgen: error:")]
     assert "DeepSpeed cannot shard GPT2LMHeadModel with AutoTP" in line and "--world-size 1" in line
     # DeepSpeed made its shared-memory all-reduce buffers before it refused the model: the failed job removed them
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    assert not shared_memory_buffers_of(port)
 
 
 #: A plugin replacing the CPU accelerator by one whose capture pays after 40 decode steps and runs the step twice over
