@@ -26,6 +26,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import SamplingSettings
 from accelgen.generation.sampling import RowSampling, allowed_tokens, choose_tokens, chosen_logprobs, uniform_draws
+from accelgen.plugin.contract import TokenDraw
 
 #: ``forward(input_ids [B, T], attention_mask [B, L], position_ids [B, T], cache_position [T]) -> logits [B, V]``
 #: of the last position, writing the keys and values of the T tokens into the KV cache it is bound to.
@@ -96,6 +97,7 @@ class TokenRules:
     logprobs: bool = False  # record each chosen token's log-probability
     per_row: bool = False  # rows choose their own sampling (greedy or not, temperature, top-p, seed)
     constrained: bool = False  # rows may be held to a structure: tokens are chosen among those their mask allows
+    device_draw: TokenDraw | None = None  # the device's own draw, where nothing is filtered (``choose_tokens``)
 
 
 def ending_table(token_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -230,7 +232,7 @@ def prefill(forward: Forward, input_ids: torch.Tensor, prompt_mask: torch.Tensor
     first_step = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     uniform = uniform_draws(sampling.seed_keys, draw_keys, first_step)
     allowed = allowed_tokens(allowed, logits.shape[-1]) if rules.constrained else None
-    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row, allowed)
+    tokens = choose_tokens(logits, rules.sampling, uniform, sampling, rules.per_row, allowed, rules.device_draw)
     logprobs = chosen_logprobs(logits, tokens) if rules.logprobs else torch.zeros_like(tokens, dtype=torch.float32)
     return tokens, logprobs
 
@@ -292,7 +294,8 @@ def decode_one_token(forward: Forward, state: DecodeState, rules: TokenRules, ro
     logits = forward(state.input_ids, state.attention_mask, state.position_ids, cache_position)
     uniform = state.uniforms.gather(1, state.steps.unsqueeze(-1)).squeeze(-1)
     allowed = allowed_tokens(state.allowed, logits.shape[-1]) if rules.constrained else None  # each row's structure
-    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row, allowed)
+    chosen = choose_tokens(logits, rules.sampling, uniform, state.sampling, rules.per_row, allowed,
+                           rules.device_draw)
     next_tokens = record_tokens(state, chosen, rules, chosen_logprobs(logits, chosen) if rules.logprobs else None)
     state.input_ids.copy_(next_tokens.unsqueeze(-1))
     state.position_ids.add_(1)

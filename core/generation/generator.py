@@ -73,7 +73,7 @@ class Generator:
         rules = decoding.TokenRules(
             sampling=run.sampling, ending_tokens=decoding.ending_table(eos_ids, loaded.device),
             pad_token_id=self.tokenizer.pad_token_id, stop_at_eos=not run.ignore_eos, logprobs=run.logprobs,
-            per_row=run.rows_choose, constrained=run.constrained,
+            per_row=run.rows_choose, constrained=run.constrained, device_draw=self.accelerator.token_draw(),
         )
         self.constraints = SlotConstraints(GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos_ids),
                                            run.batch_size, markers) if run.constrained else None

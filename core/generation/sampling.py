@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from accelgen.common.settings import SamplingSettings
+from accelgen.plugin.contract import TokenDraw
 from accelgen.common.static_sizes import static_shape
 
 _MASK_32 = 0xFFFFFFFF
@@ -57,7 +58,7 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
         logits = torch.where(allowed, logits, float("-inf"))
     # shifted to a largest of 0 before the temperature divides them (as a product by its inverse): the same
     # distribution, and no exponential overflows
-    logits = (logits - logits.amax(-1, keepdim=True)) * (1 / rows.temperatures.clamp(min=1e-5)).unsqueeze(-1)
+    logits = (logits - logits.amax(-1, keepdim=True)) * inverse_temperatures(rows).unsqueeze(-1)
     if sampling.top_k > 0:
         kth_largest = torch.topk(logits, min(sampling.top_k, static_shape(logits)[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -69,11 +70,22 @@ def logits_to_weights(logits: torch.Tensor, sampling: SamplingSettings, rows: Ro
         remove_sorted = torch.cat([cumulative[:, :-1] <= 1 - rows.top_ps.unsqueeze(-1), keep_last], dim=-1)
         remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    if allowed is None and sampling.top_k <= 0 and not (sampling.top_p < 1.0 or per_row):
-        return logits.exp()  # nothing filtered out
+    if filters_nothing(sampling, per_row, allowed):
+        return logits.exp()
     # most tokens are -inf here, which torch's CPU exp takes a slow path for (as any result below float32's smallest
     # normal number): those weigh 0 without it
     return torch.where(logits < SMALLEST_EXPONENT, 0.0, logits.clamp(min=SMALLEST_EXPONENT).exp())
+
+
+def filters_nothing(sampling: SamplingSettings, per_row: bool, allowed: torch.Tensor | None) -> bool:
+    """Whether a draw takes every token by its probability after temperature: no top-k, no top-p (the run's, or the
+    rows' own), no structure."""
+    return allowed is None and sampling.top_k <= 0 and not (sampling.top_p < 1.0 or per_row)
+
+
+def inverse_temperatures(rows: RowSampling) -> torch.Tensor:
+    """Each row's 1 / temperature [B], what its logits are multiplied by (a temperature of 0 taken as 1e-5)."""
+    return 1 / rows.temperatures.clamp(min=1e-5)
 
 
 #: The smallest x whose exp(x) is a normal float32 number.
@@ -88,17 +100,22 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingSettings, rows: RowS
 
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: torch.Tensor,
-                  rows: RowSampling | None = None, per_row: bool = False, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                  rows: RowSampling | None = None, per_row: bool = False, allowed: torch.Tensor | None = None,
+                  device_draw: TokenDraw | None = None) -> torch.Tensor:
     """Next token ids [B] from logits [B, V]: the most likely when greedy, else a seeded draw.
 
     ``uniform`` [B] is each row's number for its draw (:func:`uniform_draws` of its seed, prompt number and step;
     see the module docstring), unread when greedy. ``rows``: each row's temperature and top-p (default: the
     run's). With ``per_row`` the rows choose
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
-    ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's)."""
+    ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's). ``device_draw``: the
+    device's own operator for the draw where nothing is filtered out (``Accelerator.token_draw``), in place of the
+    torch operations of :func:`logits_to_weights` and :func:`draw`."""
     if not (sampling.do_sample or per_row):
         return most_likely(logits, allowed)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
+    if device_draw is not None and filters_nothing(sampling, per_row, allowed):
+        return device_draw(logits, inverse_temperatures(rows), uniform)
     drawn = draw(logits_to_weights(logits, sampling, rows, per_row, allowed), uniform)
     return torch.where(rows.temperatures > 0, drawn, most_likely(logits, allowed)) if per_row else drawn
 

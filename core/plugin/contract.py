@@ -95,6 +95,10 @@ class LinearLayout(Protocol):
         """The core wrote the weight: lay it out again, in place (captured steps keep the addresses they read)."""
 
 
+#: ``draw(logits [B, V], inverse_temperatures [B], uniform [B]) -> token ids [B]`` (``Accelerator.token_draw``)
+TokenDraw = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
 class Accelerator(abc.ABC):
     """Everything that is specific to one kind of hardware. The core calls nothing else device-specific.
 
@@ -249,6 +253,15 @@ class Accelerator(abc.ABC):
         LoRA adapters of ``accelgen.adapters.lora_layer``, written when an adapter takes a buffer slot), for a product
         of this device's own that is faster than torch's over the weight as stored; called once per weight, on this
         device, after ``prepare_model``. Default: None (torch's product)."""
+        return None
+
+    def token_draw(self) -> "TokenDraw | None":
+        """The device's own operator for a seeded draw, where it has one: ``draw(logits [B, V], inverse_temperatures
+        [B], uniform [B]) -> token ids [B]`` (int64), the token ``accelgen.generation.sampling.choose_tokens`` draws
+        when nothing is filtered out (no top-k, top-p or structure): the weights exp((logit - largest) x inverse
+        temperature), those of an exponent below -87 zero, drawn from as ``sampling.draw`` draws, the same token up to
+        the rounding of the weights. It runs inside captured steps: it must not wait for the host. Default: None (the
+        core's torch operations, some thirty a step)."""
         return None
 
     def mark_step(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from accelgen.common.errors import UsageError, interruption_in
 from accelgen.common.host_memory import peak_resident_bytes, system_memory
 from accelgen.common.settings import LaunchPlan, RunSettings, World
-from accelgen.plugin.contract import Accelerator, Tuning, hookimpl
+from accelgen.plugin.contract import Accelerator, TokenDraw, Tuning, hookimpl
 from accelgen_cpu.compile_marks import compiled_before, mark_compiled, step_key
 from accelgen_cpu.extension_lock import (
     check_extension_build_lock,
@@ -103,6 +103,9 @@ class CpuAccelerator(Accelerator):
         # (RESULTS.md, "LoRA adapters")
         operator = native_operator("float_panels_linear") if weight.dtype == torch.float32 else None
         return None if operator is None else FloatPanels(weight, operator)
+
+    def token_draw(self) -> TokenDraw | None:
+        return native_operator("draw_tokens")
 
     def worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
         return launch_environment(plan.processes_per_node)
