@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from accelgen.common.settings import SamplingSettings
-from accelgen.plugin.contract import TokenDraw
 from accelgen.common.static_sizes import static_shape
+from accelgen.plugin.contract import TokenDraw
 
 _MASK_32 = 0xFFFFFFFF
 
