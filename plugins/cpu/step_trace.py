@@ -45,6 +45,12 @@ def traced(step: Callable[..., torch.Tensor], example_inputs: tuple[torch.Tensor
         first = reads[0]
         raise StepNotTraceable(f"{str(first.message).split('.')[0]} at {first.filename}:{first.lineno}")
 
+    inline = getattr(torch._C, "_jit_pass_inline", None)
+    if inline is not None and isinstance(step_graph, torch.jit.ScriptModule):
+        # the calls of the step's submodules inlined into its graph, before its first run: one graph where each of the
+        # model's modules was a method call of the interpreter's (some sixty a step)
+        inline(step_graph.graph)
+
     def replay(*buffers: torch.Tensor) -> torch.Tensor:
         # As recorded, without TorchScript's optimizations: they take the tensors the graph holds and never writes
         # itself for constants (a LoRA adapter's buffers, which the core writes between calls, folded as they were)
