@@ -242,8 +242,11 @@ def test_a_row_of_zeros_gives_zeros_and_leaves_the_other_rows_as_they_were(kerne
     x = torch.randn(19, 256).to(dtype)
     dead = torch.tensor([0, 3, 4, 17, 18])
     x[dead] = 0
+    x[3] = -0.0  # zeros of either sign
+    x[5] = 0
+    x[5, -1] = 1e-3  # zeros but for its last value: computed
     product = layer(x)
-    assert bool((product[dead] == 0).all())
+    assert bool((product[dead] == 0).all()) and bool((product[5] != 0).any())
     alive = torch.ones(19, dtype=torch.bool).index_fill_(0, dead, False)
     assert torch.equal(product[alive], layer(x[alive]))
 
