@@ -89,11 +89,9 @@ struct Sums {  // 16 int32 sums: two registers
   __m256i low, high;
 };
 
-ACCELGEN_INLINE Lanes scaled(Sums sums, int32_t correction, Lanes scale, Lanes row_scale) {
-  const __m256i off = _mm256_set1_epi32(correction);
-  const Lanes values{_mm256_cvtepi32_ps(_mm256_sub_epi32(sums.low, off)),
-                     _mm256_cvtepi32_ps(_mm256_sub_epi32(sums.high, off))};
-  return values * scale * row_scale;
+// sums * scale * row_scale, in float32, in that order: the signed products leave no correction (kOffsetPerValue 0)
+ACCELGEN_INLINE Lanes scaled(Sums sums, int32_t, Lanes scale, Lanes row_scale) {
+  return Lanes{_mm256_cvtepi32_ps(sums.low), _mm256_cvtepi32_ps(sums.high)} * scale * row_scale;
 }
 
 // Of AVX2's 16 registers, a block's sums take two a row and panel, each panel's weights two, a row's values and
