@@ -108,9 +108,9 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, uniform: tor
     see the module docstring), unread when greedy. ``rows``: each row's temperature and top-p (default: the
     run's). With ``per_row`` the rows choose
     (an OpenAI batch file's requests): a row of temperature 0 is greedy, the others draw, whatever the run's
-    ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's). ``device_draw``: the
-    device's own operator for the draw where nothing is filtered out (``Accelerator.token_draw``), in place of the
-    torch operations of :func:`logits_to_weights` and :func:`draw`."""
+    ``do_sample``. ``allowed`` [B, V] (bool): each row chooses among those tokens only (its structure's).
+    ``device_draw``: the device's own operator for the draw where nothing is filtered out
+    (``Accelerator.token_draw``), in place of the torch operations of :func:`logits_to_weights` and :func:`draw`."""
     if not (sampling.do_sample or per_row):
         return most_likely(logits, allowed)
     rows = rows if rows is not None else RowSampling.of_run(sampling, logits.shape[0], logits.device)
