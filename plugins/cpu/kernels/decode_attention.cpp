@@ -105,9 +105,7 @@ template <typename T>
 inline float exp_in_place(float* scores, int64_t span) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     constexpr float kLowest = -std::numeric_limits<float>::infinity();
-    Lanes tops = broadcast(kLowest);
-    for (int64_t j = 0; j < span; j += kLanes) tops = maximum(tops, load_first(scores + j, span - j, kLowest));
-    const Lanes top = broadcast(largest_of(tops));
+    const Lanes top = broadcast(largest_value(scores, span));
     Lanes totals = zeros();
     for (int64_t j = 0; j < span; j += kLanes) {  // past the span: -inf, whose weight is 0
       const Lanes weights = exp_of_nonpositive_lanes(load_first(scores + j, span - j, kLowest) - top);

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #ifndef ACCELGEN_KERNELS_NAMESPACE
@@ -351,6 +352,15 @@ ACCELGEN_INLINE Lanes load_floats(const T* values, int64_t count = kLanes, float
     static constexpr float kIndices[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     return where_below(load(kIndices), static_cast<float>(count), lanes, broadcast(fill));
   }
+}
+
+// The largest of the first ``count`` values of float32 or bfloat16 (-inf where there are none), sixteen at a time.
+template <typename T>
+ACCELGEN_INLINE float largest_value(const T* values, int64_t count) {
+  constexpr float kLowest = -std::numeric_limits<float>::infinity();
+  Lanes tops = broadcast(kLowest);
+  for (int64_t k = 0; k < count; k += kLanes) tops = maximum(tops, load_floats(values + k, count - k, kLowest));
+  return largest_of(tops);
 }
 
 // ``values`` rounded to T's precision as torch rounds a float32 into T, kept as float32: what

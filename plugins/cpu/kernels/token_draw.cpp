@@ -32,9 +32,7 @@ template <typename T>
 int64_t draw_row(const T* logits, int64_t size, float inverse_temperature, float uniform, float* weights,
                  float* block_ends) {
   constexpr float kLowest = -std::numeric_limits<float>::infinity();
-  Lanes tops = broadcast(kLowest);
-  for (int64_t k = 0; k < size; k += kLanes) tops = maximum(tops, load_floats(logits + k, size - k, kLowest));
-  const Lanes largest = broadcast(largest_of(tops)), inverse = broadcast(inverse_temperature);
+  const Lanes largest = broadcast(largest_value(logits, size)), inverse = broadcast(inverse_temperature);
   const int64_t blocks = (size + kBlock - 1) / kBlock;
   float running = 0.0f;
   int64_t last_weighted_block = 0;  // the last block of any weight
