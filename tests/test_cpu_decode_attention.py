@@ -171,6 +171,33 @@ def test_a_prompts_queries_attend_as_sdpa_does(kernel_variant, threads, dtype, t
     assert bool((ours[~real] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_heads", [4, 2])
+@pytest.mark.parametrize("size", [32, 64, 128])
+def test_a_packed_prompts_query_gets_the_same_bits_with_or_without_its_neighbours(kernel_variant, threads, dtype,
+                                                                                 key_heads, size):
+    """prompt_attention over prompts packed in one row (a packed prefill's block-diagonal causal mask, one prompt's
+    scores with a bias): each query's output is bit for bit what the kernel gives that query alone (the kernel sums
+    two queries' values in one pass where they start at one position: each query's sums must stay its own)."""
+    torch.manual_seed(0)
+    heads, lengths = 4, [5, 9, 1, 12]
+    queries = sum(lengths)
+    query = torch.randn(1, heads, queries, size, dtype=dtype)
+    key, value = (torch.randn(1, key_heads, queries, size, dtype=dtype) for _ in range(2))
+    mask = torch.full((1, 1, queries, queries), torch.finfo(dtype).min, dtype=dtype)
+    start = 0
+    for length in lengths:
+        mask[0, 0, start:start + length, start:start + length] = torch.zeros(length, length, dtype=dtype).masked_fill(
+            torch.ones(length, length, dtype=torch.bool).triu(1), torch.finfo(dtype).min)
+        start += length
+    mask[0, 0, 6:14, 5:14] += torch.linspace(-1, 1, 9, dtype=dtype) * mask[0, 0, 6:14, 5:14].eq(0)  # a bias
+    operator = kernel_variant.operators.prompt_attention
+    together = operator(query, key, value, mask, size**-0.5)
+    for t in range(queries):
+        alone = operator(query[:, :, t:t + 1], key, value, mask[:, :, t:t + 1], size**-0.5)
+        assert torch.equal(together[:, :, t:t + 1], alone), t
+
+
 def test_models_whose_attention_goes_through_transformers_interface_decode_with_it(tiny_model_folder):
     """Llama's attention modules do a decode step's attention in one operator, and a prefill attends with the prompt
     kernel where this processor's variant takes it (else SDPA), a call a layer (test_parity.py: the tokens are Hugging

@@ -124,11 +124,13 @@ inline float exp_in_place(float* scores, int64_t span) {
   return 1.0f / total;
 }
 
-// The loops of span_kernels: scores of a span's positions, and the weighted sum of their values.
+// The loops of span_kernels: scores of a span's positions, and the weighted sum of their values (added to the
+// output's), for one query or (values_pair, where it pays: null elsewhere) two.
 template <typename T>
 struct SpanKernels {
   void (*scores)(const float*, const T*, int64_t, int64_t, float, const float*, float*);
   void (*values)(const float*, const T*, int64_t, int64_t, float*);
+  void (*values_pair)(const float*, const float*, const T*, int64_t, int64_t, float*, float*);
 };
 
 // Heads of 32, 64 or 128 values (Chunks = D / 16 Lanes each) take these: a position's products in registers, and
@@ -169,11 +171,11 @@ void span_scores(const float* query, const T* keys, int64_t step, int64_t span, 
   scaled_scores(scores, span, scale, mask);
 }
 
-// out = sum_j weights[j] values[j] over the span's positions (step apart).
+// out += sum_j weights[j] values[j] over the span's positions (step apart), j in order.
 template <int Chunks, typename T>
 void span_values(const float* weights, const T* values, int64_t step, int64_t span, float* out) {
   Lanes sum[Chunks];
-  for (int c = 0; c < Chunks; ++c) sum[c] = zeros();
+  for (int c = 0; c < Chunks; ++c) sum[c] = load(out + kLanes * c);
   for (int64_t j = 0; j < span; ++j) {
     const T* value = values + j * step;
     const Lanes weight = broadcast(weights[j]);
@@ -182,14 +184,41 @@ void span_values(const float* weights, const T* values, int64_t step, int64_t sp
   for (int c = 0; c < Chunks; ++c) store(sum[c], out + kLanes * c);
 }
 
+// span_values for two queries over the same positions, each query's sums as span_values makes them: for heads so
+// small that one query's sums (Chunks Lanes) are too few chains of multiply-adds to keep the multipliers busy (each
+// waits for the last), the other query's proceed between.
+template <int Chunks, typename T>
+void span_values_pair(const float* weights, const float* other_weights, const T* values, int64_t step, int64_t span,
+                      float* out, float* other_out) {
+  Lanes sum[Chunks], other[Chunks];
+  for (int c = 0; c < Chunks; ++c) sum[c] = load(out + kLanes * c), other[c] = load(other_out + kLanes * c);
+  for (int64_t j = 0; j < span; ++j) {
+    const T* value = values + j * step;
+    const Lanes weight = broadcast(weights[j]), other_weight = broadcast(other_weights[j]);
+    for (int c = 0; c < Chunks; ++c) {
+      const Lanes v = load_floats(value + kLanes * c);
+      sum[c] = multiply_add(weight, v, sum[c]);
+      other[c] = multiply_add(other_weight, v, other[c]);
+    }
+  }
+  for (int c = 0; c < Chunks; ++c) store(sum[c], out + kLanes * c), store(other[c], other_out + kLanes * c);
+}
+
+// span_values_pair where two queries' sums take at most half the registers (AVX2: heads of 32; AVX-512: up to 128),
+// else null: a query's own sums are then chains enough, and twice as many would not stay in registers.
+template <int Chunks, typename T>
+constexpr auto values_pair() -> decltype(&span_values_pair<Chunks, T>) {
+  return 2 * Chunks <= kLaneRegisters / 2 ? &span_values_pair<Chunks, T> : nullptr;
+}
+
 // The span kernels of heads of ``size`` values; none (the generic loops) for other sizes or dtypes.
 template <typename T>
 std::optional<SpanKernels<T>> span_kernels(int64_t size) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     switch (size) {
-      case 32: return SpanKernels<T>{&span_scores<2, T>, &span_values<2, T>};
-      case 64: return SpanKernels<T>{&span_scores<4, T>, &span_values<4, T>};
-      case 128: return SpanKernels<T>{&span_scores<8, T>, &span_values<8, T>};
+      case 32: return SpanKernels<T>{&span_scores<2, T>, &span_values<2, T>, values_pair<2, T>()};
+      case 64: return SpanKernels<T>{&span_scores<4, T>, &span_values<4, T>, values_pair<4, T>()};
+      case 128: return SpanKernels<T>{&span_scores<8, T>, &span_values<8, T>, values_pair<8, T>()};
       default: break;
     }
   }
@@ -205,11 +234,21 @@ struct SeenSpan {
   bool adds_nothing;
 };
 
+// Whether the 16 values from ``mask`` are all at most ``unseen`` (a NaN is not): one test the compiler vectorizes.
+inline bool all_unseen(const float* mask, float unseen) {
+  bool all = true;
+  for (int i = 0; i < kLanes; ++i) all &= mask[i] <= unseen;
+  return all;
+}
+
 inline SeenSpan seen_span(const float* mask, int64_t length) {
   const float unseen = std::numeric_limits<float>::lowest() / 2;
   int64_t first = 0, end = length;
+  // sixteen at a time past unseen positions (most of a packed prompt's row), then one at a time
+  while (first + kLanes <= length && all_unseen(mask + first, unseen)) first += kLanes;
   while (first < length && mask[first] <= unseen) ++first;
   if (first == length) return {length, length, true};
+  while (end - kLanes > first && all_unseen(mask + end - kLanes, unseen)) end -= kLanes;
   while (mask[end - 1] <= unseen) --end;
   bool adds = false;
   for (int64_t j = first; j < end; ++j) adds |= mask[j] != 0.0f;
@@ -287,10 +326,19 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
   // share out over more threads than there are heads
   const int64_t blocks = (queries + kQueryBlock - 1) / kQueryBlock, items = rows * key_heads * blocks;
 
+  const bool pairing = queries > 1;  // a prompt's consecutive queries from one first position: values_pair
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query_values(groups * size), row(size), sums(groups * size), inverses(groups), scores;
-    std::vector<T> rotated(size);
     const std::optional<SpanKernels<T>> vectorized = span_kernels<T>(size);
+    std::vector<float> row(size);
+    std::vector<T> rotated(size);
+    // a query's working values: its heads' queries as float32, their weights over its span, their sums and the
+    // inverses of their weights' totals; two for a pair of queries
+    struct Query {
+      int64_t t, first, end;
+      std::vector<float> values, scores, sums, inverses;
+    };
+    Query work[2];
+    for (Query& w : work) w.values.resize(groups * size), w.sums.resize(groups * size), w.inverses.resize(groups);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (key_heads * blocks), kh = item / blocks % key_heads, block = item % blocks;
       if (tokens) {  // the row's new key (rotated) and value at its write position
@@ -299,35 +347,32 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
                tokens->sin + b * tokens->sin_row, size, k + b * k_row + kh * k_head + position * k_pos);
         std::copy_n(tokens->value + b * tokens->value_row + kh * size, size, v + b * v_row + kh * v_head + position * v_pos);
       }
-      for (int64_t t = block * kQueryBlock; t < std::min(queries, (block + 1) * kQueryBlock); ++t) {
-        const auto [first, last, adds_nothing] = spans[b * queries + t];
-        if (first == length) {  // sees nothing
-          for (int64_t g = 0; g < groups; ++g)
-            std::fill_n(out.start + b * out.row + t * out.position + (kh * groups + g) * out.head, size, T(0));
-          continue;
-        }
+      const T* values = v + b * v_row + kh * v_head;
+
+      // query t's scores, weights (exp(score - largest), rounded to T) and their totals' inverses; its sums zeroed
+      const auto weigh = [&](int64_t t, Query& w) {
+        const SeenSpan& seen = spans[b * queries + t];
+        w.t = t, w.first = seen.first, w.end = seen.end;
         for (int64_t g = 0; g < groups; ++g) {
           const T* query_g = q.start + b * q.row + t * q.position + (kh * groups + g) * q.head;
           if (tokens) {
             rotate(query_g, tokens->cos + b * tokens->cos_row, tokens->sin + b * tokens->sin_row, size, rotated.data());
             query_g = rotated.data();
           }
-          to_float(query_g, &query_values[g * size], size);
+          to_float(query_g, &w.values[g * size], size);
         }
-        const float* row_mask = m + (b * queries + t) * length;
-        const int64_t span = last - first;
-        scores.resize(groups * span);
-        const T* keys = k + b * k_row + kh * k_head + first * k_pos;
-        const T* values = v + b * v_row + kh * v_head;
-        if (prefetching) prefetch_positions(values + first * v_pos, v_pos, span, size);  // arriving with the scores
+        const int64_t span = seen.end - seen.first;
+        w.scores.resize(groups * span);
+        const T* keys = k + b * k_row + kh * k_head + seen.first * k_pos;
+        if (prefetching) prefetch_positions(values + seen.first * v_pos, v_pos, span, size);  // arriving with the scores
+        // a mask of zeros over the span is not read (adding 0 changes no score but -0's sign, whose weight is the same)
+        const float* mask_span = seen.adds_nothing ? nullptr : m + (b * queries + t) * length + seen.first;
+        const float factor = static_cast<float>(scale);
         for (int64_t g = 0; g < groups; ++g) {
-          const float* query_g = &query_values[g * size];
-          float* s = &scores[g * span];
-          // a mask of zeros over the span is not read (adding 0 changes no score but -0's sign, whose weight is the same)
-          const float* row_mask_span = adds_nothing ? nullptr : row_mask + first;
-          const float factor = static_cast<float>(scale);
+          const float* query_g = &w.values[g * size];
+          float* s = &w.scores[g * span];
           if (vectorized) {
-            vectorized->scores(query_g, keys, k_pos, span, factor, row_mask_span, s);
+            vectorized->scores(query_g, keys, k_pos, span, factor, mask_span, s);
             continue;
           }
           int64_t j = 0;
@@ -344,40 +389,78 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
             }
             s[j] = dot(query_g, key_j, size);
           }
-          scaled_scores(s, span, factor, row_mask_span);
+          scaled_scores(s, span, factor, mask_span);
         }
-        for (int64_t g = 0; g < groups; ++g) inverses[g] = exp_in_place<T>(&scores[g * span], span);
+        for (int64_t g = 0; g < groups; ++g) w.inverses[g] = exp_in_place<T>(&w.scores[g * span], span);
+        std::fill(w.sums.begin(), w.sums.end(), 0.0f);
+      };
+
+      // positions [from, to) of w's span weighed into its sums, for head g
+      const auto add_values = [&](Query& w, int64_t g, int64_t from, int64_t to) {
+        const int64_t span = w.end - w.first;
+        const float* weights = &w.scores[g * span + from - w.first];
+        float* sum = &w.sums[g * size];
+        if (vectorized) return vectorized->values(weights, values + from * v_pos, v_pos, to - from, sum);
+        for (int64_t j = from; j < to; ++j) {
+          const T* value_j = values + j * v_pos;
+          const float* vf;
+          if constexpr (std::is_same_v<T, float>) {
+            vf = value_j;
+          } else {
+            to_float(value_j, row.data(), size);
+            vf = row.data();
+          }
+          const float weight = weights[j - from];
+          for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+        }
+      };
+
+      const auto write = [&](const Query& w) {
+        for (int64_t g = 0; g < groups; ++g) {
+          T* o = out.start + b * out.row + w.t * out.position + (kh * groups + g) * out.head;
+          for (int64_t d = 0; d < size; ++d) o[d] = static_cast<T>(w.sums[g * size + d] * w.inverses[g]);
+        }
+      };
+
+      const int64_t last_query = std::min(queries, (block + 1) * kQueryBlock);
+      for (int64_t t = block * kQueryBlock; t < last_query;) {
+        Query& w = work[0];
+        if (spans[b * queries + t].first == length) {  // sees nothing
+          for (int64_t g = 0; g < groups; ++g)
+            std::fill_n(out.start + b * out.row + t * out.position + (kh * groups + g) * out.head, size, T(0));
+          ++t;
+          continue;
+        }
+        weigh(t, w);
+        // the next query from the same first position weighs now, so that both sum their values in one pass over
+        // the positions both see, each in order (each query's sums are what it alone makes)
+        Query* other = nullptr;
+        if (pairing && vectorized && vectorized->values_pair && t + 1 < last_query &&
+            spans[b * queries + t + 1].first == w.first) {
+          other = &work[1];
+          weigh(t + 1, *other);
+        }
         if (prefetching && item + 1 < items) {  // the next item's keys, arriving while these values are summed
           const int64_t next_b = (item + 1) / key_heads, next_kh = (item + 1) % key_heads;  // one block a row
           const SeenSpan& next = spans[next_b];
           if (next.first < length)
             prefetch_positions(k + next_b * k_row + next_kh * k_head + next.first * k_pos, k_pos, next.end - next.first, size);
         }
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        if (vectorized) {
-          for (int64_t g = 0; g < groups; ++g)
-            vectorized->values(&scores[g * span], values + first * v_pos, v_pos, span, &sums[g * size]);
-        } else {
-          for (int64_t j = 0; j < span; ++j) {
-            const T* value_j = values + (first + j) * v_pos;
-            const float* vf;
-            if constexpr (std::is_same_v<T, float>) {
-              vf = value_j;
-            } else {
-              to_float(value_j, row.data(), size);
-              vf = row.data();
-            }
-            for (int64_t g = 0; g < groups; ++g) {
-              const float weight = scores[g * span + j];
-              float* sum = &sums[g * size];
-              for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
-            }
-          }
-        }
         for (int64_t g = 0; g < groups; ++g) {
-          T* o = out.start + b * out.row + t * out.position + (kh * groups + g) * out.head;
-          for (int64_t d = 0; d < size; ++d) o[d] = static_cast<T>(sums[g * size + d] * inverses[g]);
+          if (other == nullptr) {
+            add_values(w, g, w.first, w.end);
+            continue;
+          }
+          const int64_t both = std::min(w.end, other->end);
+          vectorized->values_pair(&w.scores[g * (w.end - w.first)], &other->scores[g * (other->end - other->first)],
+                                  values + w.first * v_pos, v_pos, both - w.first, &w.sums[g * size],
+                                  &other->sums[g * size]);
+          add_values(w, g, both, w.end);
+          add_values(*other, g, both, other->end);
         }
+        write(w);
+        if (other) write(*other);
+        t += other ? 2 : 1;
       }
     }
   });
