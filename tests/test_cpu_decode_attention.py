@@ -172,6 +172,23 @@ def test_a_prompts_queries_attend_as_sdpa_does(kernel_variant, threads, dtype, t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_prefills_mask_lets_each_token_see_its_own_prompt_up_to_itself(dtype):
+    """block_causal_mask (the mask of prompts packed one after another in one row, which the CPU's prompt kernel
+    reads): 0 where a token sees (a token of its own prompt at or before itself), the dtype's lowest elsewhere."""
+    from accelgen.model.transformers_adapter.forward import block_causal_mask
+
+    lengths = [3, 1, 7, 2]
+    prompt_of = torch.cat([torch.full((length,), prompt) for prompt, length in enumerate(lengths)])
+    mask = block_causal_mask(prompt_of, dtype)
+    tokens = len(prompt_of)
+    assert mask.shape == (1, 1, tokens, tokens) and mask.dtype == dtype
+    for query in range(tokens):
+        for key in range(tokens):
+            sees = bool(prompt_of[query] == prompt_of[key]) and key <= query
+            assert float(mask[0, 0, query, key]) == (0 if sees else torch.finfo(dtype).min), (query, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key_heads", [4, 2])
 @pytest.mark.parametrize("size", [32, 64, 128])
 def test_a_packed_prompts_query_gets_the_same_bits_with_or_without_its_neighbours(kernel_variant, threads, dtype,

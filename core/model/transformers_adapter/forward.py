@@ -119,11 +119,18 @@ class ModelForward:
 
 def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The 4D mask [1, 1, N, N] of prompts run one after another in one row (``prompt_of`` [N]: which prompt each
-    token is of): 0 where a token may attend (a token of its own prompt, at or before itself), the dtype's most
-    negative value elsewhere."""
-    positions = torch.arange(prompt_of.shape[0], device=prompt_of.device)
-    visible = (prompt_of[:, None] == prompt_of[None, :]) & (positions[None, :] <= positions[:, None])
-    return _additive(visible, dtype)[None, None]
+    token is of, each prompt's tokens side by side): 0 where a token may attend (a token of its own prompt, at or
+    before itself), the dtype's most negative value elsewhere. Filled once, then each prompt's causal block: a few
+    passes over its N x N values where comparing every token with every other took five (the eager prefill's mask is
+    made for each pass)."""
+    tokens = prompt_of.shape[0]
+    mask = torch.full((1, 1, tokens, tokens), torch.finfo(dtype).min, dtype=dtype, device=prompt_of.device)
+    start = 0
+    for length in torch.unique_consecutive(prompt_of, return_counts=True)[1].tolist():
+        causal = torch.ones(length, length, dtype=torch.bool, device=prompt_of.device).tril_()
+        mask[0, 0, start:start + length, start:start + length].masked_fill_(causal, 0)
+        start += length
+    return mask
 
 
 def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
