@@ -157,7 +157,7 @@ def job_figures(name: str, output: Path, stdout: str, stderr: str) -> dict:
     if _is_peer(name):
         return json.loads(stdout.strip().splitlines()[-1])
     kept = prompt_tokens = 0
-    for line in output.read_text().splitlines():
+    for line in filter(None, output.read_text().split("\n")):  # not splitlines(): a completion may hold U+2028
         row = json.loads(line)
         kept += len(row["completion_token_ids"]) + (row["finish_reason"] == "eos")
         prompt_tokens += row["prompt_token_count"]

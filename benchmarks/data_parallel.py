@@ -49,7 +49,7 @@ def run_once(folder: Path, dataset: Path, output: Path, arguments, contender: st
     if result.returncode:
         sys.exit(f"{contender} failed:\n{result.stderr}")
     seconds = float(re.search(r"new tokens in ([\d.]+) s", result.stderr)[1])
-    rows = [json.loads(line)["completion_token_ids"] for line in output.read_text().splitlines()]
+    rows = [json.loads(line)["completion_token_ids"] for line in filter(None, output.read_text().split("\n"))]
     return len(rows) / seconds, rows
 
 

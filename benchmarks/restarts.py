@@ -67,7 +67,7 @@ def run_once(folder: Path, dataset: Path, output: Path, arguments, kill_at: int 
     if job.returncode:
         sys.exit(f"the job failed (status {job.returncode}):\n{stderr}")
     rows = sorted((row["index"], row["completion_token_ids"])
-                  for row in map(json.loads, output.read_text().splitlines()))
+                  for row in map(json.loads, filter(None, output.read_text().split("\n"))))
     return seconds, rows, stderr
 
 
