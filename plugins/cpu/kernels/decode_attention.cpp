@@ -326,7 +326,6 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
   // share out over more threads than there are heads
   const int64_t blocks = (queries + kQueryBlock - 1) / kQueryBlock, items = rows * key_heads * blocks;
 
-  const bool pairing = queries > 1;  // a prompt's consecutive queries from one first position: values_pair
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const std::optional<SpanKernels<T>> vectorized = span_kernels<T>(size);
     std::vector<float> row(size);
@@ -395,12 +394,19 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
         std::fill(w.sums.begin(), w.sums.end(), 0.0f);
       };
 
-      // positions [from, to) of w's span weighed into its sums, for head g
-      const auto add_values = [&](Query& w, int64_t g, int64_t from, int64_t to) {
-        const int64_t span = w.end - w.first;
-        const float* weights = &w.scores[g * span + from - w.first];
-        float* sum = &w.sums[g * size];
-        if (vectorized) return vectorized->values(weights, values + from * v_pos, v_pos, to - from, sum);
+      // head g's weight of position ``from`` of w's span, the first of the weights from there on
+      const auto weights_from = [&](Query& w, int64_t g, int64_t from) {
+        return &w.scores[g * (w.end - w.first) + from - w.first];
+      };
+
+      // positions [from, to) of w's span weighed into its heads' sums (the generic loop converts each position's
+      // values once for all the heads)
+      const auto add_values = [&](Query& w, int64_t from, int64_t to) {
+        if (vectorized) {
+          for (int64_t g = 0; g < groups; ++g)
+            vectorized->values(weights_from(w, g, from), values + from * v_pos, v_pos, to - from, &w.sums[g * size]);
+          return;
+        }
         for (int64_t j = from; j < to; ++j) {
           const T* value_j = values + j * v_pos;
           const float* vf;
@@ -410,8 +416,11 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
             to_float(value_j, row.data(), size);
             vf = row.data();
           }
-          const float weight = weights[j - from];
-          for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+          for (int64_t g = 0; g < groups; ++g) {
+            const float weight = *weights_from(w, g, j);
+            float* sum = &w.sums[g * size];
+            for (int64_t d = 0; d < size; ++d) sum[d] += weight * vf[d];
+          }
         }
       };
 
@@ -435,8 +444,7 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
         // the next query from the same first position weighs now, so that both sum their values in one pass over
         // the positions both see, each in order (each query's sums are what it alone makes)
         Query* other = nullptr;
-        if (pairing && vectorized && vectorized->values_pair && t + 1 < last_query &&
-            spans[b * queries + t + 1].first == w.first) {
+        if (vectorized && vectorized->values_pair && t + 1 < last_query && spans[b * queries + t + 1].first == w.first) {
           other = &work[1];
           weigh(t + 1, *other);
         }
@@ -446,17 +454,16 @@ void attend(QueryLayout<const T> q, int64_t heads, int64_t queries, const NewTok
           if (next.first < length)
             prefetch_positions(k + next_b * k_row + next_kh * k_head + next.first * k_pos, k_pos, next.end - next.first, size);
         }
-        for (int64_t g = 0; g < groups; ++g) {
-          if (other == nullptr) {
-            add_values(w, g, w.first, w.end);
-            continue;
-          }
+        if (other == nullptr) {
+          add_values(w, w.first, w.end);
+        } else {  // the positions both see in one pass, then each one's own last positions, in order
           const int64_t both = std::min(w.end, other->end);
-          vectorized->values_pair(&w.scores[g * (w.end - w.first)], &other->scores[g * (other->end - other->first)],
-                                  values + w.first * v_pos, v_pos, both - w.first, &w.sums[g * size],
-                                  &other->sums[g * size]);
-          add_values(w, g, both, w.end);
-          add_values(*other, g, both, other->end);
+          for (int64_t g = 0; g < groups; ++g)
+            vectorized->values_pair(weights_from(w, g, w.first), weights_from(*other, g, w.first),
+                                    values + w.first * v_pos, v_pos, both - w.first, &w.sums[g * size],
+                                    &other->sums[g * size]);
+          add_values(w, both, w.end);
+          add_values(*other, both, other->end);
         }
         write(w);
         if (other) write(*other);
