@@ -156,9 +156,10 @@ def job_figures(name: str, output: Path, stdout: str, stderr: str) -> dict:
     """Kept tokens, prompt tokens and the engine's own seconds, from the job's output file and what it printed."""
     if _is_peer(name):
         return json.loads(stdout.strip().splitlines()[-1])
+    from dataset_throughput import output_rows
+
     kept = prompt_tokens = 0
-    for line in filter(None, output.read_text().split("\n")):  # not splitlines(): a completion may hold U+2028
-        row = json.loads(line)
+    for row in output_rows(output):
         kept += len(row["completion_token_ids"]) + (row["finish_reason"] == "eos")
         prompt_tokens += row["prompt_token_count"]
     record = json.loads(Path(f"{output}.run.json").read_text()).get("last_run")

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dataset_throughput import build_workload
+from dataset_throughput import build_workload, output_rows
 
 CONTENDERS = {
     "one_process": ["--world-size", "1"],
@@ -49,7 +49,7 @@ def run_once(folder: Path, dataset: Path, output: Path, arguments, contender: st
     if result.returncode:
         sys.exit(f"{contender} failed:\n{result.stderr}")
     seconds = float(re.search(r"new tokens in ([\d.]+) s", result.stderr)[1])
-    rows = [json.loads(line)["completion_token_ids"] for line in filter(None, output.read_text().split("\n"))]
+    rows = [row["completion_token_ids"] for row in output_rows(output)]
     return len(rows) / seconds, rows
 
 

@@ -173,6 +173,12 @@ def build_workload(arguments, folder: Path) -> tuple[Callable[[int], list[str]],
     return lambda round_number: first if round_number == 0 else prompts_of(round_number), ending
 
 
+def output_rows(path: Path) -> list[dict]:
+    """The rows of an ``accelgen run --output`` file, split at newlines only: ``str.splitlines`` also splits at U+2028
+    and U+0085, which a sampled completion may hold raw (``json.dumps(ensure_ascii=False)`` leaves them)."""
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
+
+
 def kept_length(row: list[int], ending: set[int]) -> int:
     for position, token in enumerate(row):
         if token in ending:

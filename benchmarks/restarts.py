@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from dataset_throughput import build_workload
+from dataset_throughput import build_workload, output_rows
 
 
 def rank_pid(marker: str, rank: str) -> int | None:
@@ -67,7 +67,7 @@ def run_once(folder: Path, dataset: Path, output: Path, arguments, kill_at: int 
     if job.returncode:
         sys.exit(f"the job failed (status {job.returncode}):\n{stderr}")
     rows = sorted((row["index"], row["completion_token_ids"])
-                  for row in map(json.loads, filter(None, output.read_text().split("\n"))))
+                  for row in output_rows(output))
     return seconds, rows, stderr
 
 
