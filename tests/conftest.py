@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
 
+from family_models import family_config  # noqa: E402
 from tiny_models import build_model, build_tokenizer, tiny_configs  # noqa: E402
 
 ARCHITECTURES = ("bloom", "gpt2", "llama", "opt", "falcon")
@@ -296,7 +297,8 @@ def _extension_built_before_jobs_of_ranks(request):
 
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory):
-    """``tiny_model_folder(arch)``: a folder holding a random-weight model and the test tokenizer."""
+    """``tiny_model_folder(arch)``: a folder holding a random-weight model and the test tokenizer: one of tiny_models'
+    five, or of any family of family_models."""
     root = tmp_path_factory.mktemp("models")
     tokenizer = build_tokenizer(root / "tokenizer")
     configs = tiny_configs(len(tokenizer))
@@ -304,7 +306,8 @@ def tiny_model_folder(tmp_path_factory):
 
     def folder_for(architecture: str) -> Path:
         if architecture not in built:
-            folder = build_model(root / architecture, configs[architecture])
+            config = configs[architecture] if architecture in configs else family_config(architecture, len(tokenizer))
+            folder = build_model(root / architecture, config)
             tokenizer.save_pretrained(folder)
             built[architecture] = folder
         return built[architecture]

@@ -17,6 +17,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from accelgen.common.errors import AccelgenWarning, UsageError
 from accelgen.common.settings import RunSettings, World
+from accelgen.loading.checkpoint_conversions import converted
 from accelgen.loading.checkpoint_download import checkpoint_folder
 from accelgen.loading.checkpoint_files import CheckpointFolder
 from accelgen.loading.model_files import (
@@ -33,6 +34,7 @@ from accelgen.loading.pre_sharded import check_sharded_for, missing_rank_file, r
 from accelgen.loading.random_weights import resolve_model_config, tokenizer_for
 from accelgen.loading.weight_loading import HOST, load_weights
 from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights
+from accelgen.model.architectures import architecture_of, split_refusal
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
@@ -134,13 +136,20 @@ class ModelSource:
         return self._resolved[1]
 
     def check_runs_on(self, world_size: int, dtype: str, quantize: str | None = None) -> None:
-        """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (heads that do not
-        split; a pre-sharded folder made for another world size or dtype): before any rank starts."""
+        """Raise UsageError when the model cannot run over ``world_size`` ranks in ``dtype`` (a family accelgen has not
+        checked; a family or heads that do not split; a pre-sharded folder made for another world size or dtype):
+        before any rank starts."""
+        config = self.config()
+        architecture_of(config)  # a family no test has shown right is refused here, before anything loads
         manifest = self.pre_sharded_manifest
         if manifest is not None:
             check_sharded_for(self.location, manifest, world_size, dtype, quantize)
         if world_size > 1:
-            check_shardable(self.config(), world_size)
+            refusal = split_refusal(config)
+            if refusal is not None:
+                raise UsageError(f"{config.model_type} models do not run over --world-size {world_size}: {refusal}; run "
+                                 f"them in one process (--world-size 1, with --offload where they do not fit).")
+            check_shardable(config, world_size)
 
     def load(
         self, run: RunSettings, device: torch.device, world: World,
@@ -210,6 +219,7 @@ class ModelSource:
                 weights = PickleWeights(files, prefix)
             else:
                 weights = SafetensorsWeights(files, prefix, read_header=checkpoint.header)
+            weights = converted(weights, skeleton)
         return OpenedModel(skeleton, weights, tokenizer)
 
 

@@ -58,6 +58,10 @@ class CheckpointWeights:
         self._tensors = tensors  # name -> whatever ``_read`` takes
         self._prefix = f"{base_model_prefix}." if base_model_prefix else ""
 
+    def names(self) -> list[str]:
+        """The names the checkpoint stores its tensors under."""
+        return list(self._tensors)
+
     def key(self, name: str) -> str:
         for candidate in (name, name.removeprefix(self._prefix), self._prefix + name):
             if candidate in self._tensors:

@@ -14,12 +14,13 @@ generator runs it eagerly, with a warning, if it does not).
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
 from accelgen.common.errors import AccelgenWarning
 from accelgen.common.settings import World
-from accelgen.model.architectures import architecture_of
+from accelgen.model.architectures import architecture_of, layer_windows
 from accelgen.model.loaded_model import AdapterBuffers
 from accelgen.model.shape import forward_accepts
 
@@ -43,6 +44,8 @@ class ModelForward:
         self.adapters = adapters
         architecture = architecture_of(model.config)
         self.builds_4d_mask = architecture.takes_4d_mask
+        #: each kind of attention layer the model has, with how many latest positions its queries see
+        self.windows = layer_windows(model.config)
         if architecture.make_capturable:
             architecture.make_capturable(model, world)
         self._takes_position_ids = forward_accepts(model, "position_ids")
@@ -67,7 +70,8 @@ class ModelForward:
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
                  zero_unseen_rows: bool = False, adapter_slots: torch.Tensor | None = None) -> torch.Tensor:
         arguments = dict(
-            attention_mask=additive_causal_mask(attention_mask, cache_position, self.dtype)
+            attention_mask=self._masks(lambda window: additive_causal_mask(attention_mask, cache_position, self.dtype,
+                                                                           window))
             if self.builds_4d_mask
             else attention_mask,
             **{self._cache_keyword: cache},
@@ -95,7 +99,7 @@ class ModelForward:
         prompt's adapter, as for a call."""
         arguments = dict(
             input_ids=input_ids,
-            attention_mask=block_causal_mask(prompt_of, self.dtype),
+            attention_mask=self._masks(lambda window: block_causal_mask(prompt_of, self.dtype, window)),
             **{self._cache_keyword: cache},
             cache_position=torch.arange(input_ids.shape[1], device=input_ids.device),
             use_cache=True,
@@ -105,6 +109,14 @@ class ModelForward:
         if self.adapters is not None and adapter_slots is not None:  # each prompt's adapter for each of its tokens
             adapter_slots = adapter_slots.index_select(0, prompt_of)[None]
         return self._with_adapters(adapter_slots, arguments).logits[0]
+
+    def _masks(self, mask_for: Callable[[int | None], torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The 4D mask (``mask_for(window)``) of a model whose layers are of one kind; a mapping {layer type: its mask}
+        where they are of several (each window's mask made once)."""
+        if len(self.windows) == 1:
+            return mask_for(next(iter(self.windows.values())))
+        by_window = {window: mask_for(window) for window in set(self.windows.values())}
+        return {layer_type: by_window[window] for layer_type, window in self.windows.items()}
 
     def _with_adapters(self, token_slots: torch.Tensor | None, arguments: dict):
         """The model's output for ``arguments``, each token (token_slots [rows, tokens]) computed with the adapter in its
@@ -117,10 +129,11 @@ class ModelForward:
         return output
 
 
-def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """The 4D mask [1, 1, N, N] of prompts run one after another in one row (``prompt_of`` [N]: which prompt each
     token is of, each prompt's tokens side by side): 0 where a token may attend (a token of its own prompt, at or
-    before itself), the dtype's most negative value elsewhere. Filled once, then each prompt's causal block: a few
+    before itself, and with a ``window``, fewer than that many tokens before it), the dtype's most negative value
+    elsewhere. Filled once, then each prompt's causal block: a few
     passes over its N x N values where comparing every token with every other took five (the eager prefill's mask is
     made for each pass)."""
     tokens = prompt_of.shape[0]
@@ -128,21 +141,30 @@ def block_causal_mask(prompt_of: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     start = 0
     for length in torch.unique_consecutive(prompt_of, return_counts=True)[1].tolist():
         causal = torch.ones(length, length, dtype=torch.bool, device=prompt_of.device).tril_()
+        if window is not None:
+            causal.triu_(1 - window)
         mask[0, 0, start:start + length, start:start + length].masked_fill_(causal, 0)
         start += length
     return mask
 
 
-def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_causal_mask(attention_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype,
+                         window: int | None = None) -> torch.Tensor:
     """The 4D mask [B, 1, T, L] for queries at ``cache_position`` [T] over keys marked in ``attention_mask``
-    [B, L]: 0 where the query may attend (a real key at or before its own position), the dtype's most
+    [B, L]: 0 where the query may attend (a real key at or before its own position, and with a ``window``, fewer
+    than that many marked keys before it: a row's tokens are counted, not its cache positions), the dtype's most
     negative value elsewhere, which is what Hugging Face's eager masks hold and what SDPA adds as a bias.
 
     A query with nothing to attend to (a padding position of a prefill) gets a row of minima, so softmax
     spreads evenly instead of producing NaN; no real token ever attends to it."""
     key_positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
     causal = key_positions[None, :] <= cache_position[:, None]  # [T, L]
-    visible = (attention_mask[:, None, None, :] != 0) & causal[None, None]  # [B, 1, T, L]
+    marked = attention_mask != 0
+    visible = marked[:, None, None, :] & causal[None, None]  # [B, 1, T, L]
+    if window is not None:
+        counts = marked.cumsum(-1)  # [B, L]: marked keys up to each position
+        tokens_before = counts.index_select(1, cache_position)[:, :, None] - counts[:, None, :]  # [B, T, L]
+        visible &= (tokens_before < window)[:, None]
     return _additive(visible, dtype)
 
 

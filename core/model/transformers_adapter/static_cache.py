@@ -23,6 +23,7 @@ import math
 
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 
 class CacheStorage:
@@ -54,6 +55,9 @@ def new_static_cache(
     batch_size = storage.batch_size
     if "max_cache_len" in inspect.signature(StaticCache.__init__).parameters:
         cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        # a sliding-window layer holds every position too (the mask gives it its window): its rolling buffer of the
+        # window's length has one write position for the whole batch, where each slot writes at its own
+        cache.layers = [StaticLayer(max_cache_len=max_cache_len) if layer.is_sliding else layer for layer in cache.layers]
         for index, layer in enumerate(cache.layers):
             _draw_from(storage, index, layer)
         cache.accelgen_batch_size = batch_size

@@ -1,0 +1,119 @@
+"""The family matrix: every causal-LM family of the installed transformers either runs token for token as Hugging Face
+``generate`` does (the families of ``accelgen.model.architectures``, as tiny random checkpoints that keep what sets
+each apart: sliding windows shorter than the prompts, layers of mixed kinds, query/key norms, soft-capping, experts
+stored one by one) or is refused in one line before anything loads."""
+
+import json
+
+import pytest
+import torch
+from conftest import one_error_line
+from family_models import FAMILIES, FAMILY_SETTINGS, WINDOW, installed
+from tiny_models import PAD_ID, tiny_configs
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import accelgen
+from accelgen.cli import main
+from accelgen.model.architectures import ARCHITECTURES, architecture_of
+
+pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
+
+MAX_NEW_TOKENS = 16
+#: Four prompts of 2 to 23 tokens (most longer than a sliding layer's window), run together in mixed batches.
+PROMPTS = [
+    "DeepSpeed is a machine learning framework",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun",
+    "Static shapes let",
+]
+#: Prompts sharing a beginning of more than two blocks of the prefix store (16 tokens each).
+SHARED = "Tensor parallelism splits each layer across devices and adds the partial results. In the beginning"
+SHARED_PROMPTS = [f"{SHARED} God created the heaven", f"{SHARED} the quick brown fox", f"{SHARED} hello world",
+                  f"{SHARED} static shapes let one captured graph serve"]
+
+
+def needs(family: str) -> None:
+    if not installed(family):
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {family} models")
+
+
+def hugging_face_one_at_a_time(folder, prompts, max_new_tokens=MAX_NEW_TOKENS) -> list[list[int]]:
+    """Greedy new token ids of ``generate`` for each prompt alone (no padding), float32, not stopped at EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dtype_keyword = "torch_dtype" if __import__("transformers").__version__.startswith("4.") else "dtype"
+    model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_keyword: torch.float32})
+    rows = []
+    for prompt in prompts:
+        inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False)
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD_ID,
+                                eos_token_id=None)
+        rows.append(output[0, inputs.input_ids.shape[1]:].tolist())
+    return rows
+
+
+def ours(folder, prompts, **settings):
+    generator = accelgen.load(str(folder), device="cpu", dtype="float32", max_new_tokens=MAX_NEW_TOKENS,
+                              ignore_eos=True, **settings)
+    return [completion.completion_token_ids for completion in generator.generate(prompts)], generator
+
+
+def test_every_family_of_the_table_is_in_the_matrix():
+    """A family added to the table without a tiny model here would run without any test having shown it right."""
+    assert set(ARCHITECTURES) <= set(FAMILY_SETTINGS) | set(tiny_configs(384))
+
+
+def causal_lm_families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@pytest.mark.parametrize("family", causal_lm_families())
+def test_a_family_outside_the_table_is_refused_in_one_line_before_anything_loads(family, tmp_path, capsys):
+    try:
+        AutoConfig.for_model(family).save_pretrained(tmp_path)  # a config alone: neither weights nor tokenizer
+    except Exception as error:  # noqa: BLE001 - a family whose config needs arguments cannot be built from it alone
+        pytest.skip(f"{family}'s config cannot be built without arguments ({type(error).__name__})")
+    model_type = json.loads((tmp_path / "config.json").read_text())["model_type"]  # gpt-sw3's is gpt2
+    if model_type in ARCHITECTURES:
+        pytest.skip(f"{family}: {model_type} models are in the table, their parity is checked below")
+    assert main(["run", "--device", "cpu", "--model", str(tmp_path), "--prompt", "Hello"]) == 2
+    message = one_error_line(capsys)
+    assert f"{model_type} models are not among the model families accelgen has checked" in message
+    assert "refused" in message and "docs/models.md" in message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_are_hugging_faces_one_prompt_at_a_time_and_in_mixed_batches(tiny_model_folder, family):
+    needs(family)
+    folder = tiny_model_folder(family)
+    expected = hugging_face_one_at_a_time(folder, PROMPTS)
+    alone, _ = ours(folder, PROMPTS, batch_size=1)
+    assert alone == expected
+    mixed, generator = ours(folder, PROMPTS, batch_size=4)  # continuous batching, the CPU's packed prompts
+    assert mixed == expected
+    assert generator.run.batching == "continuous"
+    if architecture_of(generator.model.config).packs_prompts:  # its prompts ran packed, without padding
+        assert generator.stats.prefill_positions == generator.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_reuse_and_chunked_prefill_give_hugging_faces_tokens(tiny_model_folder, family):
+    needs(family)
+    folder = tiny_model_folder(family)
+    expected = hugging_face_one_at_a_time(folder, SHARED_PROMPTS)
+    reused, generator = ours(folder, SHARED_PROMPTS, batch_size=2, prefix_cache="4MiB", prefill_chunk=WINDOW * 2)
+    assert reused == expected
+    assert generator.stats.reused_tokens > 0
+    assert generator.stats.prefill_passes > generator.stats.prefills
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_tokens_are_the_same_at_batch_1_and_batch_4(tiny_model_folder, family):
+    needs(family)
+    folder = tiny_model_folder(family)
+    settings = dict(do_sample=True, seed=7, temperature=0.8)
+    alone, _ = ours(folder, PROMPTS, batch_size=1, **settings)
+    together, _ = ours(folder, PROMPTS, batch_size=4, **settings)
+    assert together == alone
+    assert alone != ours(folder, PROMPTS, batch_size=1)[0]  # sampled, not greedy
