@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import KERNEL_VARIANTS, PROMPTS, loaded_variant
+from family_models import installed
 from transformers import DynamicCache
 
 import accelgen
@@ -282,3 +283,24 @@ def test_without_a_compiler_a_run_attends_with_products_after_one_warning(tiny_m
     assert "Traceback" not in result.stderr
     with_kernels = run_tiny_llama(folder, cli_environment)
     assert result.stdout == with_kernels.stdout  # the same completion, whichever kernel attended
+
+
+@pytest.mark.parametrize("family, fused", [("llama", True), ("mistral", True), ("qwen2", True), ("granite", True),
+                                           ("qwen3", False), ("gemma2", False)])
+def test_families_whose_attention_is_llamas_take_the_whole_decode_attention_operator(tiny_model_folder, family, fused):
+    """The table says whose attention is Llama's between its projections (Mistral's with its sliding window in the mask,
+    Qwen2's with biases, Granite's with its own scale); Qwen3 normalizes queries and keys, Gemma 2 soft-caps: their
+    modules keep their own forward. Either way the tokens are Hugging Face's (test_families.py)."""
+    if not installed(family):
+        pytest.skip(f"this transformers release has no {family} models")
+    assert native_operator("decode_self_attention") is not None  # every variant takes it
+    generator = accelgen.load(tiny_model_folder(family), device="cpu", max_new_tokens=6, dtype="float32")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        generator.generate(PROMPTS)
+    calls = {event.key: event.count for event in profile.key_averages()}
+    operator_calls = calls.get(f"{loaded_kernels().operators.name}::decode_self_attention", 0)
+    layers = generator.model.config.num_hidden_layers
+    if fused:  # every layer of every decode step (and of the step's trace run)
+        assert operator_calls >= layers * generator.stats.decode_steps > 0
+    else:
+        assert operator_calls == 0

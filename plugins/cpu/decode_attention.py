@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from accelgen.common.static_sizes import static_shape
+from accelgen.model.architectures import architecture_of
 from accelgen.model.transformers_adapter.static_cache import each_row_write
 from accelgen_cpu.native_kernels import native_operator
 
@@ -95,23 +96,25 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     return True
 
 
-#: Attention modules whose forward computes exactly what the C++ decode_self_attention does between its products
-#: (rotary embedding as transformers' apply_rotary_pos_emb, no norm or window on queries and keys); a table of names,
-#: not a guess from attributes, since families that share the attributes differ in what they compute.
-SELF_ATTENTION_CLASSES = frozenset({"LlamaAttention"})
 _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # transformers 5.x, 4.56+, 4.55
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def use_decode_self_attention(model: torch.nn.Module) -> int:
-    """Give the model's attention modules of :data:`SELF_ATTENTION_CLASSES` one C++ operator for a decode step's
-    attention between its products (the C++ kernels loaded already): rotary embedding, cache writes and the
-    attention, instead of some forty small operations (in a compiled step too: one operator, which writes the cache in
-    place); any other call (a prefill, another cache) runs their own forward. Returns how many modules took it (none
-    where this CPU's kernels do not take the operator)."""
+    """Give the attention modules of a model whose family's attention is Llama's (``Architecture.llama_attention``:
+    between its four projections, rotary embedding, the cache write and the attention, nothing else) one C++ operator
+    for a decode step's attention between its products (the C++ kernels loaded already): rotary embedding, cache
+    writes and the attention, instead of some forty small operations (in a compiled step too: one operator, which
+    writes the cache in place); any other call (a prefill, another cache) runs their own forward. The window of a
+    sliding layer is in the mask the operator reads. Returns how many modules took it (none where this CPU's kernels
+    do not take the operator)."""
     operator = native_operator("decode_self_attention")
+    if operator is None or not architecture_of(model.config).llama_attention:
+        return 0
     given = 0
     for module in model.modules():
-        if operator is not None and type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "sliding_window", None):
+        if all(isinstance(getattr(module, name, None), torch.nn.Module) for name in _PROJECTIONS) and isinstance(
+                getattr(module, "layer_idx", None), int):
             module.forward = _decode_self_attention_forward(module, module.forward, operator)
             given += 1
     return given
