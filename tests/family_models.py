@@ -40,6 +40,9 @@ FAMILY_SETTINGS = {
     "gpt_oss": dict(_EXPERTS, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
 }
 
+#: The families whose tokens each take some of their experts.
+EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+
 #: The families whose parity the tests check beyond the five of tiny_models (BLOOM, GPT-2, Llama, OPT, Falcon).
 FAMILIES = tuple(family for family in FAMILY_SETTINGS if family != "llama")
 
@@ -51,12 +54,13 @@ def installed(family: str) -> bool:
     return family in CONFIG_MAPPING_NAMES
 
 
-def family_config(family: str, vocab_size: int) -> transformers.PretrainedConfig:
-    """The family's tiny config."""
-    settings = dict(_COMMON, vocab_size=vocab_size, **FAMILY_SETTINGS[family])
+def family_config(family: str, vocab_size: int, **changes) -> transformers.PretrainedConfig:
+    """The family's tiny config (with ``changes`` to its settings)."""
+    settings = dict(_COMMON, vocab_size=vocab_size, **{**FAMILY_SETTINGS[family], **changes})
     return AutoConfig.for_model(family, **settings)
 
 
-def build_family_model(folder: Path, family: str, vocab_size: int, seed: int = 0) -> Path:
-    """A random-weight checkpoint of ``family`` saved in ``folder`` (safetensors), as its own release saves it."""
-    return build_model(folder, family_config(family, vocab_size), seed)
+def build_family_model(folder: Path, family: str, vocab_size: int, seed: int = 0, **changes) -> Path:
+    """A random-weight checkpoint of ``family`` (with ``changes`` to its settings) saved in ``folder`` (safetensors),
+    as its own release saves it."""
+    return build_model(folder, family_config(family, vocab_size, **changes), seed)

@@ -21,7 +21,13 @@ TARGETS = {
     "gpt2": (["c_attn", "c_proj"], ["c_fc", "c_proj"]),
     "opt": (["q_proj", "k_proj", "v_proj", "out_proj"], ["fc1", "fc2"]),
     "falcon": (["query_key_value", "dense"], ["dense_h_to_4h", "dense_4h_to_h"]),
+    "phi3": (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"]),
+    "gpt_neox": (["query_key_value", "dense"], ["dense_h_to_4h", "dense_4h_to_h"]),
 }
+#: Families laid out as Llama is; those with experts adapt their attention only (their experts are no linear layers).
+TARGETS.update({family: TARGETS["llama"] for family in (
+    "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma2", "gemma3_text", "olmo2")})
+TARGETS.update({family: (TARGETS["llama"][0], ["o_proj"]) for family in ("mixtral", "qwen3_moe", "gpt_oss")})
 
 
 def lora_configs(architecture: str) -> dict[str, LoraConfig]:

@@ -8,13 +8,15 @@ import json
 import pytest
 import torch
 from conftest import one_error_line
-from family_models import FAMILIES, FAMILY_SETTINGS, WINDOW, installed
+from family_models import EXPERT_FAMILIES, FAMILIES, FAMILY_SETTINGS, WINDOW, build_family_model, installed
+from test_quantization import quantized_logits_error
 from tiny_models import PAD_ID, tiny_configs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
 from accelgen.cli import main
 from accelgen.model.architectures import ARCHITECTURES, architecture_of
+from accelgen.quantization.int8_layer import Int8Linear
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
 
@@ -117,3 +119,22 @@ def test_sampled_tokens_are_the_same_at_batch_1_and_batch_4(tiny_model_folder, f
     together, _ = ours(folder, PROMPTS, batch_size=4, **settings)
     assert together == alone
     assert alone != ours(folder, PROMPTS, batch_size=1)[0]  # sampled, not greedy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_weights_stay_within_their_rounding_and_give_the_same_tokens_alone_and_in_mixed_batches(
+        tiny_model_folder, tmp_path, family):
+    needs(family)
+    folder = tiny_model_folder(family)
+    bounded = folder
+    if family in EXPERT_FAMILIES:
+        # a token's choice of experts is a step function of its values: rounding may change it, and its logits by
+        # more than any bound; with every expert taken there is no choice, and the bound holds
+        bounded = build_family_model(tmp_path / family, family, len(AutoTokenizer.from_pretrained(folder)),
+                                     num_experts_per_tok=4)
+        AutoTokenizer.from_pretrained(folder).save_pretrained(bounded)
+    assert 0 < quantized_logits_error(str(bounded), "cpu", "int8") < 0.05  # the bound test_quantization.py explains
+    alone, generator = ours(folder, PROMPTS, batch_size=1, quantize="int8")
+    mixed, _ = ours(folder, PROMPTS, batch_size=4, quantize="int8")
+    assert mixed == alone
+    assert any(isinstance(module, Int8Linear) for module in generator.model.modules())
