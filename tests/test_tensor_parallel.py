@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 from accelerators import plugin_manager_with
-from conftest import run_to_the_end, shared_memory_buffers_of, with_fault_drill
+from conftest import one_error_line, run_to_the_end, shared_memory_buffers_of, with_fault_drill
+from family_models import FAMILIES, installed
 
 import accelgen
 from accelgen.cli import main
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import LaunchPlan
+from accelgen.model.architectures import ARCHITECTURES
 from accelgen.parallel.launcher import JobEnd, free_port, launch_job, launch_with_torchrun
 
 pytest.importorskip("deepspeed")
@@ -420,3 +422,36 @@ def test_a_picked_port_another_process_takes_before_the_agent_listens_is_picked_
         assert launch_with_torchrun(argv, picked) == JobEnd(0)
         with pytest.raises(UsageError, match=f"^Cannot use --master-port {port} on 127.0.0.1: another job took it "):
             launch_with_torchrun(argv, dataclasses.replace(picked, port_given=True))
+
+
+#: The families of family_models that split over ranks (those with experts, and OLMo 2, are refused: see below).
+SPLIT_FAMILIES = [family for family in FAMILIES if ARCHITECTURES[family].not_split_because is None]
+
+
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_two_ranks_of_each_family_generate_what_one_process_generates(tiny_model_folder, tmp_path, job_environment,
+                                                                       family):
+    if not installed(family):
+        pytest.skip(f"this transformers release has no {family} models")
+    folder = str(tiny_model_folder(family))
+    output = tmp_path / "out.jsonl"
+    prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
+    result = run_job(job_environment, "--device", "cpu", "--world-size", "2", "--model", folder, *prompt_arguments,
+                     "--batch-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output),
+                     "--master-port", str(free_port()), "--details")
+    assert result.returncode == 0, result.stderr
+    expected = accelgen.generate(PROMPTS, model=folder, device="cpu", batch_size=2, max_new_tokens=MAX_NEW_TOKENS)
+    assert [row["completion_token_ids"] for row in rows_of(output)] == [c.completion_token_ids for c in expected]
+    shares = re.search(r"parameter bytes per rank ([\d,]+) / ([\d,]+) of ([\d,]+) unsharded", result.stderr)
+    rank0, rank1, unsharded = (int(group.replace(",", "")) for group in shares.groups())
+    assert rank0 <= 0.6 * unsharded and rank1 <= 0.6 * unsharded
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in SPLIT_FAMILIES])
+def test_a_family_that_does_not_split_is_refused_in_one_line_before_any_rank_starts(tiny_model_folder, capsys, family):
+    if not installed(family):
+        pytest.skip(f"this transformers release has no {family} models")
+    folder = str(tiny_model_folder(family))
+    assert main(["run", "--device", "cpu", "--world-size", "2", "--model", folder, "--prompt", "Hello"]) == 2
+    message = one_error_line(capsys)
+    assert f"{ARCHITECTURES[family].not_split_because}" in message and "--world-size 1" in message
