@@ -4,6 +4,8 @@ each apart: sliding windows shorter than the prompts, layers of mixed kinds, que
 stored one by one) or is refused in one line before anything loads."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +140,36 @@ def test_int8_weights_stay_within_their_rounding_and_give_the_same_tokens_alone_
     mixed, _ = ours(folder, PROMPTS, batch_size=4, quantize="int8")
     assert mixed == alone
     assert any(isinstance(module, Int8Linear) for module in generator.model.modules())
+
+
+#: A branch on a model's family: ``model_type == ...``, ``!=``, ``in``, ``.startswith(...)``.
+FAMILY_BRANCH = re.compile(r"model_type\s*(==|!=|in\b|not\s+in\b)|model_type\s*\.\s*startswith")
+
+
+def family_branches(text: str) -> list[int]:
+    """The numbers of the lines of ``text`` that branch on a model's family."""
+    return [number for number, line in enumerate(text.splitlines(), 1) if FAMILY_BRANCH.search(line)]
+
+
+def test_nothing_but_the_table_branches_on_a_models_family():
+    root = Path(__file__).resolve().parent.parent
+    table = root / "core" / "model" / "architectures.py"
+    sources = [path for folder in ("core", "plugins") for path in sorted((root / folder).rglob("*.py")) if path != table]
+    assert len(sources) > 100
+    found = [f"{path.relative_to(root)}:{number}" for path in sources for number in family_branches(path.read_text())]
+    assert found == []
+    # the check can fail: a planted branch is found
+    assert family_branches('x = 1\nif model.config.model_type == "qwen2":\n    pass\n') == [2]
+    assert family_branches("if config.model_type in ('gemma2', 'gemma3'):") == [1]
+
+
+def test_a_checkpoint_quantized_by_another_method_is_refused_in_one_line(tiny_model_folder, tmp_path, capsys):
+    """gpt-oss is published with its experts in MXFP4 (others in GPTQ, AWQ, FP8...): tensors of other names and
+    shapes, which accelgen does not read."""
+    folder = tiny_model_folder("llama")
+    for path in folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    assert main(["run", "--device", "cpu", "--model", str(tmp_path), "--prompt", "Hello"]) == 2
+    assert "quantized by mxfp4, which accelgen does not read" in one_error_line(capsys)

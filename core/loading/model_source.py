@@ -141,6 +141,11 @@ class ModelSource:
         before any rank starts."""
         config = self.config()
         architecture_of(config)  # a family no test has shown right is refused here, before anything loads
+        quantized = getattr(config, "quantization_config", None)
+        if quantized and not self.random_weights:
+            method = quantized.get("quant_method", "a method") if isinstance(quantized, dict) else type(quantized).__name__
+            raise UsageError(f"{self.location} holds weights quantized by {method}, which accelgen does not read: use "
+                             f"the model's full-precision checkpoint (and --quantize int8 for int8 weights).")
         manifest = self.pre_sharded_manifest
         if manifest is not None:
             check_sharded_for(self.location, manifest, world_size, dtype, quantize)
