@@ -173,3 +173,8 @@ def test_a_checkpoint_quantized_by_another_method_is_refused_in_one_line(tiny_mo
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
     assert main(["run", "--device", "cpu", "--model", str(tmp_path), "--prompt", "Hello"]) == 2
     assert "quantized by mxfp4, which accelgen does not read" in one_error_line(capsys)
+
+
+def test_docs_models_names_every_family_of_the_table():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    assert [family for family in ARCHITECTURES if f"| `{family}` |" not in page] == []
