@@ -73,6 +73,15 @@ class ConvertedWeights:
                 self._source.shape(stored), device="meta")).shape)
         return self._shapes[name]
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the tensors are read from safetensors files (which ``location`` names)."""
+        return hasattr(self._source, "location")
+
+    def location(self, name: str) -> tuple[str, str] | None:
+        """(the file holding the tensor, its name there), or None for a tensor put together from several."""
+        return None if name in self._fused else self._source.location(self._stored_as.get(name, name))
+
     def view(self, name: str, part: TensorPart | None) -> torch.Tensor | None:
         return None if name in self._fused else self._source.view(self._stored_as.get(name, name), part)
 

@@ -38,7 +38,6 @@ from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
-from accelgen.loading.weight_sources import SafetensorsWeights
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
 from accelgen.quantization.while_loading import QuantizingWeights
@@ -206,10 +205,14 @@ def _offloaded_weights(model: torch.nn.Module, weights, offload: OffloadSettings
             raise UsageError("--offload disk with --quantize int8 writes the offloaded layers' int8 weights once: pass "
                              "--offload-folder DIR, or offload a folder of `accelgen shard --quantize int8 --world-size 1` "
                              "(read in place).")
-        if not isinstance(weights, SafetensorsWeights):
+        if not getattr(weights, "reads_in_place", False):
             raise UsageError("--offload disk reads offloaded weights in place only from safetensors files, which this "
                              "model does not have: pass --offload-folder DIR to write them there once.")
         locations = {name: weights.location(canonical) for name, canonical in names.items()}
+        if None in locations.values():
+            raise UsageError("--offload disk reads offloaded weights in place from the checkpoint's files, where this "
+                             "model's are stored in parts put together while loading (experts stored one by one): pass "
+                             "--offload-folder DIR to write them there once.")
     else:
         folder = _new_offload_folder(offload.folder, placement.disk_bytes)
         weakref.finalize(model, shutil.rmtree, folder, True)  # the run's copy goes with the model

@@ -79,6 +79,9 @@ class SafetensorsWeights(CheckpointWeights):
     when it is host memory of the file's dtype: a map of it would touch, and count in the process's resident
     memory, nearly every page of the whole tensor, so every rank would seem to hold what it read past."""
 
+    #: tensors are read from files that ``location`` names (an offload may read them there, in place)
+    reads_in_place = True
+
     def __init__(self, paths: list[str], base_model_prefix: str = "", where: str | None = None,
                  read_header: Callable[[str], tuple[dict, int]] | None = None):
         """``read_header(path)``: the file's header and where its data starts (a folder's reader, which keeps
