@@ -97,6 +97,7 @@ def test_greedy_tokens_are_hugging_faces_one_prompt_at_a_time_and_in_mixed_batch
     mixed, generator = ours(folder, PROMPTS, batch_size=4)  # continuous batching, the CPU's packed prompts
     assert mixed == expected
     assert generator.run.batching == "continuous"
+    assert generator.stats.step_traces > 0 and generator.stats.trace_failure is None  # the CPU's traced decode step
     if architecture_of(generator.model.config).packs_prompts:  # its prompts ran packed, without padding
         assert generator.stats.prefill_positions == generator.stats.prompt_tokens
 
@@ -196,3 +197,18 @@ def test_experts_stored_one_by_one_offload_through_a_folder_and_not_in_place(tin
         assert status == 0
     else:
         assert status == 2 and "stored in parts put together while loading" in one_error_line(capsys)
+
+
+def test_a_model_running_code_of_its_own_is_refused_and_runs_as_transformers_family_without_it(tiny_model_folder,
+                                                                                               tmp_path, capsys):
+    """A Hub model may bring its own modeling code (``auto_map``): what it computes is not the table's family's."""
+    folder = tiny_model_folder("llama")
+    for path in folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
+    arguments = ["run", "--device", "cpu", "--model", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "4"]
+    assert main([*arguments, "--trust-remote-code"]) == 2
+    assert "runs code of its own (--trust-remote-code)" in one_error_line(capsys)
+    assert main([*arguments, "--quiet"]) == 0

@@ -141,6 +141,10 @@ class ModelSource:
         before any rank starts."""
         config = self.config()
         architecture_of(config)  # a family no test has shown right is refused here, before anything loads
+        if self.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+            raise UsageError(f"{self.location} runs code of its own (--trust-remote-code), which accelgen has not checked "
+                             f"against Hugging Face: drop --trust-remote-code to run transformers' own "
+                             f"{config.model_type} models.")
         quantized = getattr(config, "quantization_config", None)
         if quantized and not self.random_weights:
             method = quantized.get("quant_method", "a method") if isinstance(quantized, dict) else type(quantized).__name__
