@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import one_error_line
 from family_models import EXPERT_FAMILIES, FAMILIES, FAMILY_SETTINGS, WINDOW, build_family_model, installed
 from test_quantization import quantized_logits_error
@@ -23,6 +24,8 @@ from accelgen.quantization.int8_layer import Int8Linear
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
 
 MAX_NEW_TOKENS = 16
+RELEASE = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+RELEASE_4 = RELEASE < (5, 0)
 #: Four prompts of 2 to 23 tokens (most longer than a sliding layer's window), run together in mixed batches.
 PROMPTS = [
     "DeepSpeed is a machine learning framework",
@@ -38,13 +41,13 @@ SHARED_PROMPTS = [f"{SHARED} God created the heaven", f"{SHARED} the quick brown
 
 def needs(family: str) -> None:
     if not installed(family):
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {family} models")
+        pytest.skip(f"transformers {transformers.__version__} has no {family} models")
 
 
 def hugging_face_one_at_a_time(folder, prompts, max_new_tokens=MAX_NEW_TOKENS) -> list[list[int]]:
     """Greedy new token ids of ``generate`` for each prompt alone (no padding), float32, not stopped at EOS."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    dtype_keyword = "torch_dtype" if __import__("transformers").__version__.startswith("4.") else "dtype"
+    dtype_keyword = "torch_dtype" if RELEASE_4 else "dtype"
     model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_keyword: torch.float32})
     rows = []
     for prompt in prompts:
@@ -97,7 +100,12 @@ def test_greedy_tokens_are_hugging_faces_one_prompt_at_a_time_and_in_mixed_batch
     mixed, generator = ours(folder, PROMPTS, batch_size=4)  # continuous batching, the CPU's packed prompts
     assert mixed == expected
     assert generator.run.batching == "continuous"
-    assert generator.stats.step_traces > 0 and generator.stats.trace_failure is None  # the CPU's traced decode step
+    # the CPU's traced decode step; before 5.24 Gemma 2's soft-capped attention (transformers' SDPA function) reads a
+    # shape as a Python value, and 4.55's experts loop over the experts a batch takes, which a trace cannot hold: those
+    # steps run as they are there (docs/models.md)
+    untraced = (RELEASE < (5, 24) and family == "gemma2") or (RELEASE < (5, 0) and family in EXPERT_FAMILIES)
+    if not untraced:
+        assert generator.stats.step_traces > 0 and generator.stats.trace_failure is None
     if architecture_of(generator.model.config).packs_prompts:  # its prompts ran packed, without padding
         assert generator.stats.prefill_positions == generator.stats.prompt_tokens
 
@@ -193,7 +201,7 @@ def test_experts_stored_one_by_one_offload_through_a_folder_and_not_in_place(tin
     assert [completion.completion_token_ids for completion in generator.generate(PROMPTS)] == expected
     status = main(["run", "--device", "cpu", "--model", folder, "--prompt", "Hello", "--offload", "disk",
                    "--max-device-memory", "700000", "--max-new-tokens", str(MAX_NEW_TOKENS), "--quiet"])
-    if __import__("transformers").__version__.startswith("4."):  # 4.55 stores each expert under the model's name
+    if RELEASE_4:  # 4.55 stores each expert under the model's name
         assert status == 0
     else:
         assert status == 2 and "stored in parts put together while loading" in one_error_line(capsys)
@@ -212,3 +220,15 @@ def test_a_model_running_code_of_its_own_is_refused_and_runs_as_transformers_fam
     assert main([*arguments, "--trust-remote-code"]) == 2
     assert "runs code of its own (--trust-remote-code)" in one_error_line(capsys)
     assert main([*arguments, "--quiet"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3_moe"])
+def test_the_compiled_decode_step_gives_hugging_faces_tokens(tiny_model_folder, family):
+    """The step a long job compiles on the CPU (inductor), for a family of each kind: a sliding window in one mask,
+    layers of two kinds (a mapping of masks, soft-capping), experts."""
+    needs(family)
+    folder = tiny_model_folder(family)
+    compiled, generator = ours(folder, PROMPTS, batch_size=4, graphs=True)
+    assert compiled == hugging_face_one_at_a_time(folder, PROMPTS)
+    assert generator.stats.graph_captures == 1

@@ -6,7 +6,9 @@ Each workaround names the releases or families it is for, so that it can be drop
 - :mod:`.static_cache`: Hugging Face's ``StaticCache`` on every supported release. 4.55 allocates every layer up
   front from the config (wrong head counts for multi-query and tensor-parallel models: each layer is sized from
   one probe forward pass); >= 4.56 allocates each layer on its first write (a cache must be written once before
-  a decode step is captured, since a capture cannot allocate). The memory of every cache comes from one
+  a decode step is captured, since a capture cannot allocate); >= 4.56 makes sliding-window layers rolling buffers
+  with one write position per batch, which accelgen replaces by full layers (the mask gives the window). The memory
+  of every cache comes from one
   :class:`~.static_cache.CacheStorage`. The slot step writes each row of the cache at its own position
   (``write_each_row_at``), and a prefill writes its prompts into chosen rows through a view of the cache
   (``prompt_rows``): the named operation, no flag read by a patched method.
@@ -19,6 +21,9 @@ Each workaround names the releases or families it is for, so that it can be drop
   parallelism each rank must add only its own heads' slopes).
 - :mod:`.falcon`: Falcon's multi-query head split indexes with a Python list, a host copy on every call
   (4.55 and 5.x).
+- Checkpoints that transformers >= 5 renames or fuses while loading (GPT-NeoX's ``embed_out``, experts stored one by
+  one) are read through its own conversions by ``accelgen.loading.checkpoint_conversions``, beside the weight
+  sources it wraps.
 """
 
 from __future__ import annotations

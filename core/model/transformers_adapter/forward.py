@@ -4,11 +4,12 @@ The attention mask a model receives decides whether its decode step can be captu
 the usual 2D padding mask, a model turns it into a 4D mask with Hugging Face's mask helpers, which differ
 between transformers releases, and some of which copy host data to the device on every call (5.17's
 ``eager_mask`` builds ``torch.tensor(0.0, device=...)``; 4.x's BLOOM builds its ALiBi slopes from host data):
-nothing a CUDA graph can hold. So for the families that take one (``accelgen.model.architectures``), the core
-builds the 4D additive mask itself, with device operations only, and every release uses it as it is;
-the same table applies each family's own changes (BLOOM's ALiBi slopes on the device, for instance).
-Other families get the 2D mask and Hugging Face's own helpers (their step may or may not capture; the
-generator runs it eagerly, with a warning, if it does not).
+nothing a CUDA graph can hold, nor one position per slot. So the core builds the 4D additive mask itself, with
+device operations only, one per kind of attention layer the model has (full, or a sliding window counted in each
+row's own tokens), and every release uses it as it is; a model with layers of several kinds gets a mapping by layer
+type, as transformers' own models take it. The family table (``accelgen.model.architectures``) applies each family's
+own changes (BLOOM's ALiBi slopes on the device, for instance). Falcon's ALiBi variant alone builds its bias from the
+2D mask: it gets that mask and Hugging Face's own helpers, and runs in fixed batches.
 """
 
 from __future__ import annotations
