@@ -76,9 +76,10 @@ class VocabParallelHead(nn.Module):
 def split_vocabulary(model: nn.Module, world: World) -> bool:
     """Replace ``model``'s embedding and output head by vocabulary-parallel ones holding this rank's rows
     (one matrix for both when they are tied); False, and nothing changed, for models whose embedding or
-    head is not a plain matrix (a head with a bias)."""
+    head is not a plain matrix (a head with a bias; an embedding of a class of its own, such as Gemma 3's, which
+    scales what it looks up)."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None):
+    if not (type(embedding) is nn.Embedding and type(head) is nn.Linear and head.bias is None):
         return False
     vocab_size = embedding.weight.shape[0]
     embedding_shard = rank_rows(embedding.weight.detach(), world)
