@@ -76,7 +76,6 @@ def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
 
 _LLAMA_ROWS = ("self_attn.o_proj", "mlp.down_proj")
 _EXPERTS = "its experts are not split over ranks yet"
-_GEMMA = "its tokens over two ranks are not yet those of one process"
 
 
 def _llama_like(decoder_layer: str, **features) -> Architecture:
@@ -98,8 +97,8 @@ ARCHITECTURES = {
     "qwen3": _llama_like("Qwen3DecoderLayer", masks_by_layer_type=True),
     "granite": _llama_like("GraniteDecoderLayer", llama_attention=True),
     "smollm3": _llama_like("SmolLM3DecoderLayer", masks_by_layer_type=True),
-    "gemma2": _llama_like("Gemma2DecoderLayer", masks_by_layer_type=True, not_split_because=_GEMMA),
-    "gemma3_text": _llama_like("Gemma3DecoderLayer", masks_by_layer_type=True, not_split_because=_GEMMA),
+    "gemma2": _llama_like("Gemma2DecoderLayer", masks_by_layer_type=True),
+    "gemma3_text": _llama_like("Gemma3DecoderLayer", masks_by_layer_type=True),
     # Phi-3's query/key/value and gate/up projections are fused, their rows not grouped by head
     "phi3": Architecture(packs_prompts=True, not_split_because="DeepSpeed's split of its fused projections fails"),
     # OLMo 2 normalizes queries and keys over all heads at once: a rank holds only its heads

@@ -40,20 +40,25 @@ def rank_rows(full_weight: torch.Tensor, world: World) -> nn.Parameter:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An ``nn.Embedding`` whose rows are split over the ranks. input_ids [*] -> embeddings [*, H]."""
+    """An ``nn.Embedding`` whose rows are split over the ranks, its vectors multiplied by ``embed_scale`` where the
+    embedding it replaces scales them (Gemma's). input_ids [*] -> embeddings [*, H]."""
 
-    def __init__(self, weight_shard: nn.Parameter, vocab_size: int, world: World):
+    def __init__(self, weight_shard: nn.Parameter, vocab_size: int, world: World,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.weight = weight_shard  # [V / N (padded), H]
         self.first_row = vocabulary_slice(vocab_size, world)[0]
         self.vocab_size = vocab_size
+        self.register_buffer("embed_scale", embed_scale, persistent=False)  # a scalar, or None (goes to the device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local_ids = input_ids - self.first_row
         elsewhere = (local_ids < 0) | (local_ids >= self.weight.shape[0])
         embedded = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
         embedded = embedded.masked_fill(elsewhere.unsqueeze(-1), 0)
-        torch.distributed.all_reduce(embedded)
+        torch.distributed.all_reduce(embedded)  # each vector from one rank: exact
+        if self.embed_scale is not None:  # as the scaled embedding does: after the lookup, in the weight's dtype
+            embedded = embedded * self.embed_scale.to(self.weight.dtype)
         return embedded
 
 
@@ -76,15 +81,19 @@ class VocabParallelHead(nn.Module):
 def split_vocabulary(model: nn.Module, world: World) -> bool:
     """Replace ``model``'s embedding and output head by vocabulary-parallel ones holding this rank's rows
     (one matrix for both when they are tied); False, and nothing changed, for models whose embedding or
-    head is not a plain matrix (a head with a bias; an embedding of a class of its own, such as Gemma 3's, which
-    scales what it looks up)."""
+    head is not a plain matrix (a head with a bias; an embedding of a class of its own that does more than look up,
+    or than scale what it looks up by its scalar ``embed_scale``, as Gemma's do)."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not (type(embedding) is nn.Embedding and type(head) is nn.Linear and head.bias is None):
+    embed_scale = getattr(embedding, "embed_scale", None)
+    scaled = isinstance(embed_scale, torch.Tensor) and embed_scale.dim() == 0
+    if not ((type(embedding) is nn.Embedding or (isinstance(embedding, nn.Embedding) and scaled))
+            and type(head) is nn.Linear and head.bias is None):
         return False
     vocab_size = embedding.weight.shape[0]
     embedding_shard = rank_rows(embedding.weight.detach(), world)
     tied = head.weight is embedding.weight
     head_shard = embedding_shard if tied else rank_rows(head.weight.detach(), world)
-    model.set_input_embeddings(VocabParallelEmbedding(embedding_shard, vocab_size, world))
+    model.set_input_embeddings(VocabParallelEmbedding(embedding_shard, vocab_size, world,
+                                                      embed_scale.detach().clone() if scaled else None))
     model.set_output_embeddings(VocabParallelHead(head_shard, vocab_size, world))
     return True
