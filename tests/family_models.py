@@ -54,6 +54,14 @@ def installed(family: str) -> bool:
     return family in CONFIG_MAPPING_NAMES
 
 
+def skip_unless_installed(family: str) -> None:
+    """Skip the calling test, saying why, where the installed transformers release has no ``family`` models."""
+    import pytest
+
+    if not installed(family):
+        pytest.skip(f"transformers {transformers.__version__} has no {family} models")
+
+
 def family_config(family: str, vocab_size: int, **changes) -> transformers.PretrainedConfig:
     """The family's tiny config (with ``changes`` to its settings)."""
     settings = dict(_COMMON, vocab_size=vocab_size, **{**FAMILY_SETTINGS[family], **changes})

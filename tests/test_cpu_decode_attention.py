@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import KERNEL_VARIANTS, PROMPTS, loaded_variant
-from family_models import installed
+from family_models import skip_unless_installed
 from transformers import DynamicCache
 
 import accelgen
@@ -291,8 +291,7 @@ def test_families_whose_attention_is_llamas_take_the_whole_decode_attention_oper
     """The table says whose attention is Llama's between its projections (Mistral's with its sliding window in the mask,
     Qwen2's with biases, Granite's with its own scale); Qwen3 normalizes queries and keys, Gemma 2 soft-caps: their
     modules keep their own forward. Either way the tokens are Hugging Face's (test_families.py)."""
-    if not installed(family):
-        pytest.skip(f"this transformers release has no {family} models")
+    skip_unless_installed(family)
     assert native_operator("decode_self_attention") is not None  # every variant takes it
     generator = accelgen.load(tiny_model_folder(family), device="cpu", max_new_tokens=6, dtype="float32")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

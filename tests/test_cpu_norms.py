@@ -6,7 +6,7 @@ go through it. Whole runs' tokens equal Hugging Face's: test_parity.py."""
 import pytest
 import torch
 from conftest import PROMPTS
-from family_models import installed
+from family_models import skip_unless_installed
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -50,8 +50,7 @@ def test_a_llama_runs_its_norms_through_the_operator(tiny_model_folder):
 def test_a_familys_norms_take_the_operator_only_where_they_compute_its_values(tiny_model_folder, family, takes):
     """Gemma's norm scales by 1 + weight: its modules keep their own forward; families that compute Llama's take the
     operator, whatever their classes are called."""
-    if not installed(family):
-        pytest.skip(f"this transformers release has no {family} models")
+    skip_unless_installed(family)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder(family))
     norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
     assert norms and use_fused_norms(model) == (len(norms) if takes else 0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import one_error_line
-from family_models import EXPERT_FAMILIES, FAMILIES, FAMILY_SETTINGS, WINDOW, build_family_model, installed
+from family_models import EXPERT_FAMILIES, FAMILIES, FAMILY_SETTINGS, WINDOW, build_family_model, skip_unless_installed
 from test_quantization import quantized_logits_error
 from tiny_models import PAD_ID, tiny_configs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -37,11 +37,6 @@ PROMPTS = [
 SHARED = "Tensor parallelism splits each layer across devices and adds the partial results. In the beginning"
 SHARED_PROMPTS = [f"{SHARED} God created the heaven", f"{SHARED} the quick brown fox", f"{SHARED} hello world",
                   f"{SHARED} static shapes let one captured graph serve"]
-
-
-def needs(family: str) -> None:
-    if not installed(family):
-        pytest.skip(f"transformers {transformers.__version__} has no {family} models")
 
 
 def hugging_face_one_at_a_time(folder, prompts, max_new_tokens=MAX_NEW_TOKENS) -> list[list[int]]:
@@ -92,7 +87,7 @@ def test_a_family_outside_the_table_is_refused_in_one_line_before_anything_loads
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_are_hugging_faces_one_prompt_at_a_time_and_in_mixed_batches(tiny_model_folder, family):
-    needs(family)
+    skip_unless_installed(family)
     folder = tiny_model_folder(family)
     expected = hugging_face_one_at_a_time(folder, PROMPTS)
     alone, _ = ours(folder, PROMPTS, batch_size=1)
@@ -112,7 +107,7 @@ def test_greedy_tokens_are_hugging_faces_one_prompt_at_a_time_and_in_mixed_batch
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_reuse_and_chunked_prefill_give_hugging_faces_tokens(tiny_model_folder, family):
-    needs(family)
+    skip_unless_installed(family)
     folder = tiny_model_folder(family)
     expected = hugging_face_one_at_a_time(folder, SHARED_PROMPTS)
     reused, generator = ours(folder, SHARED_PROMPTS, batch_size=2, prefix_cache="4MiB", prefill_chunk=WINDOW * 2)
@@ -123,7 +118,7 @@ def test_prefix_reuse_and_chunked_prefill_give_hugging_faces_tokens(tiny_model_f
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sampled_tokens_are_the_same_at_batch_1_and_batch_4(tiny_model_folder, family):
-    needs(family)
+    skip_unless_installed(family)
     folder = tiny_model_folder(family)
     settings = dict(do_sample=True, seed=7, temperature=0.8)
     alone, _ = ours(folder, PROMPTS, batch_size=1, **settings)
@@ -135,7 +130,7 @@ def test_sampled_tokens_are_the_same_at_batch_1_and_batch_4(tiny_model_folder, f
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_weights_stay_within_their_rounding_and_give_the_same_tokens_alone_and_in_mixed_batches(
         tiny_model_folder, tmp_path, family):
-    needs(family)
+    skip_unless_installed(family)
     folder = tiny_model_folder(family)
     bounded = folder
     if family in EXPERT_FAMILIES:
@@ -192,7 +187,7 @@ def test_docs_models_names_every_family_of_the_table():
 def test_experts_stored_one_by_one_offload_through_a_folder_and_not_in_place(tiny_model_folder, tmp_path, capsys):
     """Mixtral's experts are put together while loading (transformers 5.x): offloaded to disk they are written once
     to the folder given; read in place they cannot be, which is one line."""
-    needs("mixtral")
+    skip_unless_installed("mixtral")
     folder = str(tiny_model_folder("mixtral"))
     expected, _ = ours(folder, PROMPTS, batch_size=2)
     generator = accelgen.load(folder, device="cpu", dtype="float32", max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True,
@@ -227,7 +222,7 @@ def test_a_model_running_code_of_its_own_is_refused_and_runs_as_transformers_fam
 def test_the_compiled_decode_step_gives_hugging_faces_tokens(tiny_model_folder, family):
     """The step a long job compiles on the CPU (inductor), for a family of each kind: a sliding window in one mask,
     layers of two kinds (a mapping of masks, soft-capping), experts."""
-    needs(family)
+    skip_unless_installed(family)
     folder = tiny_model_folder(family)
     compiled, generator = ours(folder, PROMPTS, batch_size=4, graphs=True)
     assert compiled == hugging_face_one_at_a_time(folder, PROMPTS)

@@ -4,7 +4,7 @@ batch chose, however many adapters the buffers hold; one adapter merged into the
 import pytest
 import torch
 from conftest import PROMPTS
-from family_models import FAMILIES, installed
+from family_models import FAMILIES, skip_unless_installed
 from lora_adapters import build_adapters, peft_completions
 
 import accelgen
@@ -56,8 +56,7 @@ def test_each_row_is_peft_with_its_adapter_in_batches_that_mix_them(adapters_of,
 def test_the_other_families_rows_are_peft_with_their_adapters_too(adapters_of, architecture):
     """OPT's decoder layers flatten their rows before the MLP; Falcon's fused projection is a Linear of its own; the
     families of family_models (Phi-3's fused projections, GPT-NeoX's, the attention of those with experts)."""
-    if not installed(architecture):
-        pytest.skip(f"this transformers release has no {architecture} models")
+    skip_unless_installed(architecture)
     folder, adapters = adapters_of(architecture)
     expected = peft_completions(folder, adapters, MIXED_PROMPTS, MIXED_NAMES, MAX_NEW_TOKENS)
     generator = accelgen.load(folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS, batch_size=4, graphs=False,

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import PROMPTS
-from family_models import FAMILIES, installed
+from family_models import FAMILIES, skip_unless_installed
 from test_parity import _new_dtype_keyword
 from tiny_models import build_model, tiny_configs
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
@@ -128,8 +128,7 @@ def valid(text: str, schema: dict) -> bool:
 
 @pytest.mark.parametrize("architecture", ["llama", "bloom", "gpt2", *FAMILIES])
 def test_greedy_tokens_are_hugging_faces_under_the_same_engines_mask(tiny_model_folder, architecture):
-    if not installed(architecture):
-        pytest.skip(f"this transformers release has no {architecture} models")
+    skip_unless_installed(architecture)
     folder = tiny_model_folder(architecture)
     completions = accelgen.generate(PROMPTS, model=folder, device="cpu", max_new_tokens=MAX_NEW_TOKENS, batch_size=2,
                                     json_schema=PERSON, graphs=False)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from accelerators import plugin_manager_with
 from conftest import one_error_line, run_to_the_end, shared_memory_buffers_of, with_fault_drill
-from family_models import FAMILIES, installed
+from family_models import FAMILIES, skip_unless_installed
 
 import accelgen
 from accelgen.cli import main
@@ -431,8 +431,7 @@ SPLIT_FAMILIES = [family for family in FAMILIES if ARCHITECTURES[family].not_spl
 @pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_two_ranks_of_each_family_generate_what_one_process_generates(tiny_model_folder, tmp_path, job_environment,
                                                                        family):
-    if not installed(family):
-        pytest.skip(f"this transformers release has no {family} models")
+    skip_unless_installed(family)
     folder = str(tiny_model_folder(family))
     output = tmp_path / "out.jsonl"
     prompt_arguments = [argument for prompt in PROMPTS for argument in ("--prompt", prompt)]
@@ -449,8 +448,7 @@ def test_two_ranks_of_each_family_generate_what_one_process_generates(tiny_model
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in SPLIT_FAMILIES])
 def test_a_family_that_does_not_split_is_refused_in_one_line_before_any_rank_starts(tiny_model_folder, capsys, family):
-    if not installed(family):
-        pytest.skip(f"this transformers release has no {family} models")
+    skip_unless_installed(family)
     folder = str(tiny_model_folder(family))
     assert main(["run", "--device", "cpu", "--world-size", "2", "--model", folder, "--prompt", "Hello"]) == 2
     message = one_error_line(capsys)

@@ -62,12 +62,9 @@ class ConvertedWeights:
         self._source, self._skeleton, self._stored_as, self._fused = source, skeleton, stored_as, fused
         self._shapes: dict[str, tuple[int, ...]] = {}
 
-    def names(self) -> list[str]:
-        return [*self._stored_as, *self._fused]
-
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._fused:
-            return self._source.shape(self._stored_as.get(name, name))
+            return self._source.shape(self._stored(name))
         if name not in self._shapes:  # the converter run on empty tensors of the stored shapes
             self._shapes[name] = tuple(self._fuse(name, lambda stored: torch.empty(
                 self._source.shape(stored), device="meta")).shape)
@@ -80,14 +77,14 @@ class ConvertedWeights:
 
     def location(self, name: str) -> tuple[str, str] | None:
         """(the file holding the tensor, its name there), or None for a tensor put together from several."""
-        return None if name in self._fused else self._source.location(self._stored_as.get(name, name))
+        return None if name in self._fused else self._source.location(self._stored(name))
 
     def view(self, name: str, part: TensorPart | None) -> torch.Tensor | None:
-        return None if name in self._fused else self._source.view(self._stored_as.get(name, name), part)
+        return None if name in self._fused else self._source.view(self._stored(name), part)
 
     def copy_into(self, destination: torch.Tensor, name: str, part: TensorPart | None) -> None:
         if name not in self._fused:
-            self._source.copy_into(destination, self._stored_as.get(name, name), part)
+            self._source.copy_into(destination, self._stored(name), part)
             return
 
         def read(stored: str) -> torch.Tensor:
@@ -97,6 +94,10 @@ class ConvertedWeights:
 
         values = self._fuse(name, read)
         destination.copy_(values if part is None else values[part.index()])
+
+    def _stored(self, name: str) -> str:
+        """The name a tensor that is not put together from several is stored under."""
+        return self._stored_as.get(name, name)
 
     def _fuse(self, name: str, read) -> torch.Tensor:
         """The model's tensor ``name``: its stored tensors (each given by ``read(stored name)``) through its converter's

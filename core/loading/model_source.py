@@ -34,7 +34,7 @@ from accelgen.loading.pre_sharded import check_sharded_for, missing_rank_file, r
 from accelgen.loading.random_weights import resolve_model_config, tokenizer_for
 from accelgen.loading.weight_loading import HOST, load_weights
 from accelgen.loading.weight_sources import PickleWeights, RandomWeights, SafetensorsWeights
-from accelgen.model.architectures import architecture_of, split_refusal
+from accelgen.model.architectures import architecture_of
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
@@ -140,7 +140,7 @@ class ModelSource:
         checked; a family or heads that do not split; a pre-sharded folder made for another world size or dtype):
         before any rank starts."""
         config = self.config()
-        architecture_of(config)  # a family no test has shown right is refused here, before anything loads
+        architecture = architecture_of(config)  # a family no test has shown right is refused here, before anything loads
         if self.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
             raise UsageError(f"{self.location} runs code of its own (--trust-remote-code), which accelgen has not checked "
                              f"against Hugging Face: drop --trust-remote-code to run transformers' own "
@@ -154,9 +154,9 @@ class ModelSource:
         if manifest is not None:
             check_sharded_for(self.location, manifest, world_size, dtype, quantize)
         if world_size > 1:
-            refusal = split_refusal(config)
-            if refusal is not None:
-                raise UsageError(f"{config.model_type} models do not run over --world-size {world_size}: {refusal}; run "
+            if architecture.not_split_because is not None:
+                raise UsageError(f"{config.model_type} models do not run over --world-size {world_size}: "
+                                 f"{architecture.not_split_because}; run "
                                  f"them in one process (--world-size 1, with --offload where they do not fit).")
             check_shardable(config, world_size)
 

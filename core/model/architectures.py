@@ -149,7 +149,3 @@ def layer_windows(config: transformers.PretrainedConfig) -> dict[str, int | None
         windows[layer_type] = window if layer_type == SLIDING else None
     return windows
 
-
-def split_refusal(config: transformers.PretrainedConfig) -> str | None:
-    """Why a model of this family cannot be split over ranks, or None when it can."""
-    return architecture_of(config).not_split_because
