@@ -174,7 +174,8 @@ def test_a_served_model_name_and_the_adapters_names_are_served_side_by_side(llam
         assert line["response"]["body"]["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
     assert lines[2]["response"] is None
     assert lines[2]["error"]["message"] == ("asks for model 'gpt-4o', and this run serves 'gpt-4o-mini' "
-                                            "(--served-model-name) and LoRA adapters 'a0', 'a1', 'a2': add "
+                                            "(--served-model-name) and LoRA adapters 'a0', 'a1', 'a2': pass "
+                                            "--lora gpt-4o=PATH to serve an adapter under that name, or add "
                                             "--served-model-name 'gpt-4o' to serve it")
 
 

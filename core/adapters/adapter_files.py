@@ -7,7 +7,9 @@ The tensors are ``base_model.model.<module>.lora_A.weight`` [r, in] and ``...lor
 module, named as the model names it; a module's output gains ``scaling * B (A x)``, with PEFT's scaling ``lora_alpha / r``
 (``lora_alpha / sqrt(r)`` with ``use_rslora``; per module where ``rank_pattern`` / ``alpha_pattern`` say so). Any other
 tensor (an embedding's ``lora_embedding_A``, DoRA's ``lora_magnitude_vector``, a trained bias, a module saved whole) and
-any config field that changes what the layer computes is refused, named.
+any config field that changes what the layer computes is refused, named; so is a config field of a type or range PEFT
+never writes (``adapter_config``), a rank in the config other than the matrices', and a matrix holding NaN or inf (every
+value is read once, here, before the model loads: one bad value would reach every row of the batch).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 
 import torch
 
+from accelgen.adapters.adapter_config import DEFAULT_ALPHA, by_pattern, config_problem, matching_pattern
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.settings import World
 from accelgen.loading.checkpoint_download import checkpoint_folder
@@ -70,6 +73,8 @@ class AdapterFiles:
         self.config = self._read_config()
         self._check_config()
         self.layers = self._read_layers()
+        #: the largest magnitude of each saved tensor's values, B's times its layer's scaling (as the buffers hold it)
+        self.largest = self._check_values()
 
     @property
     def described(self) -> str:
@@ -108,7 +113,12 @@ class AdapterFiles:
         path = os.path.join(self.folder, CONFIG_FILE)
         if not os.path.isfile(path):
             raise self.refuse(f"folder {self.folder!r} has no {CONFIG_FILE}", "pass a folder written by PEFT's save_pretrained")
-        with user_errors(f"{self.described}: the adapter's {CONFIG_FILE} cannot be read", "save the adapter again with PEFT"):
+        unreadable, fix = f"{self.described}: the adapter's {CONFIG_FILE} cannot be read", "save the adapter again with PEFT"
+
+        def too_deep(error: BaseException) -> str | None:  # JSON nested deeper than Python's parser goes
+            return f"{unreadable}: it is nested too deep: {fix}." if isinstance(error, RecursionError) else None
+
+        with user_errors(unreadable, fix, (OSError, ValueError, RecursionError), too_deep):
             with open(path, encoding="utf-8") as config_file:
                 config = json.load(config_file)
         if not isinstance(config, dict):
@@ -116,6 +126,10 @@ class AdapterFiles:
         return config
 
     def _check_config(self) -> None:
+        problem = config_problem(self.config)
+        if problem:
+            raise UsageError(f"{self.described}: the adapter's {CONFIG_FILE} says {problem}: correct it, or save the "
+                             f"adapter again with PEFT.")
         kind = self.config.get("peft_type")
         if kind != "LORA":
             raise self.refuse(f"is a PEFT {kind} adapter, not LoRA", "accelgen runs LoRA adapters only")
@@ -164,9 +178,35 @@ class AdapterFiles:
             raise self.refuse(f"holds matrices of {module!r} that do not make a LoRA pair ({pair})",
                               "save the adapter again with PEFT")
         rank = pair["A"][0]
-        alpha = _by_pattern(self.config.get("alpha_pattern") or {}, module, self.config.get("lora_alpha", 8))
+        if "r" in self.config:  # PEFT scales by the config's rank: it must be the matrices'
+            pattern = matching_pattern(self.config.get("rank_pattern"), module)
+            said = f"r is {self.config['r']}" if pattern is None else f"rank_pattern's {pattern!r} is " \
+                f"{self.config['rank_pattern'][pattern]}"
+            if by_pattern(self.config.get("rank_pattern"), module, self.config["r"]) != rank:
+                raise UsageError(f"{self.described}: the adapter's {CONFIG_FILE} says {said}, and the matrices of "
+                                 f"{module!r} have rank {rank}: correct it, or save the adapter again with PEFT.")
+        alpha = by_pattern(self.config.get("alpha_pattern"), module, self.config.get("lora_alpha", DEFAULT_ALPHA))
         scaling = alpha / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
         return AdaptedLayer(rank, pair["A"][1], pair["B"][0], scaling)
+
+    def _check_values(self) -> dict[str, float]:
+        """Every value of the saved matrices read once: refused when one is NaN or inf; the largest magnitude of each
+        tensor (B's times its scaling) returned, for the run's dtype to be checked against (``AdapterSet.check_fits``)."""
+        from safetensors import safe_open
+
+        largest = {}
+        with user_errors(f"{self.described}: cannot read {WEIGHTS_FILE}", "save the adapter again"):
+            with safe_open(os.path.join(self.folder, WEIGHTS_FILE), framework="pt") as weights:
+                for module, layer in self.layers.items():
+                    for suffix, matrix in MATRICES.items():
+                        name = f"{SAVED_PREFIX}{module}{suffix}"
+                        values = weights.get_tensor(name).float()
+                        if not bool(values.isfinite().all()):
+                            raise UsageError(f"{self.described}: the adapter's {WEIGHTS_FILE} holds NaN or inf in {name!r}: "
+                                             f"train or save the adapter again (every value finite).")
+                        peak = float(values.abs().max()) if values.numel() else 0.0
+                        largest[name] = peak * abs(layer.scaling) if matrix == "B" else peak
+        return largest
 
 
 def _adapter_folder(described: str, source: str, world: World) -> str:
@@ -187,10 +227,3 @@ def _module_and_matrix(tensor: str) -> tuple[str, str | None]:
             return tensor[len(SAVED_PREFIX): -len(suffix)], matrix
     return tensor, None
 
-
-def _by_pattern(patterns: dict, module: str, default: float) -> float:
-    """PEFT's per-module value (``alpha_pattern``): that of the first pattern matching the end of ``module``'s name."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
-    return default

@@ -1,6 +1,7 @@
 """The LoRA adapters of a run (``--lora``), read and checked against the model before it loads: each adapted module
 must be a linear layer of the model (not its output head), of the shapes the adapter's matrices were trained for, at a
-rank the buffers hold. A mismatch is one line naming the adapter, the module and the fix."""
+rank the buffers hold, its values within what the run's dtype holds. A mismatch is one line naming the adapter, the
+module and the fix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import transformers
 
 from accelgen.adapters.adapter_files import AdaptedLayer, AdapterFiles
 from accelgen.common.errors import UsageError
-from accelgen.common.settings import AdapterSettings, World
+from accelgen.common.settings import AdapterSettings, World, torch_dtype
 from accelgen.model.empty_model import empty_model
 
 
@@ -51,6 +52,7 @@ class AdapterSet:
         for adapter in [*self.named.values(), *([self.merged] if self.merged else [])]:
             for module, layer in adapter.layers.items():
                 _check_layer(adapter, skeleton, module, layer)
+            _check_range(adapter, dtype)
             if adapter is not self.merged and adapter.rank > self.rank:
                 raise adapter.refuse(f"has rank {adapter.rank}, above --max-lora-rank {self.rank}",
                                      f"raise --max-lora-rank to {adapter.rank}")
@@ -84,6 +86,18 @@ def _check_layer(adapter: AdapterFiles, skeleton: torch.nn.Module, module: str, 
     if features != (layer.in_features, layer.out_features):
         raise adapter.refuse(f"adapts {module!r} as {layer.in_features} -> {layer.out_features} features, and this model's "
                              f"is {features[0]} -> {features[1]}: {another}", "pass the adapters of this model")
+
+
+def _check_range(adapter: AdapterFiles, dtype: str) -> None:
+    """Raise UsageError when a value of ``adapter`` (B's times its scaling) is beyond what ``dtype`` holds: it would be
+    inf in the buffers (or the merged weights), and one inf reaches every row of the batch."""
+    most = torch.finfo(torch_dtype(dtype)).max
+    for tensor, largest in adapter.largest.items():
+        if largest > most:
+            scaled = " after its scaling" if tensor.endswith(".lora_B.weight") else ""
+            fix = "run in --dtype float32 or bfloat16, or train the adapter again" if dtype == "float16" else \
+                "train the adapter again"
+            raise adapter.refuse(f"holds values beyond {dtype}'s range in {tensor!r} (largest {largest:.3g}{scaled})", fix)
 
 
 def check_names(settings: AdapterSettings, model_names: tuple[str, ...]) -> None:

@@ -5,9 +5,13 @@ The buffers of one layer stack ``slots`` adapters of rank up to ``rank`` as C = 
 a linear layer's weight [out, in]: ``lora_a`` [C, in] holds adapter s's A in rows (s - 1) x rank to s x rank (its rank
 r first, zeros after), ``lora_b`` [out, C] its B (times its scaling) in those columns. Buffer slot 0 is the base
 model's: no columns. A forward pass computes every column, keeps each token's own adapter's (a mask, [M, C] over the
-pass's M tokens, 1 in its adapter's columns) and multiplies back:
+pass's M tokens, true in the columns of other adapters, whose values are replaced by zeros) and multiplies back:
 
-    y = base(x) + ((x @ lora_a^T) * mask) @ lora_b^T
+    y = base(x) + where(mask, 0, x @ lora_a^T) @ lora_b^T
+
+The other adapters' columns are replaced, not multiplied by 0: a value that is NaN or inf in another adapter's product
+(0 x inf is NaN) never reaches a token. B's values are finite (``adapter_files`` refuses an adapter holding NaN or inf,
+``adapter_set`` one beyond the run's dtype), so the zeros add exact zeros through every other adapter's B.
 
 Each product is the device's own over its layout of the buffer where it has one (``Accelerator.linear_layout``: a few
 rows times a small weight is where a general product does worst), else torch's.
@@ -34,8 +38,9 @@ from accelgen.plugin.contract import LinearLayout
 
 class AdapterRows:
     """Which buffer slot each token of the next forward pass is computed with, shared by a model's LoRA layers: the
-    mask of their columns, [rows, tokens, C] as most layers see the tokens and [M, C] as the others do (M = rows x
-    tokens: OPT's MLP sees them flattened), or None (every token the base model's, nothing added)."""
+    mask of the columns each token leaves out (true in the other adapters'), [rows, tokens, C] as most layers see the
+    tokens and [M, C] as the others do (M = rows x tokens: OPT's MLP sees them flattened), or None (every token the base
+    model's, nothing added)."""
 
     def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device):
         self.slots, self.rank, self.dtype = slots, rank, dtype
@@ -46,7 +51,7 @@ class AdapterRows:
     def select(self, token_slots: torch.Tensor | None) -> None:
         """The tokens of the next forward pass, token_slots [rows, tokens], computed with the adapters of those buffer
         slots; None: all with the base model."""
-        self.mask = None if token_slots is None else (token_slots[..., None] == self.column_slots).to(self.dtype)
+        self.mask = None if token_slots is None else token_slots[..., None] != self.column_slots
         self.flat_mask = None if self.mask is None else self.mask.view(-1, self.mask.shape[-1])
 
 
@@ -100,10 +105,10 @@ class LoraLinear(torch.nn.Module):
         as a small product)."""
         layout_a, layout_b = self.layouts
         if layout_a is None or layout_b is None:
-            low_rank = torch.mm(x.reshape(-1, x.shape[-1]), self.lora_a.t()).mul_(self.rows.flat_mask)
+            low_rank = torch.mm(x.reshape(-1, x.shape[-1]), self.lora_a.t()).masked_fill_(self.rows.flat_mask, 0)
             return torch.addmm(output.reshape(-1, output.shape[-1]), low_rank, self.lora_b.t()).view(output.shape)
         low_rank = layout_a.product(x)  # [..., C]
-        return output.add_(layout_b.product(low_rank.mul_(mask if x.dim() == mask.dim() else self.rows.flat_mask)))
+        return output.add_(layout_b.product(low_rank.masked_fill_(mask if x.dim() == mask.dim() else self.rows.flat_mask, 0)))
 
     def write_slot(self, slot: int, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
         """Put an adapter in buffer slot ``slot`` (1 and up): a [r, in] and b [out, r] (this rank's parts, its scaling in

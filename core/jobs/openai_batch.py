@@ -216,6 +216,13 @@ class ServedNames:
     given: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()  # the run's LoRA adapters' names (--lora NAME=PATH): a request naming one has it
 
+    def __post_init__(self):
+        for name in self.given:  # (the model's own names are refused as adapters' with the adapters, check_names)
+            if name in self.adapters:
+                raise UsageError(f"--lora {name}=... and --served-model-name {name!r} give one name to an adapter and to "
+                                 f"the model: a request naming {name!r} would not say which it means; rename the adapter "
+                                 f"or the served model.")
+
     @property
     def accepted(self) -> tuple[str, ...]:
         """What a request may name to be served by the model itself."""
@@ -231,9 +238,11 @@ class ServedNames:
         served = ", ".join(map(repr, self.given)) + " (--served-model-name)" if self.given else repr(self.written)
         if self.adapters:
             served += f" and LoRA adapters {', '.join(map(repr, self.adapters))}"
-        fix = "add" if self.given else "pass"
-        return f"asks for model {asked!r}, and this run serves {served}: {fix} --served-model-name {asked!r} to serve it" + \
+        fix = f"{'add' if self.given else 'pass'} --served-model-name {asked!r} to serve it" + \
             ("" if self.given else " with this model")
+        if self.adapters:  # a LoRA run: the name may as well be that of an adapter the command left out
+            fix = f"pass --lora {asked}=PATH to serve an adapter under that name, or {fix}"
+        return f"asks for model {asked!r}, and this run serves {served}: {fix}"
 
 
 def _message(sample: dict) -> dict:
