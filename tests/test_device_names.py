@@ -123,3 +123,40 @@ def test_a_device_planted_in_a_nested_module_is_found(tmp_path, code, found):
 def test_prose_and_the_built_in_plugins_names_are_not_device_names(tmp_path):
     (tmp_path / "manager.py").write_text(PROSE + 'DEFAULT_PLUGINS = ("accelgen_cpu", "accelgen_cuda", "accelgen_hpu")\n')
     assert device_names(tmp_path) == []
+
+
+# -- the registry's rule for a device's own name: one word, as --device takes it ------------------------------------
+
+
+@pytest.mark.parametrize("bad_name", ["my device", "cuda:0", "", "npu\n"])
+def test_a_plugin_registering_a_name_that_is_not_one_word_is_refused_in_one_line(bad_name, capsys):
+    import torch
+    from accelerators import RegisteringPlugin
+    from conftest import one_error_line
+
+    import accelgen
+    from accelgen.cli import main
+    from accelgen.plugin.manager import get_plugin_manager
+
+    class BadlyNamed(accelgen.Accelerator):
+        name = bad_name
+
+        def is_available(self):
+            return True
+
+        def setup(self, world):
+            return torch.device("cpu")
+
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(RegisteringPlugin(BadlyNamed()), name="named_badly")
+    problem = f"registers BadlyNamed with the name {bad_name!r}: a device name is one word of letters, digits"
+
+    assert main(["devices"], plugin_manager) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line for line in listed if line.startswith("broken")] == [
+        f"broken   plugin named_badly (package unknown): {problem}, '_' and '-'"]
+    assert any(line.startswith("cpu ") and "available" in line for line in listed)  # the others still work
+
+    assert main(["run", "--device", bad_name, "--prompt", "hi", "--max-new-tokens", "1"], plugin_manager) == 2
+    error = one_error_line(capsys)
+    assert f"named_badly (package unknown): {problem}" in error  # "--device X cannot be used", or "" unknown

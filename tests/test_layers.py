@@ -178,3 +178,73 @@ def test_the_layers_allowed_imports_are_not_reported(tmp_path):
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "__init__.py").write_text("from ..jobs import runner\nimport importlib\nimportlib.import_module('accelgen.bench')\n")
     assert upward_imports(tmp_path) == []
+
+
+# -- the plugins: they reach the core through the contract, never through what drives a run --------------------------
+
+REPOSITORY = CORE.parent
+#: Every plugin's source the guard reads: the built-in plugins and the example third-party plugin.
+PLUGIN_SOURCES = (REPOSITORY / "plugins", REPOSITORY / "examples" / "accelgen-fake-device")
+#: The highest layer a plugin may import (DESIGN.md, section 2: a device reaches the core only through the contract):
+#: the contract (plugin), what it is written in (common, model) and the helpers it names for a plugin's members
+#: (``shard_with_deepspeed`` in parallel, ``quantize_linear_layers`` in quantization). Never the layers that call a
+#: plugin's accelerator (loading, generation, adapters) or drive a run (session, jobs, bench, cli).
+PLUGIN_CEILING = LAYERS["quantization"]
+
+
+def facade_names(source: str) -> set[str]:
+    """The public names of the ``accelgen`` facade a module uses (``accelgen.Accelerator``, ``from accelgen import
+    generate``), as the module each comes from (``accelgen.plugin.contract``)."""
+    import accelgen
+
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "accelgen":
+            used.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module == "accelgen" and not node.level:
+            used.update(alias.name for alias in node.names)
+    return {accelgen._EXPORTS[name] for name in used if name in accelgen._EXPORTS}
+
+
+def plugin_imports_above_the_contract(*sources: pathlib.Path) -> list[str]:
+    """``file imports accelgen.LAYER`` for each import of a layer above PLUGIN_CEILING in the plugins' sources (their
+    build folders left out), directly or through a name of the facade."""
+    problems = []
+    for source in sources:
+        for path in sorted(source.rglob("*.py")):
+            if "build" in path.relative_to(source).parts:
+                continue
+            text = path.read_text()
+            # a plugin's relative imports stay in its own package: resolve them against a package outside accelgen
+            modules = {name for name in imported_modules(text, "accelgen_plugin") if name.startswith("accelgen.")}
+            layers = {name.split(".")[1] for name in modules | facade_names(text)} & set(LAYERS)
+            problems += [f"{path.relative_to(source.parent).as_posix()} imports accelgen.{layer}"
+                         for layer in sorted(layers) if LAYERS[layer] > PLUGIN_CEILING]
+    return problems
+
+
+def test_plugins_import_only_the_contract_and_the_layers_below_it():
+    read = [path.relative_to(REPOSITORY).as_posix() for source in PLUGIN_SOURCES for path in source.rglob("*.py")]
+    assert {"plugins/cpu/__init__.py", "plugins/cuda/__init__.py", "plugins/hpu/__init__.py",
+            "examples/accelgen-fake-device/accelgen_fake_device.py"} <= set(read)  # the guard reads every plugin
+    assert plugin_imports_above_the_contract(*PLUGIN_SOURCES) == []
+
+
+@pytest.mark.parametrize(("statement", "layer"), [
+    ("from accelgen.cli import main", "cli"),
+    ("def f():\n    import accelgen.jobs.progress", "jobs"),
+    ("import importlib\nimportlib.import_module('accelgen.session.request')", "session"),
+    ("from accelgen.generation.sampling import draw", "generation"),
+    ("import accelgen\ndef f():\n    return accelgen.generate", "session"),
+    ("from accelgen import Generator", "generation"),
+])
+def test_a_plugin_importing_what_drives_a_run_is_found(tmp_path, statement, layer):
+    """A copy of the plugins' tree with one forbidden import planted in the CPU plugin: the guard names it."""
+    import shutil
+
+    copy = tmp_path / "plugins"
+    shutil.copytree(REPOSITORY / "plugins", copy, ignore=shutil.ignore_patterns("__pycache__", "build", "*.so"))
+    assert plugin_imports_above_the_contract(copy) == []
+    planted = copy / "cpu" / "__init__.py"
+    planted.write_text(planted.read_text() + "\n" + statement + "\n")
+    assert plugin_imports_above_the_contract(copy) == [f"plugins/cpu/__init__.py imports accelgen.{layer}"]

@@ -210,10 +210,11 @@ class UnknownScheme(UnavailableAccelerator):
 
 
 class KnobsOnItself(UnavailableAccelerator):
-    """Written before the tuning knobs moved into ``accelgen.Tuning``: the core would never read them here."""
+    """Written before the tuning knobs moved into ``accelgen.Tuning`` (read as its tuning for a stated time,
+    tests/test_hostile_plugin_contract.py), with a value the knob cannot take."""
 
     name = "vpu"
-    packs_prompts = True
+    packs_prompts = "yes"
 
 
 class TuningOfAnotherKind(UnavailableAccelerator):
@@ -225,7 +226,7 @@ class TuningOfAnotherKind(UnavailableAccelerator):
     (OldStyleAccelerator(), "tpu", "registers OldStyleAccelerator, which lacks dist_backend, supported_dtypes, "),
     (WrongDtypes(), "xpu", "registers 'xpu' with supported_dtypes ('bfloat16', 'float8') and default_dtype 'float16'"),
     (UnknownScheme(), "ipu", "registers 'ipu' with quantization_schemes ('int8', 'int3'): each must be one of int8, fp8"),
-    (KnobsOnItself(), "vpu", "registers KnobsOnItself setting packs_prompts on itself: these are accelgen.Tuning's"),
+    (KnobsOnItself(), "vpu", "registers KnobsOnItself setting packs_prompts='yes': it must be True or False"),
     (TuningOfAnotherKind(), "dpu", "registers TuningOfAnotherKind with tuning {'captures_by_default': True}: it must "
                                    "be an accelgen.Tuning"),
 ])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import signal
 import sys
 import warnings
@@ -89,6 +88,9 @@ def main(argv: Sequence[str] | None = None, plugin_manager: PluginManager | None
         except Stopped as stopped:
             return _stopped(stopped.signal_number, arguments)
         except Exception as error:
+            if stop.interrupted:  # a library made the Ctrl-C raised inside its code an error of its own
+                print(f"accelgen: interrupted{_kept(arguments)}", file=sys.stderr)
+                return 130
             if stop.signal_number is not None:  # a library made the Stopped raised inside its code an error of its own
                 return _stopped(stop.signal_number, arguments)
             if worker:
@@ -139,9 +141,10 @@ def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int
     """List every accelerator, and under each available one what its plugin's own kernels are (``describe()``'s
     ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first."""
     from accelgen.plugin.isolation import SKIP_VARIABLE
-    from accelgen.plugin.registry import accelerator_registry
+    from accelgen.plugin.registry import accelerator_registry, warn_about_old_forms
 
     registry = accelerator_registry(plugin_manager)
+    warn_about_old_forms(registry, list(registry.accelerators))
     for accelerator in registry.accelerators.values():
         available = accelerator.is_available()
         if available and prepare:
@@ -222,13 +225,19 @@ def _json_schema(path: str | None) -> object:
     """The JSON Schema of the ``--json-schema`` file (a small regular file; checked further by the request), or None."""
     if path is None:
         return None
-    from accelgen.common.errors import user_errors
+    from accelgen.common.errors import UsageError
     from accelgen.common.input_files import read_small_text_file
+    from accelgen.common.structure import schema_value
 
     fix = "pass a UTF-8 file holding a JSON Schema, e.g. {\"type\": \"object\", \"properties\": {...}}"
     text = read_small_text_file(path, "--json-schema", SCHEMA_MOST_BYTES, fix)
-    with user_errors(f"--json-schema {path!r} is not JSON", fix):
-        return json.loads(text)
+    try:
+        schema = schema_value(text)
+    except ValueError as error:
+        raise UsageError(f"--json-schema {path!r} {error}: {fix}") from None
+    if schema is None:  # None would be no --json-schema at all
+        raise UsageError(f"--json-schema {path!r} holds null, not a JSON Schema: {fix}")
+    return schema
 
 
 def _replica_world(invocation: Invocation) -> World:

@@ -54,8 +54,8 @@ class Tuning:
     default that suits an eager device needing nothing special; an accelerator replaces the ones its hardware does
     differently (``tuning = Tuning(captures_by_default=True, captures_prefill=False)``, or
     ``dataclasses.replace(Parent.tuning, ...)`` in a subclass). A device that keeps every default runs every job right,
-    if perhaps slower than it could; the registry refuses a plugin that sets one of these on the accelerator itself
-    (where the core would never read it)."""
+    if perhaps slower than it could. Until ``accelgen.plugin.old_forms.OLD_TUNING_ACCEPTED_UNTIL`` a knob set on the
+    accelerator itself (the contract before Tuning) is read as its tuning, with a deprecation line."""
 
     #: Whether ``capture`` is applied when the user neither asks for graphs nor turns them off.
     captures_by_default: bool = False

@@ -19,6 +19,7 @@ from accelgen.plugin.isolation import (
     guard_listing_members,
 )
 from accelgen.plugin.manager import BrokenPlugin, PluginManager, package_of
+from accelgen.plugin.old_forms import deprecation, knobs_set_on_itself, read_as_tuning, wrong_kind
 
 AUTO_DEVICE = "auto"
 #: Every member of the contract: what an accelerator that does not subclass Accelerator must have itself.
@@ -28,12 +29,14 @@ CONTRACT = tuple(member for member in vars(Accelerator) if not member.startswith
 @dataclasses.dataclass
 class Registry:
     """The registered accelerators by name (highest priority first), the plugins that could not be used, the
-    guards in front of each accelerator's listing members, and the plugins ACCELGEN_SKIP_PLUGINS left out."""
+    guards in front of each accelerator's listing members, the plugins ACCELGEN_SKIP_PLUGINS left out, and by device
+    name what its plugin writes in an older form of the contract (``accelgen.plugin.old_forms``)."""
 
     accelerators: dict[str, Accelerator]
     broken: list[BrokenPlugin]
     guards: dict[str, ListingGuard] = dataclasses.field(default_factory=dict)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    deprecated: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def accelerator_registry(plugin_manager: PluginManager) -> Registry:
@@ -44,12 +47,13 @@ def accelerator_registry(plugin_manager: PluginManager) -> Registry:
     pluggy calls the most recently registered plugin first, so keeping the first registration of a name
     lets a third-party plugin replace a built-in accelerator of the same name."""
     found: dict[str, tuple[int, ListingGuard]] = {}  # device name: its priority, the guard of its accelerator
+    deprecated: dict[str, str] = {}  # device name: what its plugin writes in an older form of the contract
     broken = list(getattr(plugin_manager, "load_failures", []))
     implementations = plugin_manager.hook.accelgen_register_accelerators.get_hookimpls()
     plugins = [implementation.plugin for implementation in reversed(implementations)]
     for plugin in plugins:
         origin = PluginOrigin(plugin_manager.get_name(plugin), package_of(plugin))
-        register_one = functools.partial(_register, found, broken, origin)
+        register_one = functools.partial(_register, found, deprecated, broken, origin)
         only_this_plugin = plugin_manager.subset_hook_caller(
             "accelgen_register_accelerators", remove_plugins=[other for other in plugins if other is not plugin]
         )
@@ -62,7 +66,8 @@ def accelerator_registry(plugin_manager: PluginManager) -> Registry:
             broken.append(BrokenPlugin(origin.plugin, origin.package, _returned_instead(returned)))
     ranked = sorted(found.items(), key=lambda item: (-item[1][0], item[0]))
     return Registry({name: guard.accelerator for name, (_, guard) in ranked}, broken,
-                    {name: guard for name, (_, guard) in ranked}, list(getattr(plugin_manager, "skipped", [])))
+                    {name: guard for name, (_, guard) in ranked}, list(getattr(plugin_manager, "skipped", [])),
+                    {name: line for name, line in deprecated.items() if name in found})
 
 
 def registered_accelerators(plugin_manager: PluginManager) -> dict[str, Accelerator]:
@@ -77,12 +82,12 @@ def _returned_instead(returned: list) -> str:
             f"each accelerator: nothing of it was registered")
 
 
-def _register(found: dict, broken: list, origin: PluginOrigin, accelerator: Accelerator) -> None:
+def _register(found: dict, deprecated: dict, broken: list, origin: PluginOrigin, accelerator: Accelerator) -> None:
     """The ``register`` callback a plugin calls. Reading the accelerator's members runs the plugin's code (they
     may be properties), so the check goes through ``call_plugin`` too."""
     try:
-        problem = call_plugin(origin, f"registering {type(accelerator).__name__}", _add_if_usable, found, origin,
-                              accelerator)
+        problem = call_plugin(origin, f"registering {type(accelerator).__name__}", _add_if_usable, found, deprecated,
+                              origin, accelerator)
     except PluginFailure as failure:
         problem = failure.problem
     if problem is not None:
@@ -90,9 +95,16 @@ def _register(found: dict, broken: list, origin: PluginOrigin, accelerator: Acce
         broken.append(BrokenPlugin(origin.plugin, origin.package, problem, (name,) if name else ()))
 
 
-def _add_if_usable(found: dict, origin: PluginOrigin, accelerator: Accelerator) -> str | None:
+def _add_if_usable(found: dict, deprecated: dict, origin: PluginOrigin, accelerator: Accelerator) -> str | None:
     problem = accelerator_problem(accelerator)
     if problem is None and accelerator.name not in found:
+        if knobs := knobs_set_on_itself(accelerator):  # the contract's form before Tuning: read, for a stated time
+            try:
+                read_as_tuning(accelerator, knobs)
+            except AttributeError:
+                return (f"registers {type(accelerator).__name__} setting {', '.join(knobs)} on itself, and its tuning "
+                        f"cannot be set from them: write tuning = accelgen.Tuning(...) in the class")
+            deprecated[accelerator.name] = deprecation(origin.named(), type(accelerator).__name__, knobs)
         found[accelerator.name] = (accelerator.priority, guard_listing_members(accelerator, accelerator.name, origin))
     return problem
 
@@ -116,12 +128,10 @@ def accelerator_problem(accelerator: object) -> str | None:
     tuning = getattr(accelerator, "tuning", None)
     if not isinstance(tuning, Tuning):
         return f"registers {kind} with tuning {tuning!r}: it must be an accelgen.Tuning"
-    misplaced = [field.name for field in dataclasses.fields(Tuning) if hasattr(accelerator, field.name)]
-    if misplaced:  # a plugin written before the knobs moved: the core would never read them there
-        return (f"registers {kind} setting {', '.join(misplaced)} on itself: these are accelgen.Tuning's fields now "
-                f"(tuning = accelgen.Tuning({misplaced[0]}=...))")
+    if problem := wrong_kind(knobs_set_on_itself(accelerator)):  # the old form, read as the tuning while accepted
+        return f"registers {kind} setting {problem} (a field of accelgen.Tuning)"
     name = getattr(accelerator, "name", "")
-    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+    if not is_one_word(name):
         return f"registers {kind} with the name {name!r}: a device name is one word of letters, digits, '_' and '-'"
     if name == AUTO_DEVICE:
         return f"registers {kind} with the name {name!r}, which --device keeps for the best available device"
@@ -136,6 +146,11 @@ def accelerator_problem(accelerator: object) -> str | None:
     if not isinstance(accelerator.priority, int):
         return f"registers {name!r} with the priority {accelerator.priority!r}: it must be a whole number"
     return None
+
+
+def is_one_word(name: object) -> bool:
+    """Whether ``name`` can be a device's name: one word of letters, digits, '_' and '-', as ``--device`` takes it."""
+    return isinstance(name, str) and name.replace("_", "").replace("-", "").isalnum()
 
 
 def availability_line(accelerator: Accelerator) -> str:
@@ -154,7 +169,15 @@ def select_accelerator(plugin_manager: PluginManager, device: str) -> Accelerato
     registry = accelerator_registry(plugin_manager)
     accelerator = _chosen(registry, device)
     _warn_about_plugins_left_out(registry)
+    warn_about_old_forms(registry, [accelerator.name])
     return accelerator
+
+
+def warn_about_old_forms(registry: Registry, devices: list[str]) -> None:
+    """One deprecation line for each of ``devices`` whose plugin writes an older form of the contract."""
+    for device in devices:
+        if device in registry.deprecated:
+            warnings.warn(AccelgenWarning(registry.deprecated[device]), stacklevel=3)
 
 
 def _chosen(registry: Registry, device: str) -> Accelerator:
@@ -167,12 +190,17 @@ def _chosen(registry: Registry, device: str) -> Accelerator:
     if device not in accelerators:
         for plugin in registry.broken:
             if device in plugin.devices:
-                raise UsageError(f"--device {device} cannot be used: plugin {plugin.line()}")
+                raise UsageError(f"--device {_shown(device)} cannot be used: plugin {plugin.line()}")
         raise UsageError(f"No plugin provides --device {device!r}. Known: {_known_devices(registry)}")
     accelerator = accelerators[device]
     if not accelerator.is_available():
         raise UsageError(f"--device {device} is not available here: {accelerator.unavailable_reason()}")
     return accelerator
+
+
+def _shown(device: str) -> str:
+    """``device`` as an error line shows it: as typed when it is one word, else quoted (a newline stays in its line)."""
+    return device if is_one_word(device) else repr(device)
 
 
 def _warn_about_plugins_left_out(registry: Registry) -> None:
