@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 #: The kinds of structure, as the run record and the engine adapter name them.
 KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -40,15 +41,29 @@ class Structure:
 #: What ``--json`` holds a completion to.
 JSON_OBJECT = Structure("json_object", '{"type":"object"}')
 
+#: The deepest a schema's JSON may nest (objects and lists in each other): deeper than any schema written by hand, and
+#: within what the grammar engine reads (it refuses about 128) and Python's JSON reader (its recursion limit).
+MOST_SCHEMA_DEPTH = 100
+
+
+def schema_value(text: str | bytes) -> object:
+    """The JSON value of a schema's text. ValueError when it is not JSON or nests deeper than :data:`MOST_SCHEMA_DEPTH`
+    (said before it is read, which would exhaust Python's recursion)."""
+    if _text_depth(text.decode("utf-8", "replace") if isinstance(text, bytes) else text) > MOST_SCHEMA_DEPTH:
+        raise ValueError(_TOO_DEEP)
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"is not JSON ({str(error).splitlines()[0]})") from None
+
 
 def schema_structure(schema: object) -> Structure:
     """A JSON Schema given as an object (a dict, or ``true``: anything) or as its JSON text. ValueError when it is
-    not JSON, not an object, or ``false`` (which nothing matches)."""
+    not JSON, not an object, ``false`` (which nothing matches) or nested deeper than :data:`MOST_SCHEMA_DEPTH`."""
     if isinstance(schema, (str, bytes)):
-        try:
-            schema = json.loads(schema)
-        except ValueError as error:
-            raise ValueError(f"is not JSON ({str(error).splitlines()[0]})") from None
+        schema = schema_value(schema)
+    elif _value_depth(schema) > MOST_SCHEMA_DEPTH:
+        raise ValueError(_TOO_DEEP)
     if schema is True:
         schema = {}
     if schema is False:
@@ -115,6 +130,35 @@ def response_format_structure(response_format: object) -> Structure | None:
         return schema_structure(described["schema"])
     except ValueError as error:
         raise ValueError(f"response_format's schema {error}") from None
+
+
+_TOO_DEEP = f"nests deeper than {MOST_SCHEMA_DEPTH} levels (objects and lists within each other), more than a schema needs"
+
+
+def _text_depth(text: str) -> int:
+    """How deep the objects and lists of a JSON text nest (brackets inside strings not counted)."""
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        bracket = token.group()
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in "]}":
+            depth -= 1
+    return deepest
+
+
+def _value_depth(value: object) -> int:
+    """How deep the dicts and lists of ``value`` nest, counted without recursion."""
+    deepest, waiting = 0, [(value, 1)]
+    while waiting:
+        value, depth = waiting.pop()
+        if isinstance(value, (dict, list, tuple)):
+            deepest = max(deepest, depth)
+            if deepest > MOST_SCHEMA_DEPTH:
+                return deepest
+            waiting.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def _json_type(value: object) -> str:

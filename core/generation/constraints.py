@@ -129,6 +129,10 @@ class SlotConstraints:
         grammars.fill_row(matcher, self.mask[slot])
         if not matcher.is_accepting():  # an end token whose text the grammar takes (a word) must not end the row here
             self.mask[slot] &= self._all_but_end
+            if not self.mask[slot].any():  # what the grammar takes next, no token of the vocabulary writes
+                raise PromptError(grammar.number, f": its {grammar.structure.describe()} needs a character next that no "
+                                                  f"token of this model's vocabulary writes; use a model whose vocabulary "
+                                                  f"writes it, or another structure.")
         self.changed = True
 
     def _first_phase(self, prompt_ids: list[int]) -> str:

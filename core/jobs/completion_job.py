@@ -32,6 +32,7 @@ from accelgen.jobs.kept_samples import row_digest
 from accelgen.jobs.openai_batch import BatchOutputLines, ServedNames, is_batch_file, open_requests
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
+from accelgen.jobs.row_structures import check_job_structure, check_with_tokenizer, checked_rows
 from accelgen.loading.model_files import BUILT_IN_NAME
 from accelgen.model.memory import parameter_bytes
 from accelgen.parallel.job_store import job_store
@@ -227,6 +228,7 @@ def open_job(
         if dataset.schema_column is not None and request.run.structure is not None:
             raise UsageError(f"--schema-column and {request.run.structure.flag} both say what a row's completion is held "
                              f"to: pass one of them.")
+        check_job_structure(request.run, dataset.schema_column)
         rows = open_dataset(dataset)
         source = dict(dataset=dataset.source, dataset_config=dataset.config, split=dataset.split, column=dataset.column)
         if served_model_names:  # written into every response: a resume must write the same
@@ -242,6 +244,7 @@ def open_job(
             earlier = _resumed_run_record(output, overwrite)
             source.update(resumable_pin(dataset, pin, earlier, output, row_key=lines.row_key, reread=dataset_keys))
     else:
+        check_job_structure(request.run)
         if not request.run.skip_bad_rows:  # else a prompt that cannot be one becomes an error row
             check_prompts(prompts)
         rows, dataset_keys = TextRows(iter(prompts), len(prompts)), None
@@ -350,10 +353,14 @@ def complete(
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
     request = _slots_for_the_rows(request, job)
     request = request.capture_decided(_rows_left(request, job))
+    check_with_tokenizer(request)
     try:
         started = time.perf_counter()
         generator = load_request(request)
         loaded = time.perf_counter()
+        if job.rows.constrained:  # each row's own structure checked for this model's tokenizer as it is read
+            job.rows = dataclasses.replace(job.rows, texts=checked_rows(job.rows.texts, generator.constraints.compiler,
+                                                                        request.run))
         samples_per_row = 1 if request.run.rows_choose else request.run.num_samples  # a batch file's rows choose theirs
         progress = (Progress(job.rows.total, job.done, samples_per_row=samples_per_row,
                              samples_done=job.done * samples_per_row + job.samples_kept) if show_progress and is_main else None)
