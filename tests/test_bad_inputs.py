@@ -105,9 +105,11 @@ def test_a_damaged_checkpoint_stops_a_tensor_parallel_job_before_any_rank_starts
 @pytest.mark.parametrize("name, content, message", [
     ("torn.jsonl", jsonl(ROWS[:2]) + '{"tex',
      "Dataset '{path}' line 3 (row 2) is not valid JSON (a torn last line: the file is still being written, or was cut "
-     "short) (Unterminated string starting at: line 1 column 2 (char 1)): fix or remove that line."),
+     "short) (Unterminated string starting at: line 1 column 2 (char 1)): fix or remove that line, or pass --skip-bad-rows "
+     "to write such rows as error rows and go on."),
     ("garbage.jsonl", jsonl(ROWS[:1]) + "garbage\n" + jsonl(ROWS[1:]),
-     "Dataset '{path}' line 2 (row 1) is not valid JSON (Expecting value: line 1 column 1 (char 0)): fix or remove that line."),
+     "Dataset '{path}' line 2 (row 1) is not valid JSON (Expecting value: line 1 column 1 (char 0)): fix or remove that "
+     "line, or pass --skip-bad-rows to write such rows as error rows and go on."),
     ("null.jsonl", jsonl(ROWS[:2] + [{"text": None}] + ROWS[2:]),
      "Dataset '{path}' row 2, column 'text', is null (no text): fill it in, or remove that row, or pass --skip-bad-rows "
      "to write such rows as error rows and go on (rows count from 0, as the output's \"index\")."),
@@ -117,7 +119,7 @@ def test_a_damaged_checkpoint_stops_a_tensor_parallel_job_before_any_rank_starts
      "Error tokenizing data. C error: Expected 2 fields in line 3, saw 3: fix the file"),
     ("latin1.jsonl", jsonl(ROWS[:1]).encode() + '{"text": "café"}\n'.encode("latin-1"),
      "Dataset '{path}' line 2 (row 1) is not UTF-8 text (byte 0xe9 at byte 13): convert the file to UTF-8, e.g. with "
-     "iconv -t UTF-8."),
+     "iconv -t UTF-8, or pass --skip-bad-rows to write such rows as error rows and go on."),
     ("empty.jsonl", "", "Dataset '{path}' (split 'train') has no rows to complete."),
     ("not.parquet", "", None),
 ])

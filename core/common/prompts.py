@@ -114,15 +114,16 @@ def prompt_problem(text: object) -> str | None:
     return text_problem(text)
 
 
-def text_problem(text: str) -> str | None:
+def text_problem(text: str, escaped_bytes: bool = True) -> str | None:
     """Why ``text`` holds something that is not text, with the fix, as a clause; None when it is all text. Bytes that
     are not UTF-8 reach Python from a shell as surrogates 0xDC80 + byte (their ``surrogateescape`` form); any other
-    surrogate alone is half of a UTF-16 pair (a JSON ``\\ud800`` escape without its other half)."""
+    surrogate alone is half of a UTF-16 pair (a JSON ``\\ud800`` escape without its other half). ``escaped_bytes``
+    False: the text was read from JSON, where ``\\udc80`` too is a lone surrogate, not a byte."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         code = ord(text[error.start])
-        if 0xDC80 <= code <= 0xDCFF:
+        if escaped_bytes and 0xDC80 <= code <= 0xDCFF:
             return (f"is not UTF-8 text (byte 0x{code & 0xFF:02x} at character {error.start}): convert it to UTF-8, "
                     f"e.g. with iconv -t UTF-8")
         return (f"holds a lone surrogate (U+{code:04X} at character {error.start}, half of a UTF-16 pair without its "

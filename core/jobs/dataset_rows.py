@@ -23,8 +23,9 @@ from accelgen.common.settings import AdapterSettings, RowSettings
 from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
 from accelgen.generation.grammars import structure_problem
+from accelgen.jobs.csv_bytes import holds_bytes_not_utf8, rows_not_utf8
 from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
-from accelgen.jobs.json_lines import first_bad_json_line, lone_surrogate_rows
+from accelgen.jobs.json_lines import TOO_DEEP, JsonRows, UnreadableRow, surrogate_problem
 
 TEXT_TYPES = ("string", "large_string")
 #: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
@@ -61,26 +62,32 @@ class TextRows:
 def open_rows(request: DatasetRequest) -> TextRows:
     """The request's rows, checked: the split and column exist, the column holds text, rows exist. A split
     that is not streamed is read through once here, so that a row which cannot be a prompt stops the run
-    before any model loads, not hours into it; a streamed one is checked row by row as it is read."""
+    before any model loads, not hours into it; a streamed one is checked row by row as it is read. A local JSON file
+    is read by us (``accelgen.jobs.json_lines``: each row its own JSON), any other source by ``datasets``."""
     import datasets
 
     check_settings(limit=request.limit)
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
     logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
-    dataset, revision = _load_split(request)
+    source = os.path.expanduser(request.source)
+    check_local_path(request.source, source)
+    not_utf8 = _csv_rows_not_utf8(request, source)
+    if _file_builder(source) == "json":
+        dataset, revision = JsonRows(request.source, source), None
+    else:
+        dataset, revision = _load_split(request, source, replace_bytes_not_utf8=not_utf8 is not None)
     kind = _check_column(dataset, request)
-    if request.limit is not None:
+    if request.limit is not None and not isinstance(dataset, JsonRows):  # JSON rows: taken as they are read
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
     conversations = kind == "conversation" or (kind == "mixed" and _holds_conversations(dataset, request))
+    total = None  # a streamed split's length is unknown
     if not request.streaming:
-        for _ in _row_texts(dataset, request, kind, conversations):
-            pass
-    texts = _row_texts(dataset, request, kind, conversations)
+        total = sum(1 for _ in _row_texts(dataset, request, conversations, not_utf8 or {}))
+    texts = _row_texts(dataset, request, conversations, not_utf8 or {})
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
-    total = None if request.streaming else len(dataset)  # a streamed split's length is unknown
     return TextRows(itertools.chain([first], texts), total, revision, conversational=conversations,
                     constrained=request.schema_column is not None)
 
@@ -89,59 +96,105 @@ def _holds_conversations(dataset, request: DatasetRequest) -> bool:
     """Whether a column of values of several types is one of conversations: some row is a list of messages (its rows
     that are not, a text among them, are then refused or error rows, never completed as text without the chat
     template). A streamed split is judged by its first rows, as it cannot be read ahead."""
-    rows = dataset.select_columns([request.column])
-    with user_errors("", "", explain=lambda error: _unreadable_row(rows, request, 0, ROWS_PER_READ, error)):
-        batches = rows.iter(batch_size=ROWS_PER_READ)
-        if request.streaming:
-            batches = itertools.islice(batches, 1)
-        return any(isinstance(value, list) for batch in batches for value in batch[request.column])
+    values = _column_values(dataset, request)
+    if request.streaming:
+        values = itertools.islice(values, ROWS_PER_READ)
+    return any(isinstance(row, tuple) and isinstance(row[0], list) for row in values)
 
 
 #: Rows read at a time from a split held on disk (a streamed one is read row by row).
 ROWS_PER_READ = 1024
 
 
-def _row_texts(dataset, request: DatasetRequest, kind: str, conversations: bool) -> Iterator[str | Conversation | BadPrompt]:
-    """The column's prompts in dataset order (``kind``: see :func:`_check_column`; ``conversations``: each row must be
-    one), held to the row's schema where a schema column is named, with the row's LoRA adapter where an adapter column
-    is; a row that cannot be read, or is no prompt, stops with its index (or is kept as a BadPrompt with
-    --skip-bad-rows)."""
-    rows = dataset.select_columns(list(dict.fromkeys(
-        [request.column] + [column for column in (request.schema_column, request.adapter_column) if column])))
+def _column_values(dataset, request: DatasetRequest) -> Iterator[tuple | UnreadableRow]:
+    """Each row's values of the prompt, schema and adapter columns (None for a column not named), in dataset order, or
+    (in a JSON file) why the row cannot be read; a row the datasets library cannot read stops with its index."""
+    columns = (request.column, request.schema_column, request.adapter_column)
+    if isinstance(dataset, JsonRows):
+        yield from itertools.islice(dataset.values(columns), request.limit)
+        return
+    rows = dataset.select_columns(list(dict.fromkeys(column for column in columns if column)))
     rows_per_read = 1 if request.streaming else ROWS_PER_READ
     batches = iter(rows.iter(batch_size=rows_per_read))
-    # in a column of mixed types, datasets drops a lone surrogate without a word: the file's own lines say where
-    not_text = lone_surrogate_rows(_json_lines_file(request), request.column) if kind == "mixed" and _json_lines_file(request) else {}
     index = 0
     while True:
         with user_errors("", "", explain=lambda error, index=index: _unreadable_row(rows, request, index, rows_per_read, error)):
             batch = next(batches, None)
         if batch is None:
             return
-        schemas = batch[request.schema_column] if request.schema_column else [None] * len(batch[request.column])
-        adapters = batch[request.adapter_column] if request.adapter_column else [None] * len(batch[request.column])
-        for text, schema, adapter in zip(batch[request.column], schemas, adapters):
-            column = request.column
-            if index in not_text:
-                text, problem = None, not_text[index]
-            elif conversations:
-                text, problem = as_conversation(text)
-            else:
-                problem = prompt_problem(text)
-            if not problem and request.schema_column:
-                text, problem = _with_schema(text, schema)
-                column = request.schema_column if problem else column
-            if not problem and request.adapter_column:
-                text, problem = _with_adapter(text, adapter, request.adapters)
-                column = request.adapter_column if problem else column
-            if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
-                text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
-                                 else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
-            elif problem:
-                raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem}, "
-                                 f"{SKIP_BAD_ROWS} (rows count from 0, as the output's \"index\").")
-            yield text
-            index += 1
+        count = len(batch[request.column])
+        for place in range(count):
+            yield tuple(batch[column][place] if column else None for column in columns)
+        index += count
+
+
+def _row_texts(dataset, request: DatasetRequest, conversations: bool,
+               not_utf8: dict[int, tuple[str, str]]) -> Iterator[str | Conversation | BadPrompt]:
+    """The column's prompts in dataset order (``conversations``: each row must be one), held to the row's schema where
+    a schema column is named, with the row's LoRA adapter where an adapter column is; a row that cannot be read, or is
+    no prompt, stops with its index (or is kept as a BadPrompt with --skip-bad-rows). ``not_utf8``: the rows of a CSV
+    file that held bytes which are not UTF-8 (:func:`accelgen.jobs.csv_bytes.rows_not_utf8`)."""
+    from_json = isinstance(dataset, JsonRows)
+    for index, values in enumerate(_column_values(dataset, request)):
+        if isinstance(values, UnreadableRow):
+            if request.skip_bad_rows:
+                yield BadPrompt(values.problem)
+                continue
+            raise UsageError(f"Dataset {request.source!r} {values.where(index)} {values.what}: {values.fix}, "
+                             f"{SKIP_BAD_ROWS}.")
+        text, schema, adapter = values
+        if request.schema_column and not from_json:
+            _check_schema_value(schema, request.schema_column)
+        column, problem = not_utf8.get(index) or (_lone_surrogate(values, request) if from_json else (None, None))
+        column = column or request.column
+        if problem:
+            text = None
+        elif conversations:
+            text, problem = as_conversation(text)
+        else:
+            problem = prompt_problem(text)
+        if not problem and request.schema_column:
+            text, problem = _with_schema(text, schema)
+            column = request.schema_column if problem else column
+        if not problem and request.adapter_column:
+            text, problem = _with_adapter(text, adapter, request.adapters)
+            column = request.adapter_column if problem else column
+        if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
+            text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
+                             else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
+        elif problem:
+            raise UsageError(f"Dataset {request.source!r} row {index}, column {column!r}, {problem}, "
+                             f"{SKIP_BAD_ROWS} (rows count from 0, as the output's \"index\").")
+        yield text
+
+
+def _lone_surrogate(values: tuple, request: DatasetRequest) -> tuple[str | None, str | None]:
+    """The first column of a JSON row's ``values`` holding a lone surrogate, and the problem; (None, None) if none."""
+    for column, value in zip((request.column, request.schema_column, request.adapter_column), values):
+        problem = surrogate_problem(value) if column else None
+        if problem:
+            return column, problem
+    return None, None
+
+
+def _check_schema_value(schema: object, column: str) -> None:
+    """Refuse a schema column that ``datasets`` did not read as JSON text: a column of objects is read through one type
+    merged over the rows, which would hold a row to another row's key order and to nulls for the keys it lacks."""
+    if schema is None or isinstance(schema, str):
+        return
+    held = ("objects read through one type merged over the rows (a row's schema would get another row's key order, "
+            "and nulls for the keys it lacks)") if isinstance(schema, dict) else type(schema).__name__
+    raise UsageError(f"--schema-column {column!r} holds {held}, not JSON text: store each schema as JSON text, or "
+                     f"pass the rows as a JSON or JSON-lines file.")
+
+
+def _csv_rows_not_utf8(request: DatasetRequest, source: str) -> dict[int, tuple[str, str]] | None:
+    """For a local CSV file holding bytes that are not UTF-8, the rows whose columns in use hold one (see
+    :func:`accelgen.jobs.csv_bytes.rows_not_utf8`); None for any other source."""
+    if _file_builder(source) != "csv" or not holds_bytes_not_utf8(source):
+        return None
+    return rows_not_utf8(source, [column for column in (request.column, request.schema_column, request.adapter_column)
+                                  if column])
 
 
 def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
@@ -150,23 +203,15 @@ def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequ
     if schema is None or (isinstance(schema, str) and not schema.strip()):
         return prompt, None
     try:
-        structure = schema_structure(_without_nulls(schema))
+        structure = schema_structure(schema)
+    except RecursionError:
+        return prompt, f"{TOO_DEEP}: fix it, or empty it to leave the row unconstrained"
     except ValueError as error:
         return prompt, f"{error}: fix it, or empty it to leave the row unconstrained"
     problem = structure_problem(structure)
     if problem:
         return prompt, f"{problem}: fix it, or empty it to leave the row unconstrained"
     return PromptRequest(prompt, RowSettings(structure=structure), None), None
-
-
-def _without_nulls(value: object) -> object:
-    """A schema object read from a dataset without the keys whose value is null: a reader that gives a column of
-    objects one type of all their keys fills those an object lacks with null (give ``{"const": null}`` as text)."""
-    if isinstance(value, dict):
-        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
-    return value
 
 
 def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
@@ -186,9 +231,6 @@ def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
 
 def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
     """The error of reading rows ``first_index`` on, naming the first that cannot be read where it can."""
-    bad_line = _bad_json_line(request)
-    if bad_line:
-        return bad_line
     if isinstance(_innermost(error), UnicodeDecodeError):
         return _not_utf8(request, error)
     if request.streaming:  # read in chunks by the reader: where in the chunk it failed is not known
@@ -205,18 +247,18 @@ def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int,
             f"file (UTF-8 text, well-formed), or remove it.")
 
 
-def _load_split(request: DatasetRequest) -> tuple[object, str | None]:
-    """The requested split, and the Hub revision it was read at (None for a local source)."""
+def _load_split(request: DatasetRequest, source: str, replace_bytes_not_utf8: bool) -> tuple[object, str | None]:
+    """The requested split, and the Hub revision it was read at (None for a local source); a local CSV file's bytes
+    that are not UTF-8 replaced where ``replace_bytes_not_utf8`` (the rows holding one are error rows)."""
     import datasets
 
-    source = os.path.expanduser(request.source)
-    check_local_path(request.source, source)
     with user_errors(f"Cannot read dataset {request.source!r}", "fix the file, or pass another --dataset",
                      errors=(*FILE_ERRORS, StopIteration, datasets.exceptions.DatasetsError, ConnectionError),
                      explain=lambda error: _explain_load_error(error, request, source)):
         if os.path.isfile(source):
-            builder = FILE_BUILDERS[os.path.splitext(source)[1].lower()]
-            return datasets.load_dataset(builder, data_files=source, split=request.split, streaming=request.streaming), None
+            options = {"encoding_errors": "replace"} if replace_bytes_not_utf8 else {}
+            return datasets.load_dataset(_file_builder(source), data_files=source, split=request.split,
+                                         streaming=request.streaming, **options), None
         if os.path.isdir(source) and saved_with_save_to_disk(source):
             return _saved_split(datasets.load_from_disk(source), request), None
         # what load_dataset does, keeping the builder: its hash is the Hub commit the rows are read at
@@ -241,9 +283,6 @@ def _explain_load_error(error: BaseException, request: DatasetRequest, source: s
                 f"(or HF_HOME) to a writable folder.")
     if isinstance(error, StopIteration):  # what the JSON reader raises on an empty file
         return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
-    bad_line = _bad_json_line(request)
-    if bad_line:
-        return bad_line
     if isinstance(_innermost(error), UnicodeDecodeError):
         return _not_utf8(request, error)
     if isinstance(error, ValueError):
@@ -278,29 +317,10 @@ def _unwritable_cache(error: BaseException) -> str | None:
     return None
 
 
-def _json_lines_file(request: DatasetRequest) -> str | None:
-    """The path of the dataset when it is a local JSON or JSON-lines file, else None."""
-    source = os.path.expanduser(request.source)
-    if os.path.isfile(source) and FILE_BUILDERS.get(os.path.splitext(source)[1].lower()) == "json":
-        return source
-    return None
-
-
-def _bad_json_line(request: DatasetRequest) -> str | None:
-    """The message naming the first line of a local JSON-lines dataset that does not parse, or the first row whose
-    column holds a lone surrogate (which datasets cannot read, whatever the flags), if there is one."""
-    source = _json_lines_file(request)
-    if source is None:
-        return None
-    bad_line = first_bad_json_line(source)
-    if bad_line:
-        return f"Dataset {request.source!r} {bad_line}."
-    not_text = lone_surrogate_rows(source, request.column)
-    if not_text:
-        row, problem = min(not_text.items())
-        return (f"Dataset {request.source!r} row {row}, column {request.column!r}, {problem} (the datasets library cannot "
-                f"read the file while it holds one, whatever the flags).")
-    return None
+def _file_builder(source: str) -> str | None:
+    """The ``datasets`` builder that reads the local file ``source`` ("json", "csv", "parquet"); None for a folder or a
+    Hub dataset."""
+    return FILE_BUILDERS[os.path.splitext(source)[1].lower()] if os.path.isfile(source) else None
 
 
 def _saved_split(saved, request: DatasetRequest):
@@ -316,8 +336,13 @@ def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
     "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
     (the adapter column holding text: adapters' names)."""
-    # some streamed sources only know their columns once a row is read (their features are None)
-    features = dataset.features
+    if isinstance(dataset, JsonRows):  # each row its own JSON: its keys, of the rows a stream is judged by
+        names = dataset.columns(ROWS_PER_READ if request.streaming else None)
+        if not names:
+            return "mixed"  # no row can be read: each says why
+        features = dict.fromkeys(names)
+    else:  # some streamed sources only know their columns once a row is read (their features are None)
+        features = dataset.features
     if not features:
         with user_errors("", "", explain=lambda error: _unreadable_row(dataset, request, 0, 1, error)):
             first_row = next(iter(dataset.take(1)), None)
