@@ -7,6 +7,7 @@ What each field must be follows PEFT's ``LoraConfig``; a field left out takes PE
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Callable
@@ -55,8 +56,8 @@ PATTERN_VALUES = {"rank_pattern": (is_rank, "a whole number from 1"), "alpha_pat
 
 
 def shown(value: object) -> str:
-    """``value`` as a message shows it: its repr, cut short."""
-    text = repr(value)
+    """``value`` as a message shows it: as JSON writes it (the file's own words), cut short."""
+    text = json.dumps(value)
     return text if len(text) <= SHOWN_LENGTH else text[: SHOWN_LENGTH - 3] + "..."
 
 

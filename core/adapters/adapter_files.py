@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from accelgen.adapters.adapter_config import DEFAULT_ALPHA, by_pattern, config_problem, matching_pattern
+from accelgen.adapters.adapter_config import DEFAULT_ALPHA, by_pattern, config_problem, matching_pattern, shown
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.settings import World
 from accelgen.loading.checkpoint_download import checkpoint_folder
@@ -180,7 +180,7 @@ class AdapterFiles:
         rank = pair["A"][0]
         if "r" in self.config:  # PEFT scales by the config's rank: it must be the matrices'
             pattern = matching_pattern(self.config.get("rank_pattern"), module)
-            said = f"r is {self.config['r']}" if pattern is None else f"rank_pattern's {pattern!r} is " \
+            said = f"r is {self.config['r']}" if pattern is None else f"rank_pattern's {shown(pattern)} is " \
                 f"{self.config['rank_pattern'][pattern]}"
             if by_pattern(self.config.get("rank_pattern"), module, self.config["r"]) != rank:
                 raise UsageError(f"{self.described}: the adapter's {CONFIG_FILE} says {said}, and the matrices of "
