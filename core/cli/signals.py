@@ -25,12 +25,15 @@ class Stopped(BaseException):
 
 
 class StopSignal:
-    """The SIGTERM or SIGHUP that stopped the command, once one has (``signal_number``, else None). Whatever
-    error unwinding from it became in a library that caught it and raised its own (``Stopped`` is raised at
-    any bytecode, inside any library's code), the command was stopped, and says so."""
+    """The SIGTERM or SIGHUP that stopped the command, once one has (``signal_number``, else None), and whether a
+    Ctrl-C was raised as KeyboardInterrupt (``interrupted``). Whatever error unwinding from either became in a library
+    that caught it and raised its own (both are raised at any bytecode, inside any library's code: TorchScript's
+    interpreter turns one raised in a Python operation of a traced step into a RuntimeError that keeps only its
+    name), the command was stopped or interrupted, and says so."""
 
     def __init__(self):
         self.signal_number: int | None = None
+        self.interrupted = False
 
 
 @contextlib.contextmanager
@@ -53,7 +56,7 @@ def signals_stop_the_command(worker: bool) -> Iterator[StopSignal]:
         raise Stopped(signal_number)
 
     before = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGHUP)}
-    interrupt = _InterruptOutsideImports()
+    interrupt = _InterruptOutsideImports(received)
     before[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     ours = {signal.SIGTERM: stop, signal.SIGHUP: stop, signal.SIGINT: interrupt}
     interrupt.watch_imports()
@@ -99,7 +102,8 @@ class _InterruptOutsideImports:
 
     PATIENCE_SECONDS = 3.0
 
-    def __init__(self):
+    def __init__(self, received: StopSignal):
+        self.received = received  # told of each interrupt raised
         self.first_deferred: float | None = None
         self.retry: threading.Timer | None = None
         self._import = self._counted = None  # builtins.__import__ as it was before watch_imports, and ours
@@ -120,8 +124,7 @@ class _InterruptOutsideImports:
             finally:
                 self._depth -= 1
                 if self.first_deferred is not None and _may_interrupt_after_import(sys._getframe(1), self._depth):
-                    self.cancel()
-                    raise KeyboardInterrupt
+                    self._raise()
 
         self._import, self._counted, builtins.__import__ = original, counted_import, counted_import
 
@@ -142,7 +145,11 @@ class _InterruptOutsideImports:
             if self.retry is None or not self.retry.is_alive():  # one interrupt pending at a time
                 self.retry = _send_again(signal.SIGINT)
             return
+        self._raise()
+
+    def _raise(self) -> None:
         self.cancel()
+        self.received.interrupted = True
         raise KeyboardInterrupt
 
     def cancel(self) -> None:
