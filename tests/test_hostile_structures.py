@@ -14,8 +14,7 @@ import json
 import jsonschema
 import pytest
 from conftest import one_error_line_in
-from tiny_models import SPECIAL_TOKENS, build_model, tiny_configs
-from transformers import PreTrainedTokenizerFast
+from structure_models import model_without
 
 from accelgen.cli import main
 
@@ -58,23 +57,8 @@ def rows_of(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_without_braces(tmp_path_factory):
-    """A tiny Llama whose byte-level tokenizer has no token writing "{" (nor "}"): it can write JSON strings, never an
-    object."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("no-braces")
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    alphabet = [character for character in pre_tokenizers.ByteLevel.alphabet() if character not in "{}"]
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet)
-    backend.train_from_iterator(['"name": "ada", [1, 2], true false null'] * 8, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
-    assert not any("{" in token for token in tokenizer.get_vocab())
-    build_model(folder, tiny_configs(len(tokenizer))["llama"])
-    tokenizer.save_pretrained(folder)
-    return folder
+    """A tiny Llama whose tokenizer has no token writing "{" or "}": it can write JSON strings, never an object."""
+    return model_without(tmp_path_factory.mktemp("no-braces"), "{}")
 
 
 # -- structures that admit no text -------------------------------------------------------------------------------
