@@ -158,7 +158,7 @@ def test_dataset_completion_with_two_ranks(table, tiny_model_folder, tmp_path, c
     "arguments, message",
     [
         (["--dataset", "{folder}/rows.jsonl", "--column", "nope"], "Column 'nope' is not in the dataset; its columns: content, number."),
-        (["--dataset", "{folder}/rows.jsonl", "--column", "number"], "Column 'number' holds int64, not text nor a conversation (text columns: content)."),
+        (["--dataset", "{folder}/rows.jsonl", "--column", "number"], "Column 'number' holds numbers, not text nor a conversation (text columns: content)."),
         (["--dataset", "{folder}/rows.jsonl", "--column", "content", "--split", "test"], "Unknown split 'test'; '{folder}/rows.jsonl' has: train."),
         (["--dataset", "{folder}/saved", "--column", "content", "--split", "validation"], "Unknown split 'validation'; '{folder}/saved' has: train, test."),
         (["--dataset", "{folder}/empty.csv", "--column", "content"], "has no rows to complete"),

@@ -336,13 +336,10 @@ def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
     "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
     (the adapter column holding text: adapters' names)."""
-    if isinstance(dataset, JsonRows):  # each row its own JSON: its keys, of the rows a stream is judged by
-        names = dataset.columns(ROWS_PER_READ if request.streaming else None)
-        if not names:
-            return "mixed"  # no row can be read: each says why
-        features = dict.fromkeys(names)
-    else:  # some streamed sources only know their columns once a row is read (their features are None)
-        features = dataset.features
+    if isinstance(dataset, JsonRows):
+        return _check_json_columns(dataset, request)
+    # some streamed sources only know their columns once a row is read (their features are None)
+    features = dataset.features
     if not features:
         with user_errors("", "", explain=lambda error: _unreadable_row(dataset, request, 0, 1, error)):
             first_row = next(iter(dataset.take(1)), None)
@@ -372,6 +369,27 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         kind = getattr(feature, "dtype", type(feature).__name__)
         raise UsageError(f"Column {request.column!r} holds {kind}, not text nor a conversation ({hint}).")
     return "text"
+
+
+def _check_json_columns(rows: JsonRows, request: DatasetRequest) -> str:
+    """:func:`_check_column` for a JSON file's rows, each row its own JSON (a stream judged by its first rows): "mixed"
+    (each row read as what it is), once the columns named are found and the prompt column holds some text or list."""
+    if request.split != "train":
+        raise UsageError(f"Unknown split {request.split!r}; {request.source!r} has: train.")
+    types = rows.column_types(ROWS_PER_READ if request.streaming else None)
+    if not types:
+        return "mixed"  # no row can be read: each says why
+    for option, column in (("Column", request.column), ("--schema-column", request.schema_column),
+                           ("--lora-column", request.adapter_column)):
+        if column is not None and column not in types:
+            raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(types)}.")
+    held = types[request.column] - {"null"}
+    if held and not held & {"string", "array"}:
+        text_columns = [name for name, found in types.items() if found - {"null"} == {"string"}]
+        hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
+        raise UsageError(f"Column {request.column!r} holds {' and '.join(f'{kind}s' for kind in sorted(held))}, not text "
+                         f"nor a conversation ({hint}).")
+    return "mixed"
 
 
 def _is_conversation(feature) -> bool:

@@ -9,6 +9,7 @@ for the keys a row lacks). A row is a line that is not blank; a line ends at ``\
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Iterator, Sequence
 
@@ -80,15 +81,18 @@ class JsonRows:
         for row in self.rows():
             yield row if isinstance(row, UnreadableRow) else tuple(column and row.get(column) for column in columns)
 
-    def columns(self, most_rows: int | None = None) -> list[str]:
-        """The keys of the rows (of the first ``most_rows``), in the order they first appear."""
-        names: dict[str, None] = {}
-        for count, row in enumerate(self.rows()):
-            if most_rows is not None and count >= most_rows:
-                break
-            if isinstance(row, dict):
-                names.update(dict.fromkeys(row))
-        return list(names)
+    def column_types(self, most_rows: int | None = None) -> dict[str, set[str]]:
+        """The keys of the rows (of the first ``most_rows``), in the order they first appear, each with the JSON types
+        of its values ("string", "number", "array", ...; "null" where a row lacks it)."""
+        types: dict[str, set[str]] = {}
+        rows = [row for row in itertools.islice(self.rows(), most_rows) if isinstance(row, dict)]
+        for row in rows:
+            for name, value in row.items():
+                types.setdefault(name, set()).add(json_type(value))
+        for name, found in types.items():
+            if any(name not in row for row in rows):
+                found.add("null")
+        return types
 
     def _array_values(self) -> list:
         """The elements of the file's JSON array, read once; UsageError for a file that is not one array (no row can
@@ -136,11 +140,12 @@ def _read_line(line: bytes, number: int, torn: bool) -> dict | UnreadableRow:
 
 
 def _not_an_object(number: int | None, value: object) -> UnreadableRow:
-    return UnreadableRow(number, f"is a JSON {_json_type(value)}, not an object of columns",
+    return UnreadableRow(number, f"is a JSON {json_type(value)}, not an object of columns",
                          "make it one ({\"text\": ...}), or remove it")
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
+    """A JSON value's type, as JSON names it ("string", "number", "boolean", "array", "object", "null")."""
     kinds = ((bool, "boolean"), (str, "string"), (list, "array"), (dict, "object"), (int, "number"), (float, "number"))
     return "null" if value is None else next(kind for type_, kind in kinds if isinstance(value, type_))
 
