@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from accelgen.bench.protocol import BenchProtocol
 from accelgen.bench.result_file import environment_facts, result_document
@@ -28,12 +28,19 @@ from accelgen.model.memory import kv_cache_bytes_per_position, parameter_bytes
 from accelgen.session.api import load_request
 from accelgen.session.request import Request
 
+#: ``say(what)``: told what the benchmark is doing as it goes (loading, each warm-up run, each timed run).
+Say = Callable[[str], None]
 
-def measure(generator: Generator, protocol: BenchProtocol, report=None) -> list[dict[str, Any]]:
+
+def _silent(what: str) -> None:
+    """A ``Say`` that tells no one."""
+
+
+def measure(generator: Generator, protocol: BenchProtocol, report=None, say: Say = _silent) -> list[dict[str, Any]]:
     """One result row per batch size, smallest first; ``report(row)`` is called as each one is done."""
     rows = []
     for batch_size in sorted(set(protocol.batch_sizes)):
-        row = measure_batch_size(generator, batch_size, protocol)
+        row = measure_batch_size(generator, batch_size, protocol, say)
         gc.collect()  # free this size's caches (and, after running out of memory, what was half-built) first
         rows.append(row)
         if report:
@@ -41,8 +48,10 @@ def measure(generator: Generator, protocol: BenchProtocol, report=None) -> list[
     return rows
 
 
-def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchProtocol) -> dict[str, Any]:
-    """The figures for one batch size, or ``{"batch_size": n, "status": "oom", ...}`` when it does not fit."""
+def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchProtocol, say: Say = _silent
+                       ) -> dict[str, Any]:
+    """The figures for one batch size, or ``{"batch_size": n, "status": "oom", ...}`` when it does not fit; ``say`` is
+    told of each run as it starts or ends."""
     accelerator = generator.accelerator
     sized = generator.with_batch_size(batch_size)
     prompts = [protocol.prompt] * batch_size
@@ -52,17 +61,20 @@ def measure_batch_size(generator: Generator, batch_size: int, protocol: BenchPro
     placement = generator.loaded.placement
     traffic_before = (placement.moved_bytes, placement.forward_passes) if placement else (0, 0)
     try:
-        for _ in range(protocol.warmup_runs):
+        for run in range(protocol.warmup_runs):
+            say(f"batch size {batch_size}: warm-up run {run + 1} of {protocol.warmup_runs} (not timed; any graph "
+                f"capture happens here), {protocol.max_new_tokens} new tokens")
             sized.generate(prompts, adapters)
         kept_before, places_before = sized.stats.new_tokens, sized.stats.slot_tokens
         prompts_before = prompt_counts(sized.stats)
         mask_seconds_before = sized.stats.mask_seconds
-        for _ in range(protocol.runs):
+        for run in range(protocol.runs):
             accelerator.synchronize()
             started = time.perf_counter()
             sized.generate(prompts, adapters)  # tokenize, prefill, decode, detokenize: what a user waits for
             accelerator.synchronize()
             end_to_end_seconds.append(time.perf_counter() - started)
+            say(f"batch size {batch_size}: timed run {run + 1} of {protocol.runs}: {end_to_end_seconds[-1]:.2f} s")
     except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, anything else goes on up
         if not accelerator.is_out_of_memory(error):
             raise
@@ -153,13 +165,19 @@ def _median_and_p90(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p90": statistics.quantiles(values, n=10, method="inclusive")[8]}
 
 
-def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None) -> dict[str, Any] | None:
+def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None = None, report=None,
+                  say: Say = _silent) -> dict[str, Any] | None:
     """Load the request's model once, then measure every batch size of ``protocol``; ``report(row, document)``
     is called as each is done, with the result document of the batch sizes measured so far (for a file that
-    a later abort cannot take them from). Returns the result document on rank 0 (None on the other ranks)."""
+    a later abort cannot take them from), and ``say`` told what is being done as it goes (on rank 0). Returns the
+    result document on rank 0 (None on the other ranks)."""
+    say = say if request.world.is_main else _silent
+    say(f"loading {request.model.report_name} on {request.accelerator.name}")
     started = time.perf_counter()
     generator = load_request(request)
     load_seconds = time.perf_counter() - started
+    say(f"loaded in {load_seconds:.1f} s; measuring batch sizes {', '.join(map(str, sorted(set(protocol.batch_sizes))))}"
+        f": {protocol.warmup_runs} warm-up and {protocol.runs} timed runs of {protocol.max_new_tokens} new tokens each")
     if not generator.world.is_main:
         measure(generator, protocol)
         return None
@@ -175,7 +193,7 @@ def run_benchmark(request: Request, protocol: BenchProtocol, label: str | None =
         if report:
             report(row, document())
 
-    measure(generator, protocol, measured)
+    measure(generator, protocol, measured, say)
     return document()
 
 

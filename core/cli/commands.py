@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import signal
 import sys
 import warnings
@@ -316,7 +317,11 @@ def _measure(arguments: argparse.Namespace, request: Request, protocol) -> int:
             line += f"; kept in {arguments.output}" + (f" ({measured} of {sweep} batch sizes)" if sweep > 1 else "")
         print(line, file=sys.stderr, flush=True)
 
-    document = run_benchmark(request, protocol, arguments.label, report=report)
+    def say(what: str) -> None:
+        print(f"accelgen: bench: {what}", file=sys.stderr, flush=True)
+
+    document = run_benchmark(request, protocol, arguments.label, report=report,
+                             **({} if arguments.quiet else {"say": say}))
     if document is not None:
         if arguments.output:
             print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
@@ -385,8 +390,10 @@ def compare_command(arguments: argparse.Namespace) -> int:
     print(render_text(table))
     if arguments.markdown:
         write_text_file(arguments.markdown, "--markdown", render_markdown(table))
+        print(f"accelgen: wrote the Markdown table to {os.path.abspath(arguments.markdown)}", file=sys.stderr)
     if arguments.plot:
         draw_chart(table, arguments.plot)
+        print(f"accelgen: wrote the chart to {os.path.abspath(arguments.plot)}", file=sys.stderr)
     return 0
 
 

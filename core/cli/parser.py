@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", help="write the result file (JSON) here")
     bench.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     bench.add_argument("--json", action="store_true", help="print the result document to stdout")
+    bench.add_argument("--quiet", action="store_true",
+                       help="say nothing while measuring (loading, each run), only each batch size's figures")
     _add_structure_arguments(bench, json_flag=False)  # its --json prints the result document
     _add_offload_arguments(bench)
     _add_parallel_arguments(bench)

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.settings import DEFAULT_MODEL as DEFAULT_MODEL  # loading takes it from here too
+from accelgen.loading.hub_reach import check_hub_reachable, offline_or_network_problem
 
 #: What reports and run records call it.
 BUILT_IN_NAME = "accelgen built-in default"
@@ -32,12 +33,14 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False) -> 
 
 
 def model_location(model_name_or_path: str | os.PathLike | None) -> str:
-    """Where to load from: the built-in default model when None; a checked folder if it is a path; else a Hub id."""
+    """Where to load from: the built-in default model when None; a checked folder if it is a path; else a Hub id,
+    its files cached or the Hub reachable."""
     source = str(DEFAULT_MODEL if model_name_or_path is None else model_name_or_path)
     if looks_local(source):
         source = os.path.expanduser(source)
         if not os.path.isdir(source):
-            raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id.")
+            raise UsageError(f"Model folder {source!r} does not exist: pass a folder holding config.json, or a Hub id "
+                             f"(omit --model to run the built-in model, whose folder is {DEFAULT_MODEL}).")
         with user_errors(f"Cannot read model folder {source!r}", "make it readable, or pass another folder"):
             odd_entry = _special_file(source)
         if odd_entry is not None:
@@ -46,6 +49,8 @@ def model_location(model_name_or_path: str | os.PathLike | None) -> str:
                              f"save_pretrained.")
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise UsageError(f"Model folder {source!r} has no config.json: pass a folder made by save_pretrained.")
+    else:
+        check_hub_reachable(source)
     return source
 
 
@@ -68,15 +73,18 @@ def loading_errors_as_usage_errors(source: str, what: str = "model"):
     included)."""
     from safetensors import SafetensorError
 
-    return user_errors(
-        f"Cannot load {what} {source!r}",
-        "pass a local folder, or a Hub id reachable from here; models with custom code need --trust-remote-code",
-        errors=(OSError, ValueError, KeyError, ImportError, SafetensorError),
-        explain=lambda error: (
-            f"Cannot load {what} {source!r}: a weight file is damaged ({reason(error)}): download it again "
-            f"(delete the model from the Hugging Face cache first) or save the model again."
-        ) if isinstance(error, SafetensorError) else None,
-    )
+    def explain(error: BaseException) -> str | None:
+        if isinstance(error, SafetensorError):
+            return (f"Cannot load {what} {source!r}: a weight file is damaged ({reason(error)}): download it again "
+                    f"(delete the model from the Hugging Face cache first) or save the model again.")
+        if problem := offline_or_network_problem(error, what, source):
+            return problem
+        if "trust_remote_code" in str(error) or "custom code" in str(error):  # transformers' words for it
+            return f"Cannot load {what} {source!r}: it runs code of its own: pass --trust-remote-code if you trust it."
+        return None
+
+    return user_errors(f"Cannot load {what} {source!r}", "pass a local folder, or a Hub id reachable from here",
+                       errors=(OSError, ValueError, KeyError, ImportError, SafetensorError), explain=explain)
 
 
 def load_config(location: str, trust_remote_code: bool = False):
