@@ -81,6 +81,11 @@ def test_a_schema_the_vocabulary_cannot_write_is_refused_before_the_model_loads(
     assert "--json" in line and "vocabulary" in line and "'{'" in line, line
 
 
+def test_a_character_the_vocabulary_cannot_write_further_in_stops_the_row_in_one_line(capsys, tmp_path):
+    line = refused(capsys, "--model", model_without(tmp_path / "no-brace", "}"), "--prompt", "x", "--regex", "a}")
+    assert "Prompt 0: its regex 'a}' needs a character next that no token of this model's vocabulary writes" in line
+
+
 # -- structures the engine cannot follow -------------------------------------------------------------------------
 
 def test_ten_thousand_choices_are_followed(capsys, tmp_path):

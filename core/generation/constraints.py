@@ -51,6 +51,8 @@ class SlotConstraints:
         self.changed = False  # the mask changed since the runner last copied it to the device
         self._rows: dict[int, RowGrammar] = {}  # by slot: the running rows with a structure
         self._all_but_end = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.eos_token_ids)
+        #: the tokens that write text (the engine may allow a special token, such as an unknown-token marker, that writes none)
+        self._text_tokens = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.special_token_ids)
         self._first_masks: dict[Structure, torch.Tensor] = {}  # each structure's mask of its first token [W]
         self.rows_started = 0  # rows with a structure started so far
 
@@ -129,7 +131,7 @@ class SlotConstraints:
         grammars.fill_row(matcher, self.mask[slot])
         if not matcher.is_accepting():  # an end token whose text the grammar takes (a word) must not end the row here
             self.mask[slot] &= self._all_but_end
-            if not self.mask[slot].any():  # what the grammar takes next, no token of the vocabulary writes
+            if not (self.mask[slot] & self._text_tokens).any():  # what the grammar takes next, no token writes
                 raise PromptError(grammar.number, f": its {grammar.structure.describe()} needs a character next that no "
                                                   f"token of this model's vocabulary writes; use a model whose vocabulary "
                                                   f"writes it, or another structure.")
