@@ -195,6 +195,8 @@ def nested_deep(folder):
     (with_config(r="2"), "r is \"2\", and it must be a whole number from 1"),
     (with_config(r=0), "r is 0, and it must be a whole number from 1"),
     (with_config(r=5), "r is 5, and the matrices of 'model.layers.0.mlp.gate_proj' have rank 2"),
+    (with_config(rank_pattern={"down_proj": 4}),
+     "rank_pattern's \"down_proj\" is 4, and the matrices of 'model.layers.0.mlp.down_proj' have rank 3"),
     (with_config(target_modules=7), "target_modules is 7, and it must be a module name, a list of them or null"),
     (with_config(target_modules=["q_proj", 3]), "target_modules is \\[\"q_proj\", 3\\], and it must be"),
     (with_config(base_model_name_or_path=["x"]), "base_model_name_or_path is \\[\"x\"\\], and it must be a text or null"),
@@ -207,7 +209,8 @@ def nested_deep(folder):
     (with_config(peft_type=["LORA"]), "peft_type is \\[\"LORA\"\\], and it must be a text"),
     (with_config(bias={"all": 1}), "bias is \\{\"all\": 1\\}, and it must be a text"),
     (nested_deep, "adapter_config.json cannot be read: .*nested too deep"),
-], ids=["alpha-null", "alpha-text", "alpha-nan", "alpha-bool", "r-text", "r-zero", "r-not-the-tensors", "targets-number",
+], ids=["alpha-null", "alpha-text", "alpha-nan", "alpha-bool", "r-text", "r-zero", "r-not-the-tensors",
+        "rank-pattern-not-the-tensors", "targets-number",
         "targets-mixed", "base-list", "fan-text", "rslora-text", "alpha-pattern-list", "alpha-pattern-text",
         "alpha-pattern-regex", "rank-pattern-float", "peft-type-list", "bias-object", "nested-deep"])
 def test_each_field_of_adapter_config_is_checked(llama_adapters, tmp_path, capsys, nothing_loads, change, message):

@@ -9,7 +9,8 @@ module, named as the model names it; a module's output gains ``scaling * B (A x)
 tensor (an embedding's ``lora_embedding_A``, DoRA's ``lora_magnitude_vector``, a trained bias, a module saved whole) and
 any config field that changes what the layer computes is refused, named; so is a config field of a type or range PEFT
 never writes (``adapter_config``), a rank in the config other than the matrices', and a matrix holding NaN or inf (every
-value is read once, here, before the model loads: one bad value would reach every row of the batch).
+value is read once, here, before the model loads: the adapter's rows would be wrong, and a NaN or inf in B reaches every
+row of the batch, whose zeros in that adapter's columns it multiplies).
 """
 
 from __future__ import annotations

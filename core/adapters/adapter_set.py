@@ -90,7 +90,8 @@ def _check_layer(adapter: AdapterFiles, skeleton: torch.nn.Module, module: str, 
 
 def _check_range(adapter: AdapterFiles, dtype: str) -> None:
     """Raise UsageError when a value of ``adapter`` (B's times its scaling) is beyond what ``dtype`` holds: it would be
-    inf in the buffers (or the merged weights), and one inf reaches every row of the batch."""
+    inf in the buffers (or the merged weights): in A, the adapter's own rows are wrong; in B, every row of the batch is
+    (the other rows' zeros times inf are NaN)."""
     most = torch.finfo(torch_dtype(dtype)).max
     for tensor, largest in adapter.largest.items():
         if largest > most:
