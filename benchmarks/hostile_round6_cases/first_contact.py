@@ -4,6 +4,7 @@ without a network, a folder that is not there, the benchmark with its defaults, 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -32,12 +33,13 @@ def case_readme_compare(folder: Path) -> Outcome:
     files = [str(REPOSITORY / word) if (REPOSITORY / word).exists() else word for word in compare]
     completed = subprocess.run([sys.executable, "-m", "accelgen.cli", *files], cwd=folder, capture_output=True,
                                text=True, timeout=300)
-    table = [line for line in completed.stdout.splitlines() if line.startswith("|") and "batch" not in line.lower()]
-    cells = [cell.strip() for line in table for cell in line.strip("|").split("|")[3:]]
-    figures = [cell for cell in cells if cell and cell != "-" and set(cell) != {"-"}]
+    lines = completed.stdout.splitlines()
+    rule = next((number for number, line in enumerate(lines) if line.startswith("---")), len(lines))
+    rows = [re.split(r"\s{2,}", line.strip())[3:] for line in lines[rule + 1:] if line.strip() and line[0] != "*"]
+    compared = [row for row in rows if sum(cell != "-" for cell in row) >= 2]  # figures of two machines side by side
     outcome = outcome_of(completed.returncode, completed.stderr)
-    return Outcome(outcome.status, outcome.said, f"{' '.join(compare[:3])}...: {len(figures)} of {len(cells)} cells "
-                                                 f"hold figures")
+    return Outcome(outcome.status, outcome.said, f"{' '.join(compare[:3])}...: {len(compared)} of {len(rows)} rows "
+                                                 f"compare two machines")
 
 
 def case_hub_model_without_a_network(folder: Path) -> Outcome:
