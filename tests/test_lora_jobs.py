@@ -279,7 +279,7 @@ def test_adapters_of_another_model_or_rank_are_one_line(tiny_model_folder, llama
     (["--lora", "{a0}", "--lora", "a1={a1}"], "--lora PATH without a name is merged into the weights for every row, and goes alone"),
     (["--lora-column", "adapter"], "--lora-column names each row's adapter among those given by name"),
     (["--lora", "a0={a0}", "--lora-column", "missing"], "--lora-column 'missing' is not in the dataset"),
-    (["--lora", "a0={a0}", "--lora-column", "number"], "--lora-column 'number' holds int64"),
+    (["--lora", "a0={a0}", "--lora-column", "number"], "--lora-column 'number' holds numbers"),
     (["--lora", "a0={a0}", "--lora-column", "adapter"], "row 2, column 'adapter', names LoRA adapter 'a1', which this run "
                                                         "does not serve \\(it serves 'a0', and the base model"),
     (["--max-loras", "2"], "--max-loras sizes the buffers of named adapters"),

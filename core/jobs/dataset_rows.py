@@ -383,12 +383,18 @@ def _check_json_columns(rows: JsonRows, request: DatasetRequest) -> str:
                            ("--lora-column", request.adapter_column)):
         if column is not None and column not in types:
             raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(types)}.")
-    held = types[request.column] - {"null"}
-    if held and not held & {"string", "array"}:
+    def held(column: str) -> str:
+        return " and ".join(f"{kind}s" for kind in sorted(types[column] - {"null"}))
+
+    names = types.get(request.adapter_column, set()) - {"null"}
+    if names and "string" not in names:
+        raise UsageError(f"--lora-column {request.adapter_column!r} holds {held(request.adapter_column)}, not the names "
+                         f"of LoRA adapters: pass the column that names them.")
+    prompts = types[request.column] - {"null"}
+    if prompts and not prompts & {"string", "array"}:
         text_columns = [name for name, found in types.items() if found - {"null"} == {"string"}]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
-        raise UsageError(f"Column {request.column!r} holds {' and '.join(f'{kind}s' for kind in sorted(held))}, not text "
-                         f"nor a conversation ({hint}).")
+        raise UsageError(f"Column {request.column!r} holds {held(request.column)}, not text nor a conversation ({hint}).")
     return "mixed"
 
 
