@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from accelgen.common.settings import World
+from accelgen.loading.hub_reach import check_hub_reachable
 from accelgen.loading.model_files import loading_errors_as_usage_errors
 from accelgen.parallel.process_groups import one_process_per_node_first
 
@@ -19,6 +20,7 @@ def checkpoint_folder(location: str, world: World, what: str = "model") -> str:
     or a Hub id to download; every rank must call this)."""
     if os.path.isdir(location):
         return location
+    check_hub_reachable(location, what)  # at once, not after the Hub client's retries
     with loading_errors_as_usage_errors(location, what), one_process_per_node_first(world):
         return _download(location)
 

@@ -14,8 +14,8 @@ import re
 
 from accelgen.common.errors import UsageError, reason
 
-#: What a user without a network does.
-NO_NETWORK_FIX = "pass a local folder, or set HF_HUB_OFFLINE=1 with the model in the Hugging Face cache"
+#: What a user without a network does (``{what}``: the model, a LoRA adapter).
+NO_NETWORK_FIX = "pass a local folder, or set HF_HUB_OFFLINE=1 with the {what} in the Hugging Face cache"
 #: What a user offline whose model is not cached does.
 OFFLINE_FIX = "pass a local folder, or unset HF_HUB_OFFLINE so that it can be downloaded"
 
@@ -34,7 +34,7 @@ def check_hub_reachable(hub_id: str, what: str = "model") -> None:
     problem = _unreachable(constants.ENDPOINT, constants.HF_HUB_ETAG_TIMEOUT)
     if problem is not None:
         raise UsageError(f"Cannot load {what} {hub_id!r}: cannot reach the Hugging Face Hub at {constants.ENDPOINT} "
-                         f"({problem}; no network?): {NO_NETWORK_FIX}.")
+                         f"({problem}; no network?): {NO_NETWORK_FIX.format(what=what)}.")
 
 
 def _unreachable(endpoint: str, timeout: float) -> str | None:
@@ -64,4 +64,4 @@ def offline_or_network_problem(error: BaseException, what: str, source: str) -> 
         return (f"Cannot load {what} {source!r}: HF_HUB_OFFLINE is set and its files are not in the Hugging Face "
                 f"cache: {OFFLINE_FIX}.")
     return (f"Cannot load {what} {source!r}: cannot reach the Hugging Face Hub at {constants.ENDPOINT} (no network?): "
-            f"{NO_NETWORK_FIX}.")
+            f"{NO_NETWORK_FIX.format(what=what)}.")
