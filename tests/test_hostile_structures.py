@@ -86,6 +86,19 @@ def test_a_character_the_vocabulary_cannot_write_further_in_stops_the_row_in_one
     assert "Prompt 0: its regex 'a}' needs a character next that no token of this model's vocabulary writes" in line
 
 
+def test_under_skip_bad_rows_a_row_that_reaches_such_a_character_is_an_error_row(capsys, tmp_path):
+    dataset = tmp_path / "rows.jsonl"
+    schemas = [{"type": "string", "pattern": "^a}$"}, {"enum": ["ada", "bob"]}]
+    dataset.write_text("".join(json.dumps({"text": f"row {number}", "schema": json.dumps(schema)}) + "\n"
+                               for number, schema in enumerate(schemas)))
+    output = tmp_path / "out.jsonl"
+    completed(capsys, "--model", model_without(tmp_path / "no-brace", "}"), "--dataset", dataset, "--schema-column",
+              "schema", "--skip-bad-rows", "--output", output)
+    first, second = rows_of(output)
+    assert first["finish_reason"] == "error" and "needs a character next that no token" in first["error"], first
+    assert not second.get("error") and json.loads(second["completion"]) in ("ada", "bob"), second
+
+
 # -- structures the engine cannot follow -------------------------------------------------------------------------
 
 def test_ten_thousand_choices_are_followed(capsys, tmp_path):

@@ -34,7 +34,7 @@ class RowGrammar:
     """One running row's place in its structure: ``phase`` "thinking" (no grammar yet), "may_think" (its first
     token may open its thinking or start its answer), "grammar" (``matcher`` follows the answer) or "ended"."""
 
-    number: int  # the row's prompt number, which names it in errors
+    row: Row  # the row, which its prompt number names in errors
     structure: Structure
     phase: str
     matcher: object | None = None
@@ -42,15 +42,20 @@ class RowGrammar:
 
 class SlotConstraints:
     """The constraints of ``slots`` slots for one model: ``compiler`` (``grammars.GrammarCompiler``) makes the
-    matchers, ``markers`` are the model's thinking markers (None: it does not think)."""
+    matchers, ``markers`` are the model's thinking markers (None: it does not think). A row its grammar engine stops
+    following (a token its mask did not allow, a character next that no token writes, a limit of the engine) stops the
+    run; with ``errors_as_rows`` (--skip-bad-rows), a row of one sample becomes an error row instead: its mask allows
+    only its end from there."""
 
-    def __init__(self, compiler: grammars.GrammarCompiler, slots: int, markers: ThinkMarkers | None):
-        self.compiler, self.markers = compiler, markers
+    def __init__(self, compiler: grammars.GrammarCompiler, slots: int, markers: ThinkMarkers | None,
+                 errors_as_rows: bool = False):
+        self.compiler, self.markers, self.errors_as_rows = compiler, markers, errors_as_rows
         words = grammars.mask_words(compiler.width)
         self.mask = torch.full((slots, words), ALL_TOKENS, dtype=torch.int32)  # [B, W]: what each slot may take next
         self.changed = False  # the mask changed since the runner last copied it to the device
         self._rows: dict[int, RowGrammar] = {}  # by slot: the running rows with a structure
         self._all_but_end = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.eos_token_ids)
+        self._end_only = _with(torch.zeros(words, dtype=torch.int32), compiler.eos_token_ids)
         #: the tokens that write text (the engine may allow a special token, such as an unknown-token marker, that writes none)
         self._text_tokens = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.special_token_ids)
         self._first_masks: dict[Structure, torch.Tensor] = {}  # each structure's mask of its first token [W]
@@ -85,7 +90,7 @@ class SlotConstraints:
         self.rows_started += 1
         if row.settings.max_new_tokens <= 1:  # it has ended: its slot computes padding until it is read back
             return
-        grammar = self._rows[slot] = RowGrammar(row.number, structure, self._first_phase(row.prompt_ids))
+        grammar = self._rows[slot] = RowGrammar(row, structure, self._first_phase(row.prompt_ids))
         if grammar.phase == "grammar":
             grammar.matcher = self.compiler.matcher(structure)
         elif grammar.phase == "thinking":
@@ -123,8 +128,8 @@ class SlotConstraints:
             return
         matcher = grammar.matcher
         if not matcher.consume_token(token) or matcher.is_error():
-            raise PromptError(grammar.number, f": the grammar engine stopped following its {grammar.structure.describe()} "
-                                              f"({grammars.first_error_line(matcher) or 'a token it does not allow'}).")
+            return self._fail(slot, grammar, f"the grammar engine stopped following its {grammar.structure.describe()} "
+                                             f"({grammars.first_error_line(matcher) or 'a token it does not allow'})")
         if matcher.is_stopped() and token in self.compiler.eos_token_ids:
             grammar.phase = "ended"  # its mask stays as it was: its end only
             return
@@ -132,10 +137,19 @@ class SlotConstraints:
         if not matcher.is_accepting():  # an end token whose text the grammar takes (a word) must not end the row here
             self.mask[slot] &= self._all_but_end
             if not (self.mask[slot] & self._text_tokens).any():  # what the grammar takes next, no token writes
-                raise PromptError(grammar.number, f": its {grammar.structure.describe()} needs a character next that no "
-                                                  f"token of this model's vocabulary writes; use a model whose vocabulary "
-                                                  f"writes it, or another structure.")
+                return self._fail(slot, grammar, f"its {grammar.structure.describe()} needs a character next that no "
+                                                 f"token of this model's vocabulary writes; use a model whose vocabulary "
+                                                 f"writes it, or another structure")
         self.changed = True
+
+    def _fail(self, slot: int, grammar: RowGrammar, problem: str) -> None:
+        """The row in ``slot`` cannot follow its grammar any further, for ``problem`` (a clause with its fix): an error
+        row ending at its next token (``errors_as_rows``, a row of one sample), else the run stops naming it."""
+        row = grammar.row
+        if not self.errors_as_rows or row.settings.num_samples > 1:  # a prompt's samples come out together
+            raise PromptError(row.number, f": {problem}.")
+        row.error, grammar.phase = problem, "ended"
+        self._set(slot, self._end_only)
 
     def _first_phase(self, prompt_ids: list[int]) -> str:
         """Where a row's grammar stands at its first token, given its prompt."""

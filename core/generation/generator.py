@@ -76,7 +76,7 @@ class Generator:
             per_row=run.rows_choose, constrained=run.constrained, device_draw=self.accelerator.token_draw(),
         )
         self.constraints = SlotConstraints(GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos_ids),
-                                           run.batch_size, markers) if run.constrained else None
+                                           run.batch_size, markers, run.skip_bad_rows) if run.constrained else None
         self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats,
                                  self.constraints)
 
