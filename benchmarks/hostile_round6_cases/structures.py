@@ -2,8 +2,8 @@
 ``response_format``): structures that admit no text, or none the vocabulary can write, or that the grammar engine
 cannot follow; schema files that raised tracebacks or ran unconstrained; completions marked "stop" that did not parse.
 
-Each case runs the built-in model, or (the vocabulary cases) a tiny Llama whose tokenizer writes no "{" or "}"
-(``tests/structure_models.py``), built once per process.
+Each case runs the built-in model, or (the vocabulary cases) a tiny Llama whose tokenizer writes no "{" or "}", or
+no "}" (``tests/structure_models.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ DEEP = '{"items":' * 5000 + "{}" + "}" * 5000
 
 @functools.cache
 def _model_without_braces() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="hostile-structures-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return _model_without(root, "{}")
+
+
+def _model_without(folder: Path, characters: str) -> Path:
+    """A tiny Llama under ``folder`` whose vocabulary writes none of ``characters``."""
     sys.path.insert(0, str(TESTS))
     from structure_models import model_without
 
-    root = Path(tempfile.mkdtemp(prefix="hostile-structures-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return model_without(root / "no-braces", "{}")
+    return model_without(folder / "model", characters)
 
 
 def _file(folder: Path, name: str, text: str) -> Path:
@@ -98,6 +103,15 @@ def case_schema_column_vocabulary(folder: Path):
     outcome = accelgen(*QUICK, "--model", str(_model_without_braces()), "--dataset", str(_schema_rows(
         folder, [{"type": "object"}, {"enum": ["ada", "bob"]}])), "--schema-column", "schema", "--skip-bad-rows",
         "--output", str(output))
+    return _noted(outcome, output)
+
+
+def case_schema_column_character_further_in(folder: Path):
+    """A row's schema needing "}" after "a" on a model that cannot write "}", --skip-bad-rows: that row an error row mid-run."""
+    output = folder / "out.jsonl"
+    outcome = accelgen(*QUICK, "--model", str(_model_without(folder, "}")), "--dataset", str(_schema_rows(
+        folder, [{"type": "string", "pattern": "^a}$"}, {"enum": ["ada", "bob"]}])), "--schema-column", "schema",
+        "--skip-bad-rows", "--output", str(output))
     return _noted(outcome, output)
 
 
