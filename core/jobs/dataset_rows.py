@@ -1,7 +1,9 @@
 """The texts to complete, read from any source Hugging Face ``datasets`` reads.
 
 A source is a Hub dataset id (with ``--dataset-config`` and ``--split``), a local JSON / JSONL / CSV /
-Parquet file or a folder of them, or a folder written by ``save_to_disk``. Rows come out in dataset
+Parquet file or a folder of them, or a folder written by ``save_to_disk``: a local JSON file is read by us, each row
+its own JSON (``accelgen.jobs.json_lines``), any other source by ``datasets`` (``accelgen.jobs.dataset_split``), a
+CSV file's rows holding bytes that are not UTF-8 found by us (``accelgen.jobs.csv_bytes``). Rows come out in dataset
 order, one prompt (the chosen column) each: a text, or a conversation when the column holds lists of
 ``{role, content}`` messages (or ShareGPT's ``{from, value}``). With a schema column, each row comes as a
 :class:`PromptRequest` holding its prompt and the JSON Schema its completion is held to (none where the column is
@@ -14,36 +16,22 @@ import dataclasses
 import itertools
 import logging
 import os
-import re
 from typing import Iterator
 
-from accelgen.common.errors import FILE_ERRORS, UsageError, first_line, reason, user_errors
+from accelgen.common.errors import UsageError, user_errors
 from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
 from accelgen.common.settings import AdapterSettings, RowSettings
 from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
 from accelgen.generation.grammars import structure_problem
 from accelgen.jobs.csv_bytes import holds_bytes_not_utf8, rows_not_utf8
-from accelgen.jobs.dataset_paths import FILE_BUILDERS, check_local_path, saved_with_save_to_disk
+from accelgen.jobs.dataset_paths import check_local_path
+from accelgen.jobs.dataset_split import DatasetRequest, file_builder, load_split, unreadable_row
 from accelgen.jobs.json_lines import TOO_DEEP, JsonRows, UnreadableRow, surrogate_problem
 
 TEXT_TYPES = ("string", "large_string")
 #: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
 MESSAGE_KEYS = ({"role", "content"}, {"from", "value"})
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetRequest:
-    source: str
-    column: str = "text"
-    split: str = "train"
-    config: str | None = None
-    limit: int | None = None  # the first N rows only
-    streaming: bool = False  # read rows as they are needed instead of loading the split
-    skip_bad_rows: bool = False  # a row that is no prompt is kept as a BadPrompt (an error row) instead of refused
-    adapter_column: str | None = None  # the column naming each row's LoRA adapter (--lora-column; empty: the base model)
-    adapters: AdapterSettings = AdapterSettings()  # the adapters such a column may name
-    schema_column: str | None = None  # the column holding each row's JSON Schema (--schema-column)
 
 
 @dataclasses.dataclass
@@ -73,10 +61,10 @@ def open_rows(request: DatasetRequest) -> TextRows:
     source = os.path.expanduser(request.source)
     check_local_path(request.source, source)
     not_utf8 = _csv_rows_not_utf8(request, source)
-    if _file_builder(source) == "json":
+    if file_builder(source) == "json":
         dataset, revision = JsonRows(request.source, source), None
     else:
-        dataset, revision = _load_split(request, source, replace_bytes_not_utf8=not_utf8 is not None)
+        dataset, revision = load_split(request, source, replace_bytes_not_utf8=not_utf8 is not None)
     kind = _check_column(dataset, request)
     if request.limit is not None and not isinstance(dataset, JsonRows):  # JSON rows: taken as they are read
         dataset = dataset.take(request.limit) if request.streaming else dataset.select(range(min(request.limit, len(dataset))))
@@ -118,7 +106,7 @@ def _column_values(dataset, request: DatasetRequest) -> Iterator[tuple | Unreada
     batches = iter(rows.iter(batch_size=rows_per_read))
     index = 0
     while True:
-        with user_errors("", "", explain=lambda error, index=index: _unreadable_row(rows, request, index, rows_per_read, error)):
+        with user_errors("", "", explain=lambda error, index=index: unreadable_row(rows, request, index, rows_per_read, error)):
             batch = next(batches, None)
         if batch is None:
             return
@@ -191,7 +179,7 @@ def _check_schema_value(schema: object, column: str) -> None:
 def _csv_rows_not_utf8(request: DatasetRequest, source: str) -> dict[int, tuple[str, str]] | None:
     """For a local CSV file holding bytes that are not UTF-8, the rows whose columns in use hold one (see
     :func:`accelgen.jobs.csv_bytes.rows_not_utf8`); None for any other source."""
-    if _file_builder(source) != "csv" or not holds_bytes_not_utf8(source):
+    if file_builder(source) != "csv" or not holds_bytes_not_utf8(source):
         return None
     return rows_not_utf8(source, [column for column in (request.column, request.schema_column, request.adapter_column)
                                   if column])
@@ -229,109 +217,6 @@ def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
     return PromptRequest(prompt, RowSettings(adapter=name), None), None
 
 
-def _unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:
-    """The error of reading rows ``first_index`` on, naming the first that cannot be read where it can."""
-    if isinstance(_innermost(error), UnicodeDecodeError):
-        return _not_utf8(request, error)
-    if request.streaming:  # read in chunks by the reader: where in the chunk it failed is not known
-        return (f"Cannot read dataset {request.source!r} (stopped after {first_index} rows): {reason(error)}: fix the "
-                f"file (UTF-8 text, well-formed), or pass another --dataset.")
-    index = first_index
-    for index in range(first_index, min(first_index + count, len(rows))):  # find the row: read them one at a time
-        try:
-            rows[index]
-        except FILE_ERRORS as row_error:
-            error = row_error
-            break
-    return (f"Dataset {request.source!r} row {index} cannot be read ({reason(error)}): fix that row of the "
-            f"file (UTF-8 text, well-formed), or remove it.")
-
-
-def _load_split(request: DatasetRequest, source: str, replace_bytes_not_utf8: bool) -> tuple[object, str | None]:
-    """The requested split, and the Hub revision it was read at (None for a local source); a local CSV file's bytes
-    that are not UTF-8 replaced where ``replace_bytes_not_utf8`` (the rows holding one are error rows)."""
-    import datasets
-
-    with user_errors(f"Cannot read dataset {request.source!r}", "fix the file, or pass another --dataset",
-                     errors=(*FILE_ERRORS, StopIteration, datasets.exceptions.DatasetsError, ConnectionError),
-                     explain=lambda error: _explain_load_error(error, request, source)):
-        if os.path.isfile(source):
-            options = {"encoding_errors": "replace"} if replace_bytes_not_utf8 else {}
-            return datasets.load_dataset(_file_builder(source), data_files=source, split=request.split,
-                                         streaming=request.streaming, **options), None
-        if os.path.isdir(source) and saved_with_save_to_disk(source):
-            return _saved_split(datasets.load_from_disk(source), request), None
-        # what load_dataset does, keeping the builder: its hash is the Hub commit the rows are read at
-        builder = datasets.load_dataset_builder(source, request.config)
-        revision = None if os.path.isdir(source) else builder.hash
-        if request.streaming:
-            return builder.as_streaming_dataset(split=request.split), revision
-        builder.download_and_prepare()
-        return builder.as_dataset(split=request.split), revision
-
-
-def _explain_load_error(error: BaseException, request: DatasetRequest, source: str) -> str | None:
-    """The message for an error of loading the dataset, where we can say more than the error itself."""
-    import datasets
-
-    if isinstance(error, (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError)):
-        return (f"Dataset {request.source!r} not found, or the Hub cannot be reached ({first_line(error)}): "
-                f"pass a local JSON, JSONL, CSV or Parquet file, or a folder made by save_to_disk.")
-    cache_folder = _unwritable_cache(error)
-    if cache_folder:
-        return (f"The datasets cache folder {cache_folder!r} cannot be written ({reason(error)}): set HF_DATASETS_CACHE "
-                f"(or HF_HOME) to a writable folder.")
-    if isinstance(error, StopIteration):  # what the JSON reader raises on an empty file
-        return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
-    if isinstance(_innermost(error), UnicodeDecodeError):
-        return _not_utf8(request, error)
-    if isinstance(error, ValueError):
-        return _explain_value_error(error, request)
-    return None
-
-
-def _not_utf8(request: DatasetRequest, error: BaseException) -> str:
-    return (f"Dataset {request.source!r} is not UTF-8 text ({reason(error)}): convert it to UTF-8, e.g. with "
-            f"iconv -t UTF-8, or pass another --dataset.")
-
-
-def _innermost(error: BaseException) -> BaseException:
-    """The error at the bottom of a chain of wrapped ones (a library's "an error occurred" around the cause)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
-
-
-def _unwritable_cache(error: BaseException) -> str | None:
-    """The ``datasets`` cache folder, when ``error`` is its failure to write there (a read-only HOME)."""
-    import datasets
-
-    error = _innermost(error)
-    written = getattr(error, "filename", None) if isinstance(error, OSError) else None
-    if not isinstance(written, str):
-        return None
-    for folder in (datasets.config.HF_DATASETS_CACHE, datasets.config.HF_MODULES_CACHE):
-        folder = os.path.abspath(str(folder))
-        if os.path.commonpath([folder, os.path.abspath(written)]) == folder or folder.startswith(os.path.abspath(written) + os.sep):
-            return folder
-    return None
-
-
-def _file_builder(source: str) -> str | None:
-    """The ``datasets`` builder that reads the local file ``source`` ("json", "csv", "parquet"); None for a folder or a
-    Hub dataset."""
-    return FILE_BUILDERS[os.path.splitext(source)[1].lower()] if os.path.isfile(source) else None
-
-
-def _saved_split(saved, request: DatasetRequest):
-    """The split of a DatasetDict written by save_to_disk (a single saved Dataset is used whole)."""
-    if hasattr(saved, "keys"):
-        if request.split not in saved:
-            raise UsageError(f"Unknown split {request.split!r}; {request.source!r} has: {', '.join(saved)}.")
-        saved = saved[request.split]
-    return saved.to_iterable_dataset() if request.streaming else saved
-
-
 def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
     "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
@@ -341,7 +226,7 @@ def _check_column(dataset, request: DatasetRequest) -> str:
     # some streamed sources only know their columns once a row is read (their features are None)
     features = dataset.features
     if not features:
-        with user_errors("", "", explain=lambda error: _unreadable_row(dataset, request, 0, 1, error)):
+        with user_errors("", "", explain=lambda error: unreadable_row(dataset, request, 0, 1, error)):
             first_row = next(iter(dataset.take(1)), None)
         if first_row is None:
             raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
@@ -405,18 +290,3 @@ def _is_conversation(feature) -> bool:
     if type(item).__name__ == "Json":
         return True
     return isinstance(item, dict) and any(keys <= set(item) for keys in MESSAGE_KEYS)
-
-
-def _explain_value_error(error: ValueError, request: DatasetRequest) -> str | None:
-    split_names = re.search(r"(?:Should be one of|Available splits:) \[(.*)\]", str(error))  # loaded, streamed
-    if split_names:
-        return f"Unknown split {request.split!r}; {request.source!r} has: {split_names.group(1).replace(chr(39), '')}."
-    if "corresponds to no data" in str(error):  # what datasets says of an empty file
-        return f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete."
-    config_names = re.search(r"(?:available configs|Available): \[(.*?)\]", str(error))
-    if config_names:
-        available = config_names.group(1).replace("'", "")
-        if request.config is None:
-            return f"Dataset {request.source!r} has several configurations: pass --dataset-config (one of: {available})."
-        return f"Unknown --dataset-config {request.config!r} for {request.source!r}; available: {available}."
-    return None
