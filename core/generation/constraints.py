@@ -56,8 +56,6 @@ class SlotConstraints:
         self._rows: dict[int, RowGrammar] = {}  # by slot: the running rows with a structure
         self._all_but_end = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.eos_token_ids)
         self._end_only = _with(torch.zeros(words, dtype=torch.int32), compiler.eos_token_ids)
-        #: the tokens that write text (the engine may allow a special token, such as an unknown-token marker, that writes none)
-        self._text_tokens = _without(torch.full((words,), ALL_TOKENS, dtype=torch.int32), compiler.special_token_ids)
         self._first_masks: dict[Structure, torch.Tensor] = {}  # each structure's mask of its first token [W]
         self.rows_started = 0  # rows with a structure started so far
 
@@ -136,7 +134,7 @@ class SlotConstraints:
         grammars.fill_row(matcher, self.mask[slot])
         if not matcher.is_accepting():  # an end token whose text the grammar takes (a word) must not end the row here
             self.mask[slot] &= self._all_but_end
-            if not (self.mask[slot] & self._text_tokens).any():  # what the grammar takes next, no token writes
+            if not self.compiler.writes_text(self.mask[slot]):  # what the grammar takes next, no token writes
                 return self._fail(slot, grammar, f"its {grammar.structure.describe()} needs a character next that no "
                                                  f"token of this model's vocabulary writes; use a model whose vocabulary "
                                                  f"writes it, or another structure")
@@ -177,18 +175,13 @@ def _with(mask_row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """``mask_row`` [W] with ``tokens`` allowed too."""
     mask_row = mask_row.clone()
     for token in tokens:
-        mask_row[token // 32] |= _bit(token)
+        mask_row[token // grammars.BITS_PER_WORD] |= grammars.token_bit(token)
     return mask_row
 
 
 def _without(mask_row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """``mask_row`` [W] with ``tokens`` not allowed."""
     for token in tokens:
-        mask_row[token // 32] &= ~_bit(token)
+        mask_row[token // grammars.BITS_PER_WORD] &= ~grammars.token_bit(token)
     return mask_row
 
-
-def _bit(token: int) -> int:
-    """The int32 word with only ``token``'s bit set, as a Python integer (bit 31 is the sign bit)."""
-    bit = 1 << (token % 32)
-    return bit - (1 << 32) if bit >= 1 << 31 else bit

@@ -172,45 +172,50 @@ class GrammarCompiler:
                              f"{type(tokenizer).__name__} ({error}): convert it, or run without a structure.") from None
         self.eos_token_ids = list(self.tokenizer.eos_tokens)
         self.special_token_ids = [token for token in tokenizer.all_special_ids if token < self.width]
+        self._text_tokens = None  # a mask row of the tokens that write text, made when first asked
         self._compiled: dict[Structure, object] = {}
         self.compile_seconds = 0.0
 
     def problem(self, structure: Structure) -> str | None:
         """Why rows cannot be held to ``structure`` (checked by :func:`structure_problem`) with this tokenizer: it cannot
         be compiled for it, or no token writes its first character; as a clause, or None."""
-        try:
-            matcher = self.matcher(structure)
-        except UsageError as error:
-            return f"cannot be compiled for this model's tokenizer ({str(error).rsplit('(', 1)[-1].rstrip(').')})"
-        mask = torch_words(self.width)
+        compiled = self._compiled_matcher(structure)
+        if compiled.is_error():
+            return f"cannot be compiled for this model's tokenizer ({first_error_line(compiled)})"
+        matcher, mask = compiled.deep_copy(), torch_words(self.width)
         fill_row(matcher, mask)
         if matcher.is_error():
             return f"is a structure the grammar engine cannot follow ({first_error_line(matcher)})"
-        if not self._writes_text(mask) and not matcher.is_accepting():
+        if not self.writes_text(mask) and not matcher.is_accepting():
             return f"admits no text this model's vocabulary can write (no token of it starts {_first_text(structure)})"
         return None
 
-    def _writes_text(self, mask_row) -> bool:
+    def writes_text(self, mask_row) -> bool:
         """Whether ``mask_row`` allows a token that writes text (the engine may allow a special token, such as an
         unknown-token marker, that writes none)."""
-        words = [word & 0xFFFFFFFF for word in mask_row.tolist()]
-        for token in self.special_token_ids:
-            words[token // BITS_PER_WORD] &= ~(1 << token % BITS_PER_WORD)
-        return any(words)
+        if self._text_tokens is None:
+            self._text_tokens = torch_words(self.width) - 1  # every bit set
+            for token in self.special_token_ids:
+                self._text_tokens[token // BITS_PER_WORD] &= ~token_bit(token)
+        return bool((mask_row & self._text_tokens).any())
 
     def matcher(self, structure: Structure):
         """A fresh matcher of ``structure``, at the start of a completion. UsageError with the engine's words when
         it cannot be compiled for this tokenizer (:func:`structure_problem` passed it without one)."""
+        compiled = self._compiled_matcher(structure)
+        if compiled.is_error():
+            raise UsageError(f"The {structure.describe()} cannot be compiled for this model's tokenizer "
+                             f"({first_error_line(compiled)}).")
+        return compiled.deep_copy()
+
+    def _compiled_matcher(self, structure: Structure):
+        """``structure`` compiled for this tokenizer (once; a matcher in its error state where it cannot be)."""
         compiled = self._compiled.get(structure)
         if compiled is None:
             started = time.perf_counter()
-            compiled = engine().LLMatcher(self.tokenizer, grammar_of(structure), log_level=0)
+            compiled = self._compiled[structure] = engine().LLMatcher(self.tokenizer, grammar_of(structure), log_level=0)
             self.compile_seconds += time.perf_counter() - started
-            if compiled.is_error():
-                raise UsageError(f"The {structure.describe()} cannot be compiled for this model's tokenizer "
-                                 f"({first_error_line(compiled)}).")
-            self._compiled[structure] = compiled
-        return compiled.deep_copy()
+        return compiled
 
 
 def torch_words(logits_width: int):
@@ -233,6 +238,12 @@ def _allowed_bytes(mask_row) -> list[int]:
     """The bytes (tokens 0 to 255 of :func:`_byte_tokenizer`) ``mask_row`` allows."""
     words = mask_row.tolist()
     return [byte for byte in range(256) if words[byte // BITS_PER_WORD] >> (byte % BITS_PER_WORD) & 1]
+
+
+def token_bit(token: int) -> int:
+    """The int32 word of a mask row with only ``token``'s bit set, as a Python integer (bit 31 is the sign bit)."""
+    bit = 1 << (token % BITS_PER_WORD)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def fill_row(matcher, mask_row) -> None:
