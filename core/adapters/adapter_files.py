@@ -30,6 +30,7 @@ from accelgen.common.errors import UsageError, reason, user_errors
 from accelgen.common.settings import World
 from accelgen.loading.checkpoint_download import checkpoint_folder
 from accelgen.loading.checkpoint_files import CheckpointFolder
+from accelgen.loading.finite_values import all_finite
 from accelgen.loading.model_files import looks_local
 from accelgen.loading.model_identity import weights_digest
 
@@ -202,7 +203,7 @@ class AdapterFiles:
                     for suffix, matrix in MATRICES.items():
                         name = f"{SAVED_PREFIX}{module}{suffix}"
                         values = weights.get_tensor(name).float()
-                        if not bool(values.isfinite().all()):
+                        if not all_finite(values):
                             raise UsageError(f"{self.described}: the adapter's {WEIGHTS_FILE} holds NaN or inf in {name!r}: "
                                              f"train or save the adapter again (every value finite).")
                         peak = float(values.abs().max()) if values.numel() else 0.0

@@ -37,6 +37,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
+from accelgen.loading.finite_values import finite_flag, refuse_not_finite
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
@@ -235,6 +236,8 @@ def _write_offloaded(weights, dtypes: dict[str, torch.dtype], folder: str, group
         for name in group:
             tensors[name] = torch.empty(weights.shape(name), dtype=dtypes[name])
             weights.copy_into(tensors[name], name, None)
+        if not getattr(weights, "drawn_at_random", False):
+            refuse_not_finite(weights, {name: finite_flag(values) for name, values in tensors.items()})
         path = os.path.join(folder, f"offloaded-{number:05d}.safetensors")
         save_file(tensors, path)
         locations.update({name: (path, name) for name in group})

@@ -21,6 +21,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import World
 from accelgen.loading.aligned_safetensors import ALIGNMENT
+from accelgen.loading.finite_values import finite_flag, refuse_not_finite
 from accelgen.loading.weight_sources import TensorPart
 from accelgen.parallel.process_groups import gather_from_ranks
 
@@ -152,8 +153,11 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
     at most ``READ_THREADS`` tensors' parts are in flight). A part the source holds in one piece in host
     memory of the parameter's dtype (a memory-mapped file) becomes the parameter's memory, uncopied; any
     other is copied in, converted and moved. Rows past the tensor's end (the last rank's padding of a
-    vocabulary) are zero."""
+    vocabulary) are zero. Each part filled from a checkpoint is checked to hold finite values where it now is
+    (``accelgen.loading.finite_values``): UsageError naming the first that does not, once all are filled."""
     parameters = dict(model.named_parameters())
+    checked = not getattr(source, "drawn_at_random", False)
+    flags: dict[str, torch.Tensor | None] = dict.fromkeys(load.name for load in plan)
 
     @torch.no_grad()  # in each thread: grad mode is per thread
     def fill(load: ParameterLoad) -> None:
@@ -162,17 +166,28 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
         if load.part is not None and load.part.length < destination.shape[load.part.dim]:
             destination.zero_()
             source.copy_into(destination.narrow(load.part.dim, 0, load.part.length), load.name, load.part)
-            return
-        view = source.view(load.name, load.part)
-        if view is not None and destination.dtype in ALIGNED_ONLY and view.data_ptr() % ALIGNMENT:
-            view = None
-        if view is None:
-            source.copy_into(destination, load.name, load.part)
-        elif view.device == destination.device and view.dtype == destination.dtype:
-            parameter.data = view
         else:
-            destination.copy_(view)
+            _fill_whole(parameter, source, load)
+        if checked:
+            flags[load.name] = finite_flag(parameter.data)
 
     with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
         for _ in pool.map(fill, plan):  # in order, so the first error is raised
             pass
+    if checked:
+        refuse_not_finite(source, flags)
+
+
+def _fill_whole(parameter: torch.nn.Parameter, source, load: ParameterLoad) -> None:
+    """Fill ``parameter`` with its part of ``source`` (as long as the parameter): the source's own memory where it
+    can be, else a copy."""
+    destination = parameter.data
+    view = source.view(load.name, load.part)
+    if view is not None and destination.dtype in ALIGNED_ONLY and view.data_ptr() % ALIGNMENT:
+        view = None
+    if view is None:
+        source.copy_into(destination, load.name, load.part)
+    elif view.device == destination.device and view.dtype == destination.dtype:
+        parameter.data = view
+    else:
+        destination.copy_(view)

@@ -62,6 +62,10 @@ class CheckpointWeights:
         """The names the checkpoint stores its tensors under."""
         return list(self._tensors)
 
+    def stored_name(self, name: str) -> str:
+        """The name the checkpoint stores the model's tensor ``name`` under (messages name it so)."""
+        return self.key(name)
+
     def key(self, name: str) -> str:
         for candidate in (name, name.removeprefix(self._prefix), self._prefix + name):
             if candidate in self._tensors:
@@ -190,6 +194,9 @@ class RandomWeights:
     """Seeded random values for a model built from its config (benchmarks: speed does not depend on the
     values): matrices drawn from N(0, ``std``), vectors ones (norm weights) or zeros (biases). Each part
     is drawn on its own (a rank draws only what it holds), seeded by the tensor's name and the part."""
+
+    #: values drawn here are finite: loading does not check them
+    drawn_at_random = True
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], std: float, seed: int = 0):
         self._shapes, self._std, self._seed = shapes, std, seed

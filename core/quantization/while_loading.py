@@ -36,6 +36,20 @@ class QuantizingWeights:
         weight = name.removesuffix(SCALE_SUFFIX)
         return weight if name.endswith(SCALE_SUFFIX) and weight in self._locks else None
 
+    @property
+    def where(self) -> str:
+        return self._source.where
+
+    @property
+    def drawn_at_random(self) -> bool:
+        return getattr(self._source, "drawn_at_random", False)
+
+    def stored_name(self, name: str) -> str:
+        """The name the source stores ``name`` under: an int8 layer's scales come from its weight (a NaN or inf in the
+        weight makes its row's scale NaN or inf)."""
+        name = self._weight_of(name) or name
+        return getattr(self._source, "stored_name", lambda stored: stored)(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         weight = self._weight_of(name)
         if weight is None or weight == name:
