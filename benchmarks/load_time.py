@@ -12,6 +12,9 @@ BLOOM of hidden size 64, and taken off to give the part of each figure that the 
     python benchmarks/load_time.py --baseline-revision 4d08fb5            # the issue's measurement
     python benchmarks/load_time.py --baseline-revision 4d08fb5 --cold     # from the disk (needs root)
     python benchmarks/load_time.py --layers 2 --hidden 256 --vocab 4096    # quick look
+
+With --interleave, the ways' runs take turns (one of each, then again) and the table shows each way's medians: a
+before/after of a small change on a shared machine, where load drifts more over minutes than the change moves it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import functools
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +124,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs of each configuration (the table shows the best)")
     parser.add_argument("--baseline-revision", help="git revision of accelgen to measure as the earlier path")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each run and read (root only)")
+    parser.add_argument("--interleave", action="store_true", help="the ways' runs in turns; the table shows medians")
     arguments = parser.parse_args()
     world_sizes = [int(size) for size in arguments.world_sizes.split(",")]
 
@@ -136,7 +141,8 @@ def main() -> None:
             workspace.mkdir()
             baseline_environment = dict(environment, PYTHONPATH=baseline_pythonpath(arguments.baseline_revision, workspace))
             ways = {f"whole model ({arguments.baseline_revision})": ("", baseline_environment), **ways}
-        print(f"{describe_shape(arguments)}, float32 safetensors of {size / 2**30:.2f} GiB; best of {arguments.runs} runs"
+        summary = f"medians of {arguments.runs} interleaved runs" if arguments.interleave else f"best of {arguments.runs} runs"
+        print(f"{describe_shape(arguments)}, float32 safetensors of {size / 2**30:.2f} GiB; {summary}"
               + ("; page cache dropped before each run" if arguments.cold else "; page cache warm"))
         floor = min(read_once_seconds(checkpoint, arguments.cold) for _ in range(3))
         print(f"floor: reading the checkpoint once: {floor:.2f} s")
@@ -148,11 +154,16 @@ def main() -> None:
             shard_once(tiny, scratch / f"tiny-tp{world_size}", world_size)
             subprocess.run(["sync"], check=True)  # no write-back of the new files during the runs
             rows = {**ways, f"pre-sharded (accelgen shard: {shard_seconds:.1f} s, once)": ("tp", environment)}
-            for way, (prefix, way_environment) in rows.items():
-                model = scratch / f"tp{world_size}" if prefix else checkpoint
-                fixed = scratch / f"tiny-tp{world_size}" if prefix else tiny
-                best = best_of(model, world_size, way_environment, arguments.runs, arguments.cold)
-                base = best_of(fixed, world_size, way_environment, arguments.runs, arguments.cold)
+            folders = {way: (scratch / f"tp{world_size}" if prefix else checkpoint,
+                             scratch / f"tiny-tp{world_size}" if prefix else tiny) for way, (prefix, _) in rows.items()}
+            samples = {(way, folder): [] for way in rows for folder in folders[way]}
+            for _ in range(arguments.runs if arguments.interleave else 1):
+                for (way, folder), taken in samples.items():
+                    runs = 1 if arguments.interleave else arguments.runs
+                    taken.extend(run_once(folder, world_size, rows[way][1], arguments.cold) for _ in range(runs))
+            summarized = median_of if arguments.interleave else best_of
+            for way in rows:
+                best, base = (summarized(samples[way, folder]) for folder in folders[way])
                 model_memory = max(peak - base_peak for peak, base_peak in zip(best["peak_rss_bytes"], base["peak_rss_bytes"]))
                 print(f"| {world_size} | {way} | {best['wall_s']:.1f} | {best['load_s']:.2f} | "
                       f"{best['load_s'] - base['load_s']:.2f} | "
@@ -163,11 +174,17 @@ def main() -> None:
                            capture_output=True)
 
 
-def best_of(folder: Path, world_size: int, environment: dict, runs: int, cold: bool) -> dict:
-    """The run with the shortest load of ``runs``, with the highest peak memory any of them had per rank."""
-    samples = [run_once(folder, world_size, environment, cold) for _ in range(runs)]
+def best_of(samples: list[dict]) -> dict:
+    """The run with the shortest load of ``samples``, with the highest peak memory any of them had per rank."""
     best = min(samples, key=lambda sample: sample["load_s"])
     return dict(best, peak_rss_bytes=[max(peaks) for peaks in zip(*(sample["peak_rss_bytes"] for sample in samples))])
+
+
+def median_of(samples: list[dict]) -> dict:
+    """Each figure's median over ``samples`` (per rank for the peak memory)."""
+    return {"wall_s": statistics.median(sample["wall_s"] for sample in samples),
+            "load_s": statistics.median(sample["load_s"] for sample in samples),
+            "peak_rss_bytes": [int(statistics.median(peaks)) for peaks in zip(*(sample["peak_rss_bytes"] for sample in samples))]}
 
 
 if __name__ == "__main__":

@@ -87,6 +87,16 @@ def test_an_offloaded_run_refuses_a_tensor_it_writes_to_its_offload_folder(tiny_
     assert says_not_finite(line, folder)
 
 
+def test_an_offloaded_run_refuses_a_tensor_it_reads_in_place_from_the_checkpoint(tiny_model_folder, tmp_path, capsys):
+    """Offloaded weights read in place are not read while loading: each is checked the first time it is brought to
+    the device, in the first forward pass, before any row is written."""
+    folder = poisoned_copy(tiny_model_folder("llama"), tmp_path / "poisoned")
+    output = tmp_path / "rows.jsonl"
+    line = refused(capsys, folder, "--offload", "disk", "--max-device-memory", LAYERS_ON_DISK, "--output", str(output))
+    assert says_not_finite(line, folder)
+    assert not output.exists()
+
+
 # -- pre-sharded --------------------------------------------------------------------------------------------------
 
 def test_accelgen_shard_refuses_a_checkpoint_holding_nan(tiny_model_folder, tmp_path, capsys):

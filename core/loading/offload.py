@@ -141,7 +141,7 @@ def load_offloaded(skeleton: torch.nn.Module, weights, device: torch.device, run
             model, device_map=device_map, main_device=str(device), offload_index=offload_index,
             skip_keys=getattr(model, "_skip_keys_device_placement", None),
         )
-    _count_traffic(model, placement)
+    _count_traffic(model, placement, weights if offload.folder is None and placement.disk_bytes else None)
     return model, placement
 
 
@@ -268,14 +268,22 @@ def _new_offload_folder(parent: str, needed_bytes: int) -> str:
 
 
 class _CountedWeights(Mapping):
-    """Accelerate's map of offloaded weights, counting the bytes each lookup brings out."""
+    """Accelerate's map of offloaded weights, counting the bytes each lookup brings out; with ``read_in_place`` (the
+    checkpoint's weight source, and the names already checked), the first lookup of each tensor also checks that it
+    holds finite values: offloaded weights read in place are not read while loading."""
 
-    def __init__(self, weights: Mapping, placement: Placement):
-        self._weights, self._placement = weights, placement
+    def __init__(self, weights: Mapping, placement: Placement, read_in_place: tuple[object, set[str]] | None):
+        self._weights, self._placement, self._read_in_place = weights, placement, read_in_place
 
     def __getitem__(self, key: str) -> torch.Tensor:
         tensor = self._weights[key]
         self._placement.moved_bytes += tensor.numel() * tensor.element_size()
+        if self._read_in_place is not None:
+            source, checked = self._read_in_place
+            name = getattr(self._weights, "prefix", "") + key  # Accelerate's PrefixedDataset: the module's own names
+            if name not in checked:
+                refuse_not_finite(source, {name: finite_flag(tensor)})
+                checked.add(name)
         return tensor
 
     def __iter__(self):
@@ -285,15 +293,18 @@ class _CountedWeights(Mapping):
         return len(self._weights)
 
 
-def _count_traffic(model: torch.nn.Module, placement: Placement) -> None:
-    """Count what the hooks bring to the device, and the forward passes they do it for. Accelerate keeps each
-    module's hook in ``module._hf_hook`` (a SequentialHook holds several) and the offloaded weights of an
-    offloading hook in its ``weights_map`` (accelerate 1.x)."""
+def _count_traffic(model: torch.nn.Module, placement: Placement, read_in_place_from=None) -> None:
+    """Count what the hooks bring to the device, and the forward passes they do it for; with ``read_in_place_from``
+    (the weight source whose files offloaded weights are read from in place), check each the first time it is
+    read (``_CountedWeights``). Accelerate keeps each module's hook in ``module._hf_hook`` (a SequentialHook holds
+    several) and the offloaded weights of an offloading hook in its ``weights_map`` (accelerate 1.x)."""
+    checks = None if read_in_place_from is None or getattr(read_in_place_from, "drawn_at_random", False) \
+        else (read_in_place_from, set())
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)
         for each in getattr(hook, "hooks", [hook]):
             if getattr(each, "offload", False) and getattr(each, "weights_map", None) is not None:
-                each.weights_map = _CountedWeights(each.weights_map, placement)
+                each.weights_map = _CountedWeights(each.weights_map, placement, checks)
 
     def count_pass(module, arguments):
         placement.forward_passes += 1
