@@ -257,8 +257,9 @@ def _check_column(dataset, request: DatasetRequest) -> str:
 
 
 def _check_json_columns(rows: JsonRows, request: DatasetRequest) -> str:
-    """:func:`_check_column` for a JSON file's rows, each row its own JSON (a stream judged by its first rows): "mixed"
-    (each row read as what it is), once the columns named are found and the prompt column holds some text or list."""
+    """:func:`_check_column` for a JSON file's rows, each row its own JSON (a stream judged by its first rows), once the
+    columns named are found and the prompt column holds some text or list: "conversation" when some row holds a list,
+    else "mixed" (each row read as what it is)."""
     if request.split != "train":
         raise UsageError(f"Unknown split {request.split!r}; {request.source!r} has: train.")
     types = rows.column_types(ROWS_PER_READ if request.streaming else None)
@@ -280,7 +281,7 @@ def _check_json_columns(rows: JsonRows, request: DatasetRequest) -> str:
         text_columns = [name for name, found in types.items() if found - {"null"} == {"string"}]
         hint = f"text columns: {', '.join(text_columns)}" if text_columns else "the dataset has no text column"
         raise UsageError(f"Column {request.column!r} holds {held(request.column)}, not text nor a conversation ({hint}).")
-    return "mixed"
+    return "conversation" if "array" in prompts else "mixed"  # some row a list of messages: each row must be one
 
 
 def _is_conversation(feature) -> bool:

@@ -85,12 +85,16 @@ class JsonRows:
         """The keys of the rows (of the first ``most_rows``), in the order they first appear, each with the JSON types
         of its values ("string", "number", "array", ...; "null" where a row lacks it)."""
         types: dict[str, set[str]] = {}
-        rows = [row for row in itertools.islice(self.rows(), most_rows) if isinstance(row, dict)]
-        for row in rows:
-            for name, value in row.items():
-                types.setdefault(name, set()).add(json_type(value))
+        rows_holding: dict[str, int] = {}
+        rows = 0
+        for row in itertools.islice(self.rows(), most_rows):
+            if isinstance(row, dict):
+                rows += 1
+                for name, value in row.items():
+                    types.setdefault(name, set()).add(json_type(value))
+                    rows_holding[name] = rows_holding.get(name, 0) + 1
         for name, found in types.items():
-            if any(name not in row for row in rows):
+            if rows_holding[name] < rows:
                 found.add("null")
         return types
 
@@ -144,10 +148,14 @@ def _not_an_object(number: int | None, value: object) -> UnreadableRow:
                          "make it one ({\"text\": ...}), or remove it")
 
 
+#: The types json.loads gives, as JSON names them.
+JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", list: "array", dict: "object",
+              type(None): "null"}
+
+
 def json_type(value: object) -> str:
     """A JSON value's type, as JSON names it ("string", "number", "boolean", "array", "object", "null")."""
-    kinds = ((bool, "boolean"), (str, "string"), (list, "array"), (dict, "object"), (int, "number"), (float, "number"))
-    return "null" if value is None else next(kind for type_, kind in kinds if isinstance(value, type_))
+    return JSON_TYPES[type(value)]
 
 
 def surrogate_problem(value: object) -> str | None:
