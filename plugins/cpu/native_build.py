@@ -16,6 +16,8 @@ compiler, source or torch gets a build of its own.
   the sources or torch change (a new digest): it is not tried again at every run.
 - A build stopped (Ctrl-C, SIGTERM) stops its compilers (their own process group) and leaves nothing behind; what a
   process killed outright left (``.building-*``) is removed by the next build.
+- A folder that cannot be written (read-only, full) fails the build in one line: the run goes on with torch's
+  operations.
 - Builds not loaded for :data:`UNUSED_DAYS` days (another torch or compiler's) are removed: each load stamps its own,
   so that two installs sharing a machine never remove each other's.
 """
@@ -31,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from accelgen.common.errors import reason
 from accelgen_cpu.native_build_lock import LOCK, build_lock, duration, say
 from accelgen_cpu.native_compile import (
     TORCH_LIBRARIES,
@@ -108,6 +111,14 @@ def built_library(variant: str) -> Path:
     folder = build_folder(variant)
     if (library := _ready(folder)) is not None:
         return library
+    try:
+        return _built_under_the_lock(variant, folder)
+    except OSError as error:  # a read-only or full extensions folder: nothing can be built, nor remembered
+        raise BuildFailure(f"cannot write {folder.parent}, where they are built: {reason(error)}",
+                           "set TORCH_EXTENSIONS_DIR to a writable folder") from None
+
+
+def _built_under_the_lock(variant: str, folder: Path) -> Path:
     with build_lock(folder.parent, variant):
         if (library := _ready(folder)) is not None:  # built by the process we waited for
             return library

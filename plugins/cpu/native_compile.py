@@ -1,6 +1,7 @@
 """Running the C++ compiler over the CPU kernels' sources for one variant: one compiler per source at once (as many
 as there are cores), then the link, each in a process group of its own, so that a build stopped half-way (Ctrl-C,
-SIGTERM, a compiler's failure) stops every compiler it started; and what a failing compiler said, in one line."""
+SIGTERM, a compiler's failure) stops every compiler it started, and tied to the process building (:data:`TIE`), so
+that one killed outright (SIGKILL) leaves none running; and what a failing compiler said, in one line."""
 
 from __future__ import annotations
 
@@ -49,11 +50,10 @@ def run_compilers(commands: list[list[str]], parallel: int) -> None:
             while waiting and len(running) < parallel:
                 command = waiting.pop(0)
                 try:
-                    running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    running.append(subprocess.Popen(_tied(command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                     start_new_session=True))
                 except OSError as error:
-                    raise BuildFailure(f"cannot run the compiler {command[0]!r}: {error.strerror or error}",
-                                       "install a C++ compiler (g++ or clang++), or name one in CXX") from None
+                    _cannot_run(command, error.strerror or str(error))
             process = running[0]
             try:
                 _, errors = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
@@ -61,15 +61,74 @@ def run_compilers(commands: list[list[str]], parallel: int) -> None:
                 raise BuildFailure(f"the compiler ran past {BUILD_TIMEOUT_SECONDS} s", "build on a less busy machine "
                                    "(accelgen devices --prepare)") from None
             running.pop(0)
+            if process.returncode == CANNOT_RUN and errors.startswith(CANNOT_RUN_MARK):
+                _cannot_run(command_of(process), errors[len(CANNOT_RUN_MARK):].decode(errors="replace").strip())
             if process.returncode != 0:
-                raise BuildFailure(f"{shlex.join(process.args[:1])} failed (exit {process.returncode}): "
+                raise BuildFailure(f"{shlex.join(command_of(process)[:1])} failed (exit {process.returncode}): "
                                    f"{first_error(errors.decode(errors='replace'))}",
                                    "fix the compiler or name another in CXX")
     finally:
         for process in running:
             with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
+                if command_of(process) is process.args:  # not tied: the compiler leads its own group
+                    os.killpg(process.pid, signal.SIGKILL)
+                else:  # its tie kills the compiler's group and reaps it
+                    process.terminate()
             process.wait()
+
+
+def _cannot_run(command: list[str], why: str) -> None:
+    raise BuildFailure(f"cannot run the compiler {command[0]!r}: {why}",
+                       "install a C++ compiler (g++ or clang++), or name one in CXX")
+
+
+#: The tie's exit status, and the start of what it says, when it cannot start the compiler
+CANNOT_RUN, CANNOT_RUN_MARK = 127, b"accelgen-tie: "
+
+#: A compiler's tie: a small process that starts the compiler in a process group of its own and, told to stop (SIGTERM:
+#: by the build stopped, or by Linux when the process that started the build dies outright, SIGKILL or a crash: the
+#: parent-death signal), kills that group, the compiler's own children (``cc1plus``, ``as``) with it, reaps the
+#: compiler and ends. Arguments: the builder's process id, then the compiler's command.
+TIE = """
+import ctypes, os, signal, subprocess, sys
+compiler = None
+def stop(*_):
+    if compiler is not None:
+        os.killpg(compiler.pid, signal.SIGKILL)
+        try:
+            os.waitpid(compiler.pid, 0)  # not compiler.wait(): the main thread's holds its lock
+        except ChildProcessError:
+            pass
+    os._exit(128 + signal.SIGTERM)
+def own_group():
+    os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+signal.signal(signal.SIGTERM, stop)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the builder died before the signal was armed
+    stop()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no stop between the compiler's start and its name
+try:
+    compiler = subprocess.Popen(sys.argv[2:], preexec_fn=own_group)
+except OSError as error:
+    sys.stderr.write("accelgen-tie: " + (error.strerror or str(error)))
+    sys.exit(127)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+sys.exit(compiler.wait())
+"""
+
+
+def _tied(command: list[str]) -> list[str]:
+    """``command`` run under its tie (:data:`TIE`), on Linux; as it is elsewhere (no parent-death signal)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-I", "-S", "-c", TIE, str(os.getpid()), *command]
+
+
+def command_of(process: subprocess.Popen) -> list[str]:
+    """The compiler's command that ``process`` runs (under its tie or not)."""
+    arguments = process.args
+    return arguments[6:] if arguments[:5] == [sys.executable, "-I", "-S", "-c", TIE] else arguments
 
 
 def compile_command(variant: str) -> list[str]:

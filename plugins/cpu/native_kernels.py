@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 import warnings
+from pathlib import Path
 from typing import Any
 
 from accelgen.common.errors import AccelgenWarning, UsageError
@@ -47,7 +49,15 @@ def load_variant(variant: str) -> LoadedKernels:
     except (OSError, RuntimeError) as error:
         raise BuildFailure(f"{library} could not be loaded: {_first_line(error)}",
                            f"remove {library.parent} to build it again") from None
-    return LoadedKernels(variant, getattr(torch.ops, operators_namespace(variant)), OPERATORS_TAKEN[variant])
+    operators = getattr(torch.ops, operators_namespace(variant))
+    if missing := sorted(name for name in OPERATORS_TAKEN[variant] if not hasattr(operators, name)):
+        # another library in its place, its checksum written to match: loaded now (a process cannot load the same
+        # path again), so removed for the next run to build anew
+        shutil.rmtree(library.parent, ignore_errors=True)
+        raise BuildFailure(f"{library} is not a build of them: it defines none of {', '.join(missing[:3])}"
+                           f"{', ...' if len(missing) > 3 else ''}", "it was removed: the next run builds them again "
+                           "(accelgen devices --prepare builds them now)")
+    return LoadedKernels(variant, operators, OPERATORS_TAKEN[variant])
 
 
 @functools.cache
@@ -94,12 +104,24 @@ def kernels_status() -> str:
         return f"C++ kernels off ({OVERRIDE_VARIABLE}=off): torch's operations"
     folder = build_folder(variant)
     if verified_library(folder) is not None:
-        state = f"built in {folder}"
+        state = _loaded_state(variant, folder)
     elif (failure := remembered_failure(folder)) is not None:
         state = f"failed to build ({failure[0]}; remove {folder} to try again)"
     else:
         state = "not built yet (the first job builds them, or accelgen devices --prepare)"
     return f"C++ kernels {variant} ({VARIANT_WORDS[variant]}): {state}"
+
+
+def _loaded_state(variant: str, folder: Path) -> str:
+    """What ``accelgen devices`` says of a build that matches its checksum: built, once its library is loaded and
+    holds the kernels' operators (loading builds nothing)."""
+    from accelgen_cpu.native_build import BuildFailure
+
+    try:
+        load_variant(variant)
+    except BuildFailure as failure:
+        return f"not usable ({failure.reason}; {failure.fix})"
+    return f"built in {folder}"
 
 
 def _first_line(error: object) -> str:
