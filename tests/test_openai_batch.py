@@ -294,3 +294,16 @@ def test_a_killed_batch_resumes_to_the_uninterrupted_output(chat_model, tmp_path
     assert 5 <= written < 60
     lines = [without_created([json.loads(line) for line in path.read_text().splitlines()]) for path in (resumed, whole)]
     assert lines[0] == lines[1] and len(lines[1]) == 60
+
+
+def test_a_request_line_nested_thousands_deep_is_one_line_before_the_model_loads(chat_model, tmp_path, capsys):
+    """A request whose response_format nests 5,000 arrays (valid JSON that Python's reader cannot recurse through) is
+    named by its line, where it was a RecursionError traceback."""
+    dataset = tmp_path / "requests.jsonl"
+    line = json.dumps(request(1))[:-2] + ', "response_format": ' + "[" * 5000 + "]" * 5000 + "}}"
+    dataset.write_text(json.dumps(request(0)) + "\n" + line + "\n")
+    assert main(["run", "--device", "cpu", "--model", str(chat_model), "--dataset", str(dataset), "--output",
+                 str(tmp_path / "out.jsonl"), "--quiet"]) == 2
+    error = one_error_line(capsys)
+    assert "line 2 (row 1) is nested too deep" in error and "fix or remove that line" in error
+    assert not (tmp_path / "out.jsonl").exists()

@@ -186,6 +186,8 @@ def first_bad_json_line(path: str) -> str | None:
         except UnicodeDecodeError as error:
             return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
                     f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
+        except RecursionError:
+            return f"line {number} (row {row}) {TOO_DEEP}: fix or remove that line"
         except ValueError as error:
             if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
                 return None  # one JSON document over several lines, not JSON lines
