@@ -90,6 +90,17 @@ def test_a_hub_model_without_a_network_is_said_in_one_line_that_names_the_networ
     assert "trust-remote-code" not in error
 
 
+def test_a_hub_model_config_for_random_weights_without_a_network_is_one_line(tmp_path):
+    """``bench --model-config <Hub id> --random-weights`` asks the Hub for a config: without a network, the same line
+    at once (it waited through huggingface_hub's retries)."""
+    result = run_in_a_fresh_environment(tmp_path, "bench", "--device", "cpu", "--random-weights", "--model-config",
+                                        "bigscience/bloomz-3b", HF_ENDPOINT="http://127.0.0.1:9")
+    assert result.returncode == 2
+    error = one_error_line_in(result.stderr)
+    assert error.startswith("accelgen: error: Cannot load model config 'bigscience/bloomz-3b': cannot reach the Hugging "
+                            "Face Hub at http://127.0.0.1:9 (Connection refused; no network?)")
+
+
 def test_a_hub_model_not_in_the_cache_offline_says_so_in_one_line(tmp_path):
     result = run_in_a_fresh_environment(tmp_path, "run", "--model", "bigscience/bloomz-560m", "--prompt", "hi",
                                         HF_HUB_OFFLINE="1")

@@ -14,6 +14,7 @@ import transformers
 from transformers import AutoConfig, BloomConfig, PreTrainedTokenizerBase
 
 from accelgen.common.errors import UsageError
+from accelgen.loading.hub_reach import check_hub_reachable
 from accelgen.loading.model_files import DEFAULT_MODEL, load_tokenizer, loading_errors_as_usage_errors, looks_local
 
 #: Shapes of the published BLOOM models (their config.json on the Hub), by their Hub ids.
@@ -51,6 +52,7 @@ def resolve_model_config(name: str, trust_remote_code: bool = False) -> tuple[st
                 raise ValueError(f"{config_file} has no model_type")
             config = AutoConfig.for_model(**config_dictionary)
         return config_dictionary.get("_name_or_path") or os.path.basename(os.path.abspath(path)), config
+    check_hub_reachable(name, "model config")  # at once, not after the Hub client's retries
     with loading_errors_as_usage_errors(name):
         return name, AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
 
