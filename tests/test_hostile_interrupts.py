@@ -1,11 +1,14 @@
-"""Ctrl-C in the middle of a CPU dataset job, once rows have started, with the decode step traced into TorchScript (a
+"""Processes at the wrong moment. Ctrl-C in the middle of a CPU dataset job, once rows have started, with the decode step traced into TorchScript (a
 short job's) and compiled (``--graphs``): one line and exit 130, the rows finished kept, and the same command resumes
 to the end with no row lost or written twice.
 
 A Ctrl-C that lands while the traced step runs is raised inside a Python operation of its graph (Bloom's GeLU is an
 autograd function): TorchScript's interpreter turned that KeyboardInterrupt into a RuntimeError, shown as a
 132-line traceback with exit 1. The Bloom here has sixteen layers and a small vocabulary, so that nearly all of a job's
-time is its decode steps before their last GeLU: a Ctrl-C sent a moment after the first rows lands there."""
+time is its decode steps before their last GeLU: a Ctrl-C sent a moment after the first rows lands there.
+
+A job of many samples (``--num-samples 65536``) says at once how many it has to make, before its first samples: their
+prompt's prefill is given to each of them first, which took long enough that a user saw no progress line at all."""
 
 import json
 import signal
@@ -71,3 +74,18 @@ def test_ctrl_c_inside_the_compiled_step_is_one_line_and_the_job_resumes(tiny_mo
                                                                          cli_environment):
     lines = interrupted_then_resumed(tiny_model_folder("bloom"), 120, tmp_path, cli_environment, "--graphs")
     assert [line["index"] for line in lines] == list(range(120))
+
+
+def test_a_job_of_many_samples_says_its_progress_before_the_first_samples(tiny_model_folder, cli_environment):
+    """Before: the first progress line came with the first sample, tens of seconds in, its rate counting that wait
+    (0.08 samples/s, ETA 772485 s)."""
+    run = subprocess.Popen([sys.executable, "-m", "accelgen.cli", "run", "--device", "cpu", "--model",
+                            str(tiny_model_folder("llama")), "--prompt", "Hello", "--num-samples", "65536",
+                            "--do-sample", "--max-new-tokens", "2"], env=cli_environment, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, preexec_fn=as_a_terminal_starts_it)
+    try:
+        first = next((line for line in run.stderr if " rows, " in line), None)
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=END_TIMEOUT)
+    assert first is not None and first.startswith("accelgen: 0/1 rows, 0/65,536 samples"), first

@@ -1,5 +1,7 @@
 """Progress of a long run: a bar on a terminal, a plain line every few seconds otherwise (logs, CI). With several
-samples per row (``--num-samples``) it counts samples, so that a row of thousands of samples is seen to move."""
+samples per row (``--num-samples``) it counts samples, so that a row of thousands of samples is seen to move: a line
+at once says how many there are to make (a prompt's samples start only once its prefill is given to each of them,
+which takes a while for thousands), and the rate is measured from the first samples made."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ class Progress:
 
             self._bar = tqdm(total=self._total_counted(), initial=self._counted(), unit=self._unit(), file=stream,
                              dynamic_ncols=True)
+        elif samples_per_row > 1:
+            self._print_line()
+        self._first_samples = samples_per_row == 1  # whether samples have been made (rows alone count from the start)
 
     def _unit(self) -> str:
         return "sample" if self.samples_per_row > 1 else "row"
@@ -59,6 +64,9 @@ class Progress:
         before = self._counted()
         self.done += rows
         self.samples_done += rows * self.samples_per_row if samples is None else samples
+        if not self._first_samples and self._counted() > before:  # the rate from the first samples made: the time
+            self._first_samples = True                            # before them was their prompt's
+            self._started, self._resumed_at = time.monotonic(), self._counted()
         if self._bar is not None:
             if rows:
                 self._bar.set_description_str("", refresh=False)
