@@ -72,7 +72,8 @@ def open_rows(request: DatasetRequest) -> TextRows:
     total = None  # a streamed split's length is unknown
     if not request.streaming:
         total = sum(1 for _ in _row_texts(dataset, request, conversations, not_utf8 or {}))
-    texts = _row_texts(dataset, request, conversations, not_utf8 or {})
+    # a file read again on each pass (a JSON file) gives the rows the check counted, should it grow meanwhile
+    texts = itertools.islice(_row_texts(dataset, request, conversations, not_utf8 or {}), total)
     first = next(texts, None)
     if first is None:
         raise UsageError(f"Dataset {request.source!r} (split {request.split!r}) has no rows to complete.")
