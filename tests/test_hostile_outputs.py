@@ -204,10 +204,10 @@ import accelgen.bench.measure as measure
 
 original = measure.measure_batch_size
 
-def killed_at_two(generator, batch_size, protocol):  # as the kernel's out-of-memory killer ends a process
+def killed_at_two(generator, batch_size, *rest):  # as the kernel's out-of-memory killer ends a process
     if batch_size == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    return original(generator, batch_size, protocol)
+    return original(generator, batch_size, *rest)
 
 measure.measure_batch_size = killed_at_two
 from accelgen.cli import main
