@@ -127,11 +127,22 @@ class JsonRows:
 TOO_DEEP = "is nested too deep to read (arrays or objects nested thousands of levels deep)"
 
 
+#: How the clause saying that a line does not parse starts.
+NOT_JSON = "is not valid JSON"
+
+
 def _read_line(line: bytes, number: int, torn: bool) -> dict | UnreadableRow:
     """The object a line holds, or why it cannot be a row."""
+    value = _parsed_line(line, number, torn)
+    return value if isinstance(value, (dict, UnreadableRow)) else _not_an_object(number, value)
+
+
+def _parsed_line(line: bytes, number: int, torn: bool) -> object:
+    """The JSON value line ``number`` holds (``torn``: the file's last bytes, with no line end), or an UnreadableRow
+    saying why it cannot be read."""
     fix = "fix or remove that line"
     try:
-        value = json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
+        return json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
     except UnicodeDecodeError as error:
         return UnreadableRow(number, f"is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start})",
                              "convert the file to UTF-8, e.g. with iconv -t UTF-8")
@@ -139,8 +150,7 @@ def _read_line(line: bytes, number: int, torn: bool) -> dict | UnreadableRow:
         return UnreadableRow(number, TOO_DEEP, fix)
     except ValueError as error:
         cut = " (a torn last line: the file is still being written, or was cut short)" if torn else ""
-        return UnreadableRow(number, f"is not valid JSON{cut} ({first_line(error)})", fix)
-    return value if isinstance(value, dict) else _not_an_object(number, value)
+        return UnreadableRow(number, f"{NOT_JSON}{cut} ({first_line(error)})", fix)
 
 
 def _not_an_object(number: int | None, value: object) -> UnreadableRow:
@@ -181,17 +191,10 @@ def first_bad_json_line(path: str) -> str | None:
     with open(path, "rb") as file:
         lines = [(number, line) for number, line in enumerate(file, start=1) if line.strip()]
     for row, (number, line) in enumerate(lines):
-        try:
-            json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # bytes would be taken for UTF-16 too
-        except UnicodeDecodeError as error:
-            return (f"line {number} (row {row}) is not UTF-8 text (byte 0x{line[error.start]:02x} at byte {error.start}): "
-                    f"convert the file to UTF-8, e.g. with iconv -t UTF-8")
-        except RecursionError:
-            return f"line {number} (row {row}) {TOO_DEEP}: fix or remove that line"
-        except ValueError as error:
-            if row == 0 and line.lstrip().startswith((b"[", b"{")) and not line.rstrip().endswith((b"]", b"}")):
+        value = _parsed_line(line, number, torn=row == len(lines) - 1 and not line.endswith(b"\n"))
+        if isinstance(value, UnreadableRow):
+            if row == 0 and value.what.startswith(NOT_JSON) and line.lstrip().startswith((b"[", b"{")) \
+                    and not line.rstrip().endswith((b"]", b"}")):
                 return None  # one JSON document over several lines, not JSON lines
-            last_unended = row == len(lines) - 1 and not line.endswith(b"\n")
-            torn = " (a torn last line: the file is still being written, or was cut short)" if last_unended else ""
-            return f"line {number} (row {row}) is not valid JSON{torn} ({first_line(error)}): fix or remove that line"
+            return f"{value.where(row)} {value.what}: {value.fix}"
     return None
