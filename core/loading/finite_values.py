@@ -14,6 +14,12 @@ import torch
 from accelgen.common.errors import UsageError
 
 
+def values_are_read(source) -> bool:
+    """Whether the weight source ``source`` gives values read from a checkpoint, which are checked; random weights
+    (``RandomWeights.drawn_at_random``, for benchmarks) are not."""
+    return not getattr(source, "drawn_at_random", False)
+
+
 def finite_flag(values: torch.Tensor) -> torch.Tensor | None:
     """A 0-dimensional boolean on ``values``'s device, true when every value is finite; None when nothing can be
     other (an integer or boolean tensor, an empty one)."""

@@ -37,7 +37,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
-from accelgen.loading.finite_values import finite_flag, refuse_not_finite
+from accelgen.loading.finite_values import finite_flag, refuse_not_finite, values_are_read
 from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
@@ -236,7 +236,7 @@ def _write_offloaded(weights, dtypes: dict[str, torch.dtype], folder: str, group
         for name in group:
             tensors[name] = torch.empty(weights.shape(name), dtype=dtypes[name])
             weights.copy_into(tensors[name], name, None)
-        if not getattr(weights, "drawn_at_random", False):
+        if values_are_read(weights):
             refuse_not_finite(weights, {name: finite_flag(values) for name, values in tensors.items()})
         path = os.path.join(folder, f"offloaded-{number:05d}.safetensors")
         save_file(tensors, path)
@@ -298,8 +298,8 @@ def _count_traffic(model: torch.nn.Module, placement: Placement, read_in_place_f
     (the weight source whose files offloaded weights are read from in place), check each the first time it is
     read (``_CountedWeights``). Accelerate keeps each module's hook in ``module._hf_hook`` (a SequentialHook holds
     several) and the offloaded weights of an offloading hook in its ``weights_map`` (accelerate 1.x)."""
-    checks = None if read_in_place_from is None or getattr(read_in_place_from, "drawn_at_random", False) \
-        else (read_in_place_from, set())
+    checks = (read_in_place_from, set()) if read_in_place_from is not None and values_are_read(read_in_place_from) \
+        else None
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)
         for each in getattr(hook, "hooks", [hook]):

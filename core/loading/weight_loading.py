@@ -21,7 +21,7 @@ import torch
 from accelgen.common.errors import UsageError
 from accelgen.common.settings import World
 from accelgen.loading.aligned_safetensors import ALIGNMENT
-from accelgen.loading.finite_values import finite_flag, refuse_not_finite
+from accelgen.loading.finite_values import finite_flag, refuse_not_finite, values_are_read
 from accelgen.loading.weight_sources import TensorPart
 from accelgen.parallel.process_groups import gather_from_ranks
 
@@ -156,7 +156,7 @@ def fill_parameters(model: torch.nn.Module, source, plan: list[ParameterLoad]) -
     vocabulary) are zero. Each part filled from a checkpoint is checked to hold finite values where it now is
     (``accelgen.loading.finite_values``): UsageError naming the first that does not, once all are filled."""
     parameters = dict(model.named_parameters())
-    checked = not getattr(source, "drawn_at_random", False)
+    checked = values_are_read(source)
     flags: dict[str, torch.Tensor | None] = dict.fromkeys(load.name for load in plan)
 
     @torch.no_grad()  # in each thread: grad mode is per thread
