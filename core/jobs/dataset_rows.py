@@ -27,7 +27,7 @@ from accelgen.generation.grammars import structure_problem
 from accelgen.jobs.csv_bytes import holds_bytes_not_utf8, rows_not_utf8
 from accelgen.jobs.dataset_paths import check_local_path
 from accelgen.jobs.dataset_split import DatasetRequest, file_builder, load_split, unreadable_row
-from accelgen.jobs.json_lines import TOO_DEEP, JsonRows, UnreadableRow, surrogate_problem
+from accelgen.jobs.json_lines import JsonRows, UnreadableRow, surrogate_problem
 
 TEXT_TYPES = ("string", "large_string")
 #: The keys of a message in a conversation column: OpenAI's / TRL's, and ShareGPT's.
@@ -193,9 +193,7 @@ def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequ
         return prompt, None
     try:
         structure = schema_structure(schema)
-    except RecursionError:
-        return prompt, f"{TOO_DEEP}: fix it, or empty it to leave the row unconstrained"
-    except ValueError as error:
+    except ValueError as error:  # nested too deep among them: schema_structure bounds the depth before reading it
         return prompt, f"{error}: fix it, or empty it to leave the row unconstrained"
     problem = structure_problem(structure)
     if problem:
