@@ -25,6 +25,9 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def table():
+    # the files written from it (to_json, to_csv) print no progress bar into the stderr a test reads, whether or not a
+    # job (which turns them off) ran in this process first
+    datasets.disable_progress_bars()
     return datasets.Dataset.from_dict({"content": TEXTS, "number": list(range(len(TEXTS)))})
 
 
