@@ -11,7 +11,7 @@ CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
 #: do not import each other). docs/layout.md draws the same order.
 LAYERS = {
     "common": 0, "plugin": 1, "model": 2, "parallel": 3, "quantization": 4, "loading": 5, "generation": 5,
-    "adapters": 6, "session": 7, "jobs": 8, "bench": 8, "cli": 9,
+    "adapters": 6, "session": 7, "jobs": 8, "bench": 8, "ray": 9, "cli": 10,
 }
 
 

@@ -188,7 +188,9 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         # before the output is opened: each rank of a replica holds a store of its share of the heads
         request.check_prefix_store(request.world.size if invocation.worker
                                    else max(1, (arguments.world_size or 1) // arguments.data_parallel))
-        if not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
+        if arguments.ray is not None:
+            _check_cluster_options(arguments, invocation.worker)
+        elif not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
             import_model_code(request.model.config())  # the model is built in this process: its code, now
@@ -208,6 +210,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
                    lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0,
                    served_model_names=arguments.served_model_name)
     try:
+        if arguments.ray is not None:
+            return _generate(arguments, request, job)  # the replicas are Ray's; this process drives them
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
@@ -267,10 +271,17 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
     if (job.done or job.samples_kept) and is_main:
         samples = f", and {job.samples_kept} samples of row {job.done}" if job.samples_kept else ""
         print(f"accelgen: resuming: {job.done} rows already in {job.output}{samples}", file=sys.stderr)
-    report = complete(request, job, on_batch=None if arguments.quiet else functools.partial(print_batch, error_of=job.lines.error_of),
-                      show_progress=bool(arguments.dataset) or arguments.num_samples > 1)
+    on_batch = None if arguments.quiet else functools.partial(print_batch, error_of=job.lines.error_of)
+    show_progress = bool(arguments.dataset) or arguments.num_samples > 1
+    if arguments.ray is not None:
+        report = _complete_on_cluster(arguments, request, job, on_batch, show_progress)
+    else:
+        report = complete(request, job, on_batch=on_batch, show_progress=show_progress)
     every_row_failed = False
-    if is_main:
+    if is_main and report is None:  # every replica was lost at the very end, with what it did
+        print(f"accelgen: the rows are written{f' in {job.output}' if job.output else ''}; the replicas' figures were "
+              f"lost with them", file=sys.stderr)
+    elif is_main:
         job.record_last_run(report)
         print_summary(report, job, details=arguments.details)
         every_row_failed = print_error_rows(*job.error_rows(report), report, job)
@@ -401,15 +412,54 @@ def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world
              **fixed_settings) -> Request:
     """The request the command's arguments make for this process's ``world`` (``fixed_settings`` are not the
     user's to choose)."""
-    from accelgen.session.request import SETTING_NAMES, build_request
+    from accelgen.session.request import build_request
 
-    settings = {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
     return build_request(
         getattr(arguments, "model_config", None) or arguments.model,
         random_weights=getattr(arguments, "random_weights", False), device=arguments.device,
         trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager, world=world,
-        **settings | fixed_settings,
+        **_settings(arguments) | fixed_settings,
     )
+
+
+def _settings(arguments: argparse.Namespace) -> dict:
+    """The run settings the command's arguments give (``accelgen.session.request.run_settings``' keywords)."""
+    from accelgen.session.request import SETTING_NAMES
+
+    return {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
+
+
+def _check_cluster_options(arguments: argparse.Namespace, worker: bool) -> None:
+    """Refuse what does not go with --ray: the options of accelgen's own launcher, and tensor parallelism inside a
+    replica (not built yet)."""
+    if worker:
+        raise UsageError("--ray starts its replicas itself: run it as one command, not under torchrun or a launcher.")
+    for flag, given in (("--data-parallel", arguments.data_parallel != 1), ("--nnodes", arguments.nnodes != 1),
+                        ("--node-rank", arguments.node_rank != 0)):
+        if given:
+            raise UsageError(f"{flag} is for a job accelgen launches itself; with --ray, say how many copies of the model "
+                             f"share the rows with --replicas, and Ray places them: drop {flag}.")
+    if arguments.world_size not in (None, 1):
+        raise UsageError("--ray runs replicas of one rank each for now: tensor parallelism inside a replica is not built "
+                         "yet; drop --world-size (or run it without --ray: --world-size N --data-parallel R).")
+    if arguments.offload is not None:
+        raise UsageError("--offload goes with one process on one machine: drop --ray or --offload.")
+    if arguments.replicas != 1 and arguments.ray is None:
+        raise UsageError("--replicas says how many replicas run on a Ray cluster: add --ray, or use --data-parallel "
+                         "on one machine.")
+
+
+def _complete_on_cluster(arguments: argparse.Namespace, request: Request, job, on_batch, show_progress: bool):
+    """Complete ``job`` on the Ray cluster the arguments name (``accelgen.ray.cluster_job``): its report."""
+    from accelgen.ray.cluster import ReplicaResources
+    from accelgen.ray.cluster_job import ClusterPlan, complete_on_cluster
+    from accelgen.ray.replica import ReplicaRecipe
+
+    # the settings build each replica's request; the run they make is replaced by the one the driver decided
+    recipe = ReplicaRecipe(arguments.model, request.accelerator.name, False, arguments.trust_remote_code, _settings(arguments))
+    resources = ReplicaResources.of(arguments.replica_resources or request.accelerator.cluster_resources())
+    plan = ClusterPlan(arguments.replicas, resources, arguments.ray or None, arguments.max_restarts)
+    return complete_on_cluster(request, job, recipe, plan, on_batch, show_progress)
 
 
 def _here_or_launched(invocation: Invocation, request: Request, command: Callable[[], int]) -> int:

@@ -161,7 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_number(parallel, "--max-restarts", DEFAULT_MAX_RESTARTS,
                 "times a job of several ranks starts its workers again after one is killed or crashes: they resume "
                 "from --output, so no finished row is lost or written twice (a mistake of the command is not tried "
-                "again); 0: the job ends at the first failure (default {default})")
+                "again); 0: the job ends at the first failure (default {default}); with --ray, times each replica is "
+                "started again after its process or node is lost")
+    cluster = run.add_argument_group("replicas on a Ray cluster (pip install \"accelgen[ray]\")")
+    cluster.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                         help="run the job's replicas on the Ray cluster at ADDRESS (host:port of its head, or ray://...); "
+                              "without one, RAY_ADDRESS's or the one `ray start` began on this machine, else a new one "
+                              "here; 'local': a new one here. This process reads the rows and writes --output")
+    _add_number(cluster, "--replicas", 1, "with --ray: copies of the model sharing the rows, each on one node of the "
+                "cluster (default {default})")
+    cluster.add_argument("--replica-resources", type=_json_object("--replica-resources", "Ray's resources", '{"num_cpus": 8}'), metavar="JSON",
+                         help="with --ray: what each replica asks of a node, as Ray says it, e.g. '{\"num_cpus\": 8}', "
+                              "'{\"num_gpus\": 1}', '{\"resources\": {\"HPU\": 1}}' (default: the device's own, "
+                              "one CPU on the CPU)")
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)
@@ -254,16 +266,16 @@ def _add_structure_arguments(parser: argparse.ArgumentParser, json_flag: bool) -
                            help="a text every completion may be; repeat for each choice")
 
 
-def _json_object(flag: str):
-    """The argparse ``type`` of an option holding a JSON object."""
+def _json_object(flag: str, what: str = "template variables", example: str = '{"enable_thinking": false}'):
+    """The argparse ``type`` of an option holding a JSON object (of ``what``, such as ``example``)."""
 
     def parse(text: str) -> dict:
         try:
             value = json.loads(text)
         except ValueError as error:
-            raise UsageError(f"{flag} is not JSON ({error}): give a JSON object, e.g. '{{\"enable_thinking\": false}}'.") from None
+            raise UsageError(f"{flag} is not JSON ({error}): give a JSON object, e.g. '{example}'.") from None
         if not isinstance(value, dict):
-            raise UsageError(f"{flag} must be a JSON object of template variables, e.g. '{{\"enable_thinking\": false}}'.")
+            raise UsageError(f"{flag} must be a JSON object of {what}, e.g. '{example}'.")
         return value
 
     return parse

@@ -79,6 +79,7 @@ RANGES: dict[str, Range] = {
     "max_restarts": Range(int, 0, 1000),
     "world_size": Range(int, 1, 65536),
     "data_parallel": Range(int, 1, 65536),
+    "replicas": Range(int, 1, 65536),
     "nnodes": Range(int, 1, 65536),
     "max_file_mib": Range(int, 1, 1 << 20),
     "node_rank": Range(int, 0, 65535),

@@ -338,6 +338,19 @@ def _rows_left(request: Request, job: CompletionJob) -> int | None:
     return None if job.rows.total is None else _row_samples_left(request, job)
 
 
+def job_request(request: Request, job: CompletionJob) -> Request:
+    """The request as ``job``'s rows decide it, checked against the tokenizer: rows that choose their own settings or
+    bring their own structures, no more slots than the rows left take, the decode step's capture decided for them."""
+    if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
+    if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
+    request = _slots_for_the_rows(request, job)
+    request = request.capture_decided(_rows_left(request, job))
+    check_with_tokenizer(request)
+    return request
+
+
 def complete(
     request: Request, job: CompletionJob, on_batch: Callable[[int, list[Completion]], None] | None = None,
     show_progress: bool = False,
@@ -347,13 +360,7 @@ def complete(
     Every rank of a job calls this, and gets the run's report."""
     generator = None
     is_main = request.world.is_main
-    if job.rows.rows_choose:  # each row's settings are its own; a request that cannot be served is its own error
-        request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
-    if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
-        request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
-    request = _slots_for_the_rows(request, job)
-    request = request.capture_decided(_rows_left(request, job))
-    check_with_tokenizer(request)
+    request = job_request(request, job)
     try:
         started = time.perf_counter()
         generator = load_request(request)

@@ -309,6 +309,12 @@ class Accelerator(abc.ABC):
         launcher (Habana: DeepSpeed's launcher or mpirun) return it here. Default: None."""
         return None
 
+    def cluster_resources(self) -> dict[str, Any]:
+        """What one rank on this device asks of a Ray cluster's node, in the keywords of Ray's ``.options``
+        (``num_cpus``, ``num_gpus``, ``resources={"NAME": n}``): ``accelgen run --ray`` places each replica on a node
+        that has its ranks' worth (``--replica-resources`` says otherwise). Default: one CPU."""
+        return {"num_cpus": 1}
+
     def summary_phrase(self) -> str | None:
         """What this accelerator chose for the run that its user should see, as a phrase the summary line shows
         after the device's name (the CPU: how many threads, of how many cores, and why), or None. Called after the

@@ -114,6 +114,9 @@ class CudaAccelerator(Accelerator):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def cluster_resources(self) -> dict[str, Any]:
+        return {"num_gpus": 1}  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it gave the replica
+
     def memory_stats(self) -> dict[str, int]:
         free_bytes, total_bytes = torch.cuda.mem_get_info()
         return {

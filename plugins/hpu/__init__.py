@@ -110,6 +110,9 @@ class HpuAccelerator(Accelerator):
         _, hpu = bridge.import_bridge()
         hpu.synchronize()
 
+    def cluster_resources(self) -> dict[str, Any]:
+        return {"resources": {"HPU": 1}}  # the resource Ray finds on a Gaudi node (HABANA_VISIBLE_MODULES set per actor)
+
     def memory_stats(self) -> dict[str, int]:
         _, hpu = bridge.import_bridge()
         stats = hpu.memory_stats()  # bytes: InUse, MaxInUse, Limit (the card's memory usable by tensors)
