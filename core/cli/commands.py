@@ -188,6 +188,10 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         # before the output is opened: each rank of a replica holds a store of its share of the heads
         request.check_prefix_store(request.world.size if invocation.worker
                                    else max(1, (arguments.world_size or 1) // arguments.data_parallel))
+        if arguments.ray is None and (arguments.replicas != 1 or arguments.replica_resources is not None):
+            flag = "--replicas" if arguments.replicas != 1 else "--replica-resources"
+            raise UsageError(f"{flag} says how replicas run on a Ray cluster: add --ray, or use --data-parallel on one "
+                             f"machine.")
         if arguments.ray is not None:
             _check_cluster_options(arguments, invocation.worker)
         elif not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
@@ -444,9 +448,6 @@ def _check_cluster_options(arguments: argparse.Namespace, worker: bool) -> None:
                          "yet; drop --world-size (or run it without --ray: --world-size N --data-parallel R).")
     if arguments.offload is not None:
         raise UsageError("--offload goes with one process on one machine: drop --ray or --offload.")
-    if arguments.replicas != 1 and arguments.ray is None:
-        raise UsageError("--replicas says how many replicas run on a Ray cluster: add --ray, or use --data-parallel "
-                         "on one machine.")
 
 
 def _complete_on_cluster(arguments: argparse.Namespace, request: Request, job, on_batch, show_progress: bool):

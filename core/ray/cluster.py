@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 
 from accelgen.common.errors import UsageError
 
+#: Seconds a head's address may take to answer a connection before the job says it is not there.
+REACH_SECONDS = 5.0
 #: How to have Ray Data (never ``ray[llm]``, which pulls vLLM and its own torch).
 INSTALL = 'pip install "accelgen[ray]"'
 
@@ -67,6 +70,7 @@ def connect(address: str | None):
     ray = import_ray()
     if ray.is_initialized():
         return ray
+    _check_reachable(address)
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False,
                  configure_logging=True)
@@ -77,6 +81,21 @@ def connect(address: str | None):
     except (ValueError, RuntimeError) as error:
         raise UsageError(f"--ray {address or ''}: {_first_line(error)}".replace("--ray : ", "--ray: ")) from None
     return ray
+
+
+def _check_reachable(address: str | None) -> None:
+    """Refuse at once a head's ``HOST:PORT`` that takes no connection (Ray would try it again for minutes)."""
+    if address in (None, "auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=REACH_SECONDS).close()
+    except ValueError:
+        raise UsageError(f"--ray {address!r} is not a head's address: give HOST:PORT (the port `ray start --head` "
+                         f"printed, 6379 by default), or ray://HOST:PORT.") from None
+    except OSError as error:
+        raise UsageError(f"no Ray cluster at {address!r} ({error.strerror or error}): start one there with `ray start "
+                         f"--head`, or check the address and port.") from None
 
 
 def check_fits(ray, resources: ReplicaResources) -> list[dict]:

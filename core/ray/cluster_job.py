@@ -130,6 +130,14 @@ def complete_on_cluster(request: Request, job: CompletionJob, recipe: ReplicaRec
     recipe = dataclasses.replace(recipe, run=decided.run, capture_later=decided.capture_later,
                                  constrained=job.rows.constrained)
     ray = connect(plan.address)
+    try:
+        return _drive(ray, job, recipe, plan, decided, on_batch, show_progress, say)
+    finally:
+        ray.shutdown()  # every replica ends with the driver (a cluster started for this job too)
+
+
+def _drive(ray, job: CompletionJob, recipe: ReplicaRecipe, plan: ClusterPlan, decided: Request, on_batch,
+           show_progress: bool, say: Callable[[str], None]) -> RunReport | None:
     nodes = check_fits(ray, plan.resources)
     say(f"Ray cluster of {cluster_line(nodes)}: {plan.replicas} replica{'s' if plan.replicas > 1 else ''}, each "
         f"asking {plan.resources.describe()}")
@@ -173,6 +181,7 @@ class _Driver:
         self.first_loaded: float | None = None
         self.waiting_said = time.monotonic()
         self.progress: Progress | None = None
+        self.new_tokens = 0  # of the rows written: a lost replica's own count goes with it
 
     def run(self, on_batch, progress: Callable[[], Progress] | None) -> None:
         """Complete the rows: ``progress`` makes the job's progress once its first replica is ready."""
@@ -202,6 +211,7 @@ class _Driver:
                     continue
                 self.count.add(completions)
                 self.count.count_errors(completions, self.job.lines)
+                self.new_tokens += sum(_kept_tokens(completion) for completion in completions)
                 if self.job.writer:
                     self.job.writer.write(completions)
                 if on_batch:
@@ -261,7 +271,9 @@ class _Driver:
         self.feed.again.extendleft(reversed(sorted(lost_rows, key=lambda call: call[0][0])))
         self._kill(slot)
         node = f" on node {slot.where['node']}" if slot.where else ""
-        why = "its node is gone" if "node" in str(error).lower() and ("died" in str(error).lower() or "dead" in str(error).lower()) else "its process ended"
+        said = str(error).lower()  # Ray names a node's death where it knows it; a process gone first may be the node's
+        why = ("its node is gone" if isinstance(error, self.ray.exceptions.NodeDiedError) or "node" in said and
+               ("died" in said or "dead" in said) else "its process ended, or its node is gone")
         again = sum(len(call) for call in lost_rows)
         redone = f": its {again} rows in flight are done again" if again else ""
         if slot.restarts >= self.plan.max_restarts:
@@ -302,7 +314,7 @@ class _Driver:
                                   ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")), None)
         loaded = self.first_loaded or self.started
         return dataclasses.replace(
-            first, rows=self.count.rows, new_tokens=sum(replica.new_tokens for replica in replicas),
+            first, rows=self.count.rows, new_tokens=self.new_tokens,
             load_seconds=loaded - self.started, generate_seconds=time.perf_counter() - loaded,
             rank_memory=[memory for report, _ in answers for memory in report.rank_memory],
             replicas=replicas if len(replicas) > 1 else None, error_rows=self.count.errors,
@@ -316,8 +328,14 @@ class _Driver:
         slot.where, slot.loading = None, None
 
     def stop(self) -> None:
-        """End every replica (the cluster stays; a cluster started for this job ends with it)."""
+        """End every replica (the cluster stays)."""
         for slot in self.slots:
             if slot.actor is not None:
                 self._kill(slot)
-        self.ray.shutdown()
+
+
+def _kept_tokens(completion: Completion) -> int:
+    """The new tokens a written row kept: each of its samples'."""
+    if completion.completions:
+        return sum(len(sample.get("completion_token_ids") or ()) for sample in completion.completions)
+    return len(completion.completion_token_ids)
