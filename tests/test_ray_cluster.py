@@ -144,7 +144,7 @@ def test_two_replicas_on_two_nodes_write_what_one_process_writes(cluster, rows_f
     assert done.returncode == 0, done.stderr
     assert output.read_bytes() == expected
     lines = done.stderr.splitlines()
-    assert lines[0].startswith("accelgen: Ray cluster of 2 nodes (2 CPU, 1 second_node): 2 replicas, each asking 1 CPU")
+    assert lines[0].startswith("accelgen: Ray cluster of 2 nodes (2 CPU, 1 second_node): 2 replicas on cpu, each asking 1 CPU")
     ready = [line for line in lines if " ready on node " in line]
     assert sorted(line.split()[2] for line in ready) == ["0", "1"]
     # one replica on each node: the second's process is one of the second node's
@@ -229,6 +229,26 @@ def test_what_no_node_has_and_a_cluster_not_there_are_one_line_each(cluster, row
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"accelgen: error: no Ray cluster at '127.0.0.1:{closed}' (Connection refused): "
                                         f"start one there with `ray start --head`, or check the address and port."]
+
+
+def test_the_device_is_the_one_the_clusters_nodes_hold_not_the_drivers(cluster, tmp_path):
+    # a third node saying it holds a GPU (Ray takes a node's word for it): --device auto picks the GPU device for the
+    # replicas though this machine has none; the replica, placed on that node, finds no GPU and says so, once
+    gpu_folder = tempfile.mkdtemp(prefix="agg", dir="/tmp")
+    try:
+        cluster._ray(["start", f"--address={cluster.address}", "--num-cpus=0", "--num-gpus=1", f"--temp-dir={gpu_folder}",
+                      f"--dashboard-agent-listen-port={_free_port()}"])
+        done = run_to_the_end([sys.executable, "-m", "accelgen.cli", "run", "--ray", cluster.address, "--prompt", "Hi",
+                               "--max-new-tokens", "4"], cluster.environment, JOB_SECONDS)
+    finally:
+        _kill_processes_of(gpu_folder)
+        shutil.rmtree(gpu_folder, ignore_errors=True)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("accelgen: Ray cluster of 3 nodes (2 CPU, 1 GPU, 1 second_node): 1 replica on cuda, "
+                               "each asking 1 GPU")
+    assert lines[-1].startswith("accelgen: error: replica 0 could not load the model: --device cuda is not available here")
+    assert sum("error" in line for line in lines) == 1
 
 
 def test_options_that_do_not_go_with_ray_are_refused_before_anything_starts(rows_file, capsys):

@@ -182,19 +182,19 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         if arguments.schema_column and not arguments.dataset:
             raise UsageError("--schema-column names a column of --dataset holding each row's schema: pass --dataset, "
                              "or --json-schema FILE for the --prompt texts.")
-        request = _request(arguments, plugin_manager, _replica_world(invocation),
-                           chat_template=_chat_template(arguments.chat_template_file),
-                           json_schema=_json_schema(arguments.json_schema_file))
-        # before the output is opened: each rank of a replica holds a store of its share of the heads
-        request.check_prefix_store(request.world.size if invocation.worker
-                                   else max(1, (arguments.world_size or 1) // arguments.data_parallel))
         if arguments.ray is None and (arguments.replicas != 1 or arguments.replica_resources is not None):
             flag = "--replicas" if arguments.replicas != 1 else "--replica-resources"
             raise UsageError(f"{flag} says how replicas run on a Ray cluster: add --ray, or use --data-parallel on one "
                              f"machine.")
         if arguments.ray is not None:
             _check_cluster_options(arguments, invocation.worker)
-        elif not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
+        request = _request(arguments, plugin_manager, _replica_world(invocation), _cluster_device(arguments, plugin_manager),
+                           chat_template=_chat_template(arguments.chat_template_file),
+                           json_schema=_json_schema(arguments.json_schema_file))
+        # before the output is opened: each rank of a replica holds a store of its share of the heads
+        request.check_prefix_store(request.world.size if invocation.worker
+                                   else max(1, (arguments.world_size or 1) // arguments.data_parallel))
+        if arguments.ray is None and not invocation.worker and arguments.world_size in (None, 1) and arguments.data_parallel == 1:
             from accelgen.model.empty_model import import_model_code
 
             import_model_code(request.model.config())  # the model is built in this process: its code, now
@@ -412,17 +412,18 @@ def compare_command(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world: World,
+def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world: World, cluster_device: str | None = None,
              **fixed_settings) -> Request:
     """The request the command's arguments make for this process's ``world`` (``fixed_settings`` are not the
-    user's to choose)."""
+    user's to choose); with ``cluster_device``, for replicas on that device of a Ray cluster's nodes, which this
+    machine need not have."""
     from accelgen.session.request import build_request
 
     return build_request(
         getattr(arguments, "model_config", None) or arguments.model,
-        random_weights=getattr(arguments, "random_weights", False), device=arguments.device,
-        trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager, world=world,
-        **_settings(arguments) | fixed_settings,
+        random_weights=getattr(arguments, "random_weights", False), device=cluster_device or arguments.device,
+        device_here=cluster_device is None, trust_remote_code=arguments.trust_remote_code, plugin_manager=plugin_manager,
+        world=world, **_settings(arguments) | fixed_settings,
     )
 
 
@@ -431,6 +432,19 @@ def _settings(arguments: argparse.Namespace) -> dict:
     from accelgen.session.request import SETTING_NAMES
 
     return {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
+
+
+def _cluster_device(arguments: argparse.Namespace, plugin_manager: PluginManager) -> str | None:
+    """With --ray, the device of the replicas: --device, or for auto the best one the cluster's nodes hold (joining the
+    cluster to see them); None without --ray."""
+    if getattr(arguments, "ray", None) is None:
+        return None
+    from accelgen.plugin.registry import AUTO_DEVICE
+    from accelgen.ray.cluster import cluster_device, connect
+
+    if arguments.device != AUTO_DEVICE:
+        return arguments.device
+    return cluster_device(connect(arguments.ray or None), plugin_manager, arguments.device)
 
 
 def _check_cluster_options(arguments: argparse.Namespace, worker: bool) -> None:

@@ -160,14 +160,15 @@ def availability_line(accelerator: Accelerator) -> str:
     return f"{accelerator.name} (unavailable: {accelerator.unavailable_reason()})"
 
 
-def select_accelerator(plugin_manager: PluginManager, device: str) -> Accelerator:
-    """The available accelerator named ``device`` (or the best available one for ``"auto"``).
+def select_accelerator(plugin_manager: PluginManager, device: str, here: bool = True) -> Accelerator:
+    """The available accelerator named ``device`` (or the best available one for ``"auto"``); with ``here`` False, the
+    one named whether or not this machine has its hardware (a job whose ranks run on other machines, which check).
 
     Raises UsageError naming the known devices when the name is unknown or its hardware is absent, and
     the plugins that could not be used, when any. Once a device is chosen, each plugin that could not be
     used is named in one warning line."""
     registry = accelerator_registry(plugin_manager)
-    accelerator = _chosen(registry, device)
+    accelerator = _chosen(registry, device) if here or device == AUTO_DEVICE else _named(registry, device)
     _warn_about_plugins_left_out(registry)
     warn_about_old_forms(registry, [accelerator.name])
     return accelerator
@@ -178,6 +179,12 @@ def warn_about_old_forms(registry: Registry, devices: list[str]) -> None:
     for device in devices:
         if device in registry.deprecated:
             warnings.warn(AccelgenWarning(registry.deprecated[device]), stacklevel=3)
+
+
+def _named(registry: Registry, device: str) -> Accelerator:
+    if device not in registry.accelerators:
+        return _chosen(registry, device)  # its error line
+    return registry.accelerators[device]
 
 
 def _chosen(registry: Registry, device: str) -> Accelerator:

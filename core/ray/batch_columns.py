@@ -22,7 +22,7 @@ from accelgen.common.prompts import BadPrompt, PromptRequest, as_conversation, p
 from accelgen.common.settings import RowSettings
 from accelgen.common.structure import schema_structure
 from accelgen.generation.grammars import structure_problem
-from accelgen.ray.cluster import ReplicaResources, import_ray
+from accelgen.ray.cluster import ReplicaResources, cluster_device, import_ray
 from accelgen.ray.replica import Failed, Replica, ReplicaRecipe
 
 #: The row settings a batch may hold per row with ``settings_columns``.
@@ -112,18 +112,22 @@ def complete_dataset(dataset, model: str | None = None, *, replicas: int = 1, nu
     ray = import_ray()
     asked = {name: value for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("resources", resources))
              if value is not None}
-    replica = ReplicaResources.of(asked or _device_resources(options.get("device", "auto")))
+    replica = ReplicaResources.of(asked or _device_resources(ray, options.get("device", "auto")))
     return dataset.map_batches(Completions, fn_constructor_args=(model,), fn_constructor_kwargs=options,
                                compute=ray.data.ActorPoolStrategy(size=replicas), batch_size=rows_per_batch,
                                **replica.options())
 
 
-def _device_resources(device: str) -> dict:
-    """What one rank of ``device`` asks of a node (its plugin's answer; one CPU for ``auto``)."""
+def _device_resources(ray, device: str) -> dict:
+    """What one rank of ``device`` asks of a node (its plugin's answer); for ``auto``, of the best device the cluster's
+    nodes hold (``accelgen.ray.cluster.cluster_device``) once Ray is joined, else of one CPU."""
     from accelgen.plugin.manager import get_plugin_manager
-    from accelgen.plugin.registry import registered_accelerators
+    from accelgen.plugin.registry import AUTO_DEVICE, registered_accelerators
 
-    accelerator = registered_accelerators(get_plugin_manager()).get(device)
+    plugin_manager = get_plugin_manager()
+    if device == AUTO_DEVICE and ray.is_initialized():
+        device = cluster_device(ray, plugin_manager, device)
+    accelerator = registered_accelerators(plugin_manager).get(device)
     return accelerator.cluster_resources() if accelerator is not None else {"num_cpus": 1}
 
 

@@ -109,6 +109,21 @@ def check_fits(ray, resources: ReplicaResources) -> list[dict]:
     return nodes
 
 
+def cluster_device(ray, plugin_manager, device: str) -> str:
+    """``device``, or for ``auto`` the first device (by its plugin's priority) one rank of which some live node of the
+    cluster can hold (``Accelerator.cluster_resources``): the machine driving the job need not have it."""
+    from accelgen.plugin.registry import AUTO_DEVICE, registered_accelerators
+
+    if device != AUTO_DEVICE:
+        return device
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    for name, accelerator in registered_accelerators(plugin_manager).items():
+        if any(ReplicaResources.of(accelerator.cluster_resources()).fits(node.get("Resources", {})) for node in nodes):
+            return name
+    raise UsageError(f"no device's rank fits a node of the Ray cluster ({cluster_line(nodes)}): pass --device, and "
+                     f"--replica-resources saying what its replicas ask.")
+
+
 def cluster_line(nodes: list[dict]) -> str:
     """The cluster in a few words: its nodes and what they hold together."""
     total: dict[str, float] = {}

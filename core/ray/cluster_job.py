@@ -139,8 +139,8 @@ def complete_on_cluster(request: Request, job: CompletionJob, recipe: ReplicaRec
 def _drive(ray, job: CompletionJob, recipe: ReplicaRecipe, plan: ClusterPlan, decided: Request, on_batch,
            show_progress: bool, say: Callable[[str], None]) -> RunReport | None:
     nodes = check_fits(ray, plan.resources)
-    say(f"Ray cluster of {cluster_line(nodes)}: {plan.replicas} replica{'s' if plan.replicas > 1 else ''}, each "
-        f"asking {plan.resources.describe()}")
+    say(f"Ray cluster of {cluster_line(nodes)}: {plan.replicas} replica{'s' if plan.replicas > 1 else ''} on "
+        f"{recipe.device}, each asking {plan.resources.describe()}")
     samples_per_row = 1 if decided.run.rows_choose else decided.run.num_samples
     rows_per_call = plan.rows_per_call or max(4, 4 * max(1, decided.run.batch_size // samples_per_row))
     driver = _Driver(ray, job, recipe, plan, say, rows_per_call)

@@ -107,15 +107,17 @@ def build_request(
     trust_remote_code: bool = False,
     plugin_manager: PluginManager | None = None,
     world: World | None = None,
+    device_here: bool = True,
     **settings,
 ) -> Request:
     """The request for ``model`` (a Hub id or folder; None: the built-in model) on ``device`` with the
-    :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment.
+    :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment. With
+    ``device_here`` False the device is other machines' (a Ray job's replicas), which check it; this one does not.
     Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
     unknown = set(settings) - set(SETTING_NAMES)
     if unknown:
         raise TypeError(f"unknown settings {', '.join(sorted(unknown))}; the settings are: {', '.join(SETTING_NAMES)}")
-    accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device)
+    accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device, here=device_here)
     source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
     run, world = run_settings(accelerator, **settings), world or World.from_environment()
     return Request(source, run, accelerator, world, checked_adapters(run, source, world))
