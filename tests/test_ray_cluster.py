@@ -251,9 +251,45 @@ def test_the_device_is_the_one_the_clusters_nodes_hold_not_the_drivers(cluster, 
     assert sum("error" in line for line in lines) == 1
 
 
+def _replica_ranks() -> list[int]:
+    """The processes of ranks 1 and up of tensor-parallel replicas (each started by its replica's actor)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if b"accelgen.ray.replica_ranks" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def test_tensor_parallel_replicas_with_a_rank_killed_mid_job_write_what_one_process_writes(cluster, rows_file, tmp_path):
+    # two replicas, each split over two ranks of its node (DeepSpeed AutoTP over gloo), in float32: the split's output
+    # equals one process's token for token. A rank of one of them killed: that replica ends and is started again
+    expected = _local_output(rows_file, tmp_path, "--dtype", "float32")
+    output = tmp_path / "cluster.jsonl"
+    command = _on_cluster(cluster, "--world-size", "2", "--replica-resources", '{"num_cpus": 1}', "--dataset",
+                          str(rows_file), "--output", str(output), *_job("--dtype", "float32"))
+    job = subprocess.Popen(command, env=cluster.environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_rows(output, 4, job)
+        ranks = _replica_ranks()
+        assert len(ranks) == 2  # rank 1 of each replica
+        os.kill(ranks[0], signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=JOB_SECONDS)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr
+    assert stderr.splitlines()[0].startswith("accelgen: Ray cluster of 2 nodes (2 CPU, 1 second_node): 2 replicas of 2 "
+                                             "ranks on cpu, each asking 1 CPU")
+    [lost] = [line for line in stderr.splitlines() if " was lost (" in line]
+    assert "starting it again (restart 1 of 3)" in lost
+    assert output.read_bytes() == expected
+    assert not _replica_ranks()  # none left behind by the replica lost, nor by those the job ended
+
+
 def test_options_that_do_not_go_with_ray_are_refused_before_anything_starts(rows_file, capsys):
-    for options, words in ((["--world-size", "2"], "tensor parallelism inside a replica is not built yet"),
-                           (["--data-parallel", "2"], "--data-parallel is for a job accelgen launches itself"),
+    for options, words in ((["--data-parallel", "2"], "--data-parallel is for a job accelgen launches itself"),
                            (["--offload", "disk"], "--offload goes with one process on one machine")):
         assert main(["run", "--ray", "local", "--dataset", str(rows_file), *options]) == 2
         [line] = capsys.readouterr().err.splitlines()

@@ -21,7 +21,7 @@ pytest.importorskip("ray.data")
 import accelgen  # noqa: E402
 from accelgen.ray import Completions, complete_dataset  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.xdist_group("ray_data")]
 
 MAX_NEW_TOKENS = 8
 TEXTS = [
@@ -225,10 +225,6 @@ def test_settings_columns_give_each_row_its_own_max_new_tokens(rows_of, greedy):
     check_own_lengths(rows_of("own_lengths"), ASKED, greedy)
 
 
-@pytest.mark.xfail(strict=True, reason="batch_columns bug: an integer settings column holding a null reaches the batch as "
-                   "NumPy float64 (nulls NaN); Completions._prompt passes 2.0 and nan on as the row's max_new_tokens "
-                   "(NaN is not None), and the batch fails in runner.decode: TypeError 'float' object cannot be "
-                   "interpreted as an integer")
 def test_a_null_in_a_settings_column_is_the_runs_setting(greedy):
     # the batch as Ray Data hands map_batches an integer column with a null (seen with ray 2.60): float64, NaN for
     # null; called here, where a Ray stage of its own would cost a replica's load

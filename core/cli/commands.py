@@ -457,9 +457,6 @@ def _check_cluster_options(arguments: argparse.Namespace, worker: bool) -> None:
         if given:
             raise UsageError(f"{flag} is for a job accelgen launches itself; with --ray, say how many copies of the model "
                              f"share the rows with --replicas, and Ray places them: drop {flag}.")
-    if arguments.world_size not in (None, 1):
-        raise UsageError("--ray runs replicas of one rank each for now: tensor parallelism inside a replica is not built "
-                         "yet; drop --world-size (or run it without --ray: --world-size N --data-parallel R).")
     if arguments.offload is not None:
         raise UsageError("--offload goes with one process on one machine: drop --ray or --offload.")
 
@@ -471,8 +468,12 @@ def _complete_on_cluster(arguments: argparse.Namespace, request: Request, job, o
     from accelgen.ray.replica import ReplicaRecipe
 
     # the settings build each replica's request; the run they make is replaced by the one the driver decided
-    recipe = ReplicaRecipe(arguments.model, request.accelerator.name, False, arguments.trust_remote_code, _settings(arguments))
-    resources = ReplicaResources.of(arguments.replica_resources or request.accelerator.cluster_resources())
+    ranks = arguments.world_size or 1  # each replica's, on one node
+    request.check_world_size(ranks)
+    recipe = ReplicaRecipe(arguments.model, request.accelerator.name, False, arguments.trust_remote_code, _settings(arguments),
+                           world_size=ranks)
+    resources = (ReplicaResources.of(arguments.replica_resources) if arguments.replica_resources is not None
+                 else ReplicaResources.of(request.accelerator.cluster_resources(), ranks))
     plan = ClusterPlan(arguments.replicas, resources, arguments.ray or None, arguments.max_restarts)
     return complete_on_cluster(request, job, recipe, plan, on_batch, show_progress)
 

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "without one, RAY_ADDRESS's or the one `ray start` began on this machine, else a new one "
                               "here; 'local': a new one here. This process reads the rows and writes --output")
     _add_number(cluster, "--replicas", 1, "with --ray: copies of the model sharing the rows, each on one node of the "
-                "cluster (default {default})")
+                "cluster, tensor-parallel over --world-size ranks there (default {default})")
     cluster.add_argument("--replica-resources", type=_json_object("--replica-resources", "Ray's resources", '{"num_cpus": 8}'), metavar="JSON",
                          help="with --ray: what each replica asks of a node, as Ray says it, e.g. '{\"num_cpus\": 8}', "
                               "'{\"num_gpus\": 1}', '{\"resources\": {\"HPU\": 1}}' (default: the device's own, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 from accelgen.common.errors import UsageError
@@ -95,7 +96,8 @@ class Completions:
                 return BadPrompt(f"its adapter (column {self.adapter_column!r}) {problem.split(': ')[0]}")
             settings = dataclasses.replace(settings, adapter=adapter)
         if self.settings_columns:
-            own = {name: columns[name][place] for name in SETTINGS_COLUMNS if name in columns and columns[name][place] is not None}
+            own = {name: value for name in SETTINGS_COLUMNS if name in columns
+                   and (value := _setting(name, columns[name][place])) is not None}
             if "stop" in own:
                 own["stop"] = (own["stop"],) if isinstance(own["stop"], str) else tuple(own["stop"])
             settings = dataclasses.replace(settings, **own)
@@ -129,6 +131,21 @@ def _device_resources(ray, device: str) -> dict:
         device = cluster_device(ray, plugin_manager, device)
     accelerator = registered_accelerators(plugin_manager).get(device)
     return accelerator.cluster_resources() if accelerator is not None else {"num_cpus": 1}
+
+
+#: The settings that are whole numbers: a column of them with a null in it reaches a batch as floats (Arrow to NumPy).
+WHOLE_SETTINGS = ("max_new_tokens", "seed", "num_samples")
+
+
+def _setting(name: str, value: object) -> object:
+    """A row's value of the settings column ``name`` as the setting: None (the run's) for a null, which a numeric column
+    holding one reaches the batch as (NaN), and a whole number where the setting is one."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if name in WHOLE_SETTINGS and value.is_integer():
+            return int(value)
+    return value
 
 
 def _plain(values) -> list:

@@ -125,7 +125,9 @@ def complete_on_cluster(request: Request, job: CompletionJob, recipe: ReplicaRec
     ``recipe`` builds each replica's request (its settings decided here for the job). ``on_batch`` and
     ``show_progress`` as in ``accelgen.jobs.completion_job.complete``; ``say`` prints a line of the job's own."""
     say = say or (lambda line: print(f"accelgen: {line}", file=sys.stderr, flush=True))
-    deciding = dataclasses.replace(request, world=dataclasses.replace(request.world, replicas=plan.replicas))
+    ranks = recipe.world_size  # each replica's, on its node
+    deciding = dataclasses.replace(request, world=dataclasses.replace(request.world, replicas=plan.replicas, size=ranks,
+                                                                      local_size=ranks))
     decided = job_request(deciding, job)  # the batch shape and the capture of each replica's share of the rows
     recipe = dataclasses.replace(recipe, run=decided.run, capture_later=decided.capture_later,
                                  constrained=job.rows.constrained)
@@ -139,7 +141,8 @@ def complete_on_cluster(request: Request, job: CompletionJob, recipe: ReplicaRec
 def _drive(ray, job: CompletionJob, recipe: ReplicaRecipe, plan: ClusterPlan, decided: Request, on_batch,
            show_progress: bool, say: Callable[[str], None]) -> RunReport | None:
     nodes = check_fits(ray, plan.resources)
-    say(f"Ray cluster of {cluster_line(nodes)}: {plan.replicas} replica{'s' if plan.replicas > 1 else ''} on "
+    split = f" of {recipe.world_size} ranks" if recipe.world_size > 1 else ""
+    say(f"Ray cluster of {cluster_line(nodes)}: {plan.replicas} replica{'s' if plan.replicas > 1 else ''}{split} on "
         f"{recipe.device}, each asking {plan.resources.describe()}")
     samples_per_row = 1 if decided.run.rows_choose else decided.run.num_samples
     rows_per_call = plan.rows_per_call or max(4, 4 * max(1, decided.run.batch_size // samples_per_row))

@@ -21,9 +21,15 @@ from accelgen.generation.text import Completion
 from accelgen.jobs.completion_job import RunReport, run_report
 from accelgen.jobs.row_exchange import ReplicaReport
 from accelgen.jobs.row_structures import checked_rows
+from accelgen.plugin.manager import get_plugin_manager
+from accelgen.plugin.registry import select_accelerator
+from accelgen.ray.replica_ranks import REPORT, ReplicaRanks
 from accelgen.session.api import load_request
 from accelgen.session.out_of_memory import out_of_memory_line
 from accelgen.session.request import Request, build_request
+
+#: Seconds a replica whose step failed waits to see whether one of its ranks ended (then it is lost, and ends).
+RANK_END_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +46,12 @@ class ReplicaRecipe:
     capture_later: CaptureWhenItPays | None = None
     constrained: bool = False  # rows bring their own structures, checked against the tokenizer as they come
     rows_choose: bool = False  # rows bring their own sampling settings (``RowSettings``)
+    world_size: int = 1  # the replica's ranks (tensor parallelism on its node: ``accelgen.ray.replica_ranks``)
 
-    def request(self) -> Request:
+    def request(self, world: World | None = None) -> Request:
+        """The request of one rank of the replica (``world``: its place among the replica's ranks)."""
         request = build_request(self.model, device=self.device, random_weights=self.random_weights,
-                                trust_remote_code=self.trust_remote_code, world=World(), **self.settings)
+                                trust_remote_code=self.trust_remote_code, world=world or World(), **self.settings)
         if self.run is not None:
             return dataclasses.replace(request, run=self.run, capture_later=self.capture_later)
         changes = {"structured_rows": True} if self.constrained else {}
@@ -64,8 +72,10 @@ class Replica:
     """An engine on one process of the cluster. Made a Ray actor by the driver (``accelgen.ray.cluster_job``) or by
     Ray Data (``accelgen.ray.batch_columns.Completions``); the model loads in :meth:`load`."""
 
-    def __init__(self, recipe: ReplicaRecipe, number: int = 0):
+    def __init__(self, recipe: ReplicaRecipe, number: int = 0, world: World | None = None):
         self.recipe, self.number = recipe, number
+        self.world = world  # given to ranks 1 and up of a tensor-parallel replica; rank 0 (the actor) makes its own
+        self.ranks: ReplicaRanks | None = None  # on rank 0 of a tensor-parallel replica: the others
         self.request: Request | None = None
         self.generator = None
         self.load_seconds = 0.0
@@ -76,7 +86,11 @@ class Replica:
         """Load the model; where this replica runs (node, process, device), or why it cannot load as a :class:`Failed`."""
         started = time.perf_counter()
         try:
-            self.request = self.recipe.request()
+            if self.recipe.world_size > 1 and self.world is None:
+                accelerator = select_accelerator(get_plugin_manager(), self.recipe.device)
+                self.ranks = ReplicaRanks(self.recipe, accelerator, self.recipe.world_size)
+                self.world = self.ranks.world
+            self.request = self.recipe.request(self.world)
             self.generator = load_request(self.request)
         except UsageError as error:
             return Failed(error)
@@ -92,6 +106,8 @@ class Replica:
     def complete(self, numbered_rows: Sequence[tuple[int, object]]) -> list[Completion] | Failed:
         """The completions of ``numbered_rows`` (row number, prompt), in their order; a row or setting that cannot be
         completed (without ``--skip-bad-rows``) as a :class:`Failed`."""
+        if self.ranks is not None:
+            self.ranks.hand(list(numbered_rows))
         rows = iter(numbered_rows)
         if self.recipe.constrained:
             numbers = [number for number, _ in numbered_rows]
@@ -102,6 +118,8 @@ class Replica:
         except UsageError as error:
             return Failed(error)
         except Exception as error:  # noqa: BLE001 - out of memory becomes advice, anything else goes on up
+            if self.ranks is not None:  # a collective broken by a rank gone: the replica is lost, not the job
+                self.ranks.end_if_a_rank_ended(within=RANK_END_SECONDS)
             if self.request.accelerator.is_out_of_memory(error):
                 return Failed(UsageError(out_of_memory_line(self.request, self.generator, None)))
             raise
@@ -110,6 +128,8 @@ class Replica:
 
     def report(self) -> tuple[RunReport, ReplicaReport]:
         """What this replica did so far: its run's report, and its figures as one of the job's replicas."""
+        if self.ranks is not None:
+            self.ranks.hand(REPORT)  # the ranks' memory figures are gathered: every rank takes part
         seconds = time.perf_counter() - self.loaded_at
         stats = self.generator.stats
         figures = ReplicaReport(self.number, self.rows, stats.new_tokens, seconds, 0.0, stats.prompt_tokens,
