@@ -44,7 +44,7 @@ for node in "${NODES[@]:1}"; do
 done
 # no wait for the workers: replicas not yet placed wait for their nodes, and the job says so every 30 s
 
-# the driver runs here, on the head node: --device cuda is checked on this node, one replica per GPU of the allocation
+# the driver runs here, on the head node (the replicas check --device cuda where they run), one replica per GPU
 accelgen run --ray "$HEAD_ADDRESS" --device cuda \
     --replicas $(( ${#NODES[@]} * GPUS_PER_NODE )) --replica-resources '{"num_gpus": 1}' \
     --model "$MODEL" --dataset "$DATASET" --output "$OUTPUT"
