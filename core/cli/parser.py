@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "cluster, tensor-parallel over --world-size ranks there (default {default})")
     cluster.add_argument("--replica-resources", type=_json_object("--replica-resources", "Ray's resources", '{"num_cpus": 8}'), metavar="JSON",
                          help="with --ray: what each replica asks of a node, as Ray says it, e.g. '{\"num_cpus\": 8}', "
-                              "'{\"num_gpus\": 1}', '{\"resources\": {\"HPU\": 1}}' (default: the device's own, "
-                              "one CPU on the CPU)")
+                              "'{\"num_gpus\": 1}', '{\"resources\": {\"NAME\": 1}}' (default: what the device's "
+                              "plugin asks for each of the replica's --world-size ranks)")
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)

@@ -26,8 +26,8 @@ def import_ray():
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaResources:
-    """What one replica asks of the cluster, as Ray says it: ``num_cpus``, ``num_gpus`` and custom ``resources`` (a
-    Gaudi's ``{"HPU": 1}``), for all of its ranks together (they run on one node)."""
+    """What one replica asks of the cluster, as Ray says it: ``num_cpus``, ``num_gpus`` and custom ``resources``
+    (``{"NAME": n}``), for all of its ranks together (they run on one node)."""
 
     num_cpus: float = 0
     num_gpus: float = 0
@@ -39,7 +39,7 @@ class ReplicaResources:
         unknown = set(asked) - {"num_cpus", "num_gpus", "resources"}
         if unknown:
             raise UsageError(f"a replica's resources are said as Ray says them (num_cpus, num_gpus, resources), not "
-                             f"{', '.join(sorted(unknown))}: e.g. {{\"num_gpus\": 1}} or {{\"resources\": {{\"HPU\": 1}}}}.")
+                             f"{', '.join(sorted(unknown))}: e.g. {{\"num_gpus\": 1}} or {{\"resources\": {{\"NAME\": 1}}}}.")
         custom = asked.get("resources") or {}
         numbers = {"num_cpus": asked.get("num_cpus", 0), "num_gpus": asked.get("num_gpus", 0), **custom}
         for name, value in numbers.items():
