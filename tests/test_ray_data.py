@@ -132,6 +132,20 @@ def test_two_replicas_complete_each_row_as_accelgen_generate_does_and_keep_its_c
     assert len({row["completion"] for row in good.values()}) > 1  # the prompts are read, not one text for all
 
 
+@stage(replicas=2)  # one replica of two ranks: in the lane of several, one stage after another
+def tensor_parallel():
+    rows = [row for row in GREEDY_ROWS if row["id"] not in BAD]
+    return complete_dataset(ray.data.from_items(rows), world_size=2, num_cpus=1, rows_per_batch=4, dtype="float32",
+                            max_new_tokens=MAX_NEW_TOKENS)
+
+
+def test_a_replica_split_over_two_ranks_completes_each_row_as_one_process_does(rows_of):
+    # DeepSpeed AutoTP over two ranks of the actor's node, in float32: the split's tokens are one process's
+    rows = rows_of("tensor_parallel")
+    local = accelgen.load(max_new_tokens=MAX_NEW_TOKENS, dtype="float32").generate([row["text"] for row in rows.values()])
+    assert [row["completion_token_ids"] for row in rows.values()] == [expected.completion_token_ids for expected in local]
+
+
 def test_a_bad_row_is_an_error_row_saying_why_and_the_others_complete(rows_of):
     rows = rows_of("two_replicas")
     assert rows[5]["finish_reason"] == rows[6]["finish_reason"] == "error"

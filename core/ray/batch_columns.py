@@ -36,12 +36,14 @@ class Completions:
 
     def __init__(self, model: str | None = None, *, column: str = "text", schema_column: str | None = None,
                  adapter_column: str | None = None, number_column: str | None = None, settings_columns: bool = False,
-                 device: str = "auto", trust_remote_code: bool = False, random_weights: bool = False, **options):
+                 device: str = "auto", trust_remote_code: bool = False, random_weights: bool = False, world_size: int = 1,
+                 **options):
         self.column, self.schema_column, self.adapter_column = column, schema_column, adapter_column
         self.number_column, self.settings_columns = number_column, settings_columns
         settings = {**options, "skip_bad_rows": True}  # a bad row is an error row: the batch goes on
         self.replica = Replica(ReplicaRecipe(model, device, random_weights, trust_remote_code, settings,
-                                             constrained=schema_column is not None, rows_choose=settings_columns))
+                                             constrained=schema_column is not None, rows_choose=settings_columns,
+                                             world_size=world_size))
         loaded = self.replica.load()
         if isinstance(loaded, Failed):
             raise loaded.error
@@ -104,18 +106,20 @@ class Completions:
         return prompt if settings == RowSettings() else PromptRequest(prompt, settings, None)
 
 
-def complete_dataset(dataset, model: str | None = None, *, replicas: int = 1, num_cpus: float | None = None,
-                     num_gpus: float | None = None, resources: dict | None = None, rows_per_batch: int = 64,
-                     **options):
+def complete_dataset(dataset, model: str | None = None, *, replicas: int = 1, world_size: int = 1,
+                     num_cpus: float | None = None, num_gpus: float | None = None, resources: dict | None = None,
+                     rows_per_batch: int = 64, **options):
     """``dataset`` (a ``ray.data.Dataset``) with every row completed by ``replicas`` engines, each an actor of a pool
-    asking Ray for ``num_cpus``, ``num_gpus`` and ``resources`` (default: what the device's plugin asks for one rank),
-    handed ``rows_per_batch`` rows at a time: a lazy ``ray.data.Dataset`` (write it, or iterate it). ``options``:
-    those of :class:`Completions`."""
+    split over ``world_size`` ranks of its node (``accelgen.ray.replica_ranks``) and asking Ray for ``num_cpus``,
+    ``num_gpus`` and ``resources`` (default: what the device's plugin asks for each rank), handed ``rows_per_batch``
+    rows at a time: a lazy ``ray.data.Dataset`` (write it, or iterate it). ``options``: those of :class:`Completions`."""
     ray = import_ray()
     asked = {name: value for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("resources", resources))
              if value is not None}
-    replica = ReplicaResources.of(asked or _device_resources(ray, options.get("device", "auto")))
-    return dataset.map_batches(Completions, fn_constructor_args=(model,), fn_constructor_kwargs=options,
+    replica = (ReplicaResources.of(asked) if asked
+               else ReplicaResources.of(_device_resources(ray, options.get("device", "auto")), world_size))
+    return dataset.map_batches(Completions, fn_constructor_args=(model,),
+                               fn_constructor_kwargs={**options, "world_size": world_size},
                                compute=ray.data.ActorPoolStrategy(size=replicas), batch_size=rows_per_batch,
                                **replica.options())
 
