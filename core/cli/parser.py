@@ -295,7 +295,7 @@ def _add_offload_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_parallel_arguments(parser: argparse.ArgumentParser):
     """The options of a job of several ranks; returns their group."""
     parallel = parser.add_argument_group("parallelism (started with the device's launcher, torchrun by default)")
-    parallel.add_argument("--world-size", type=_number("world_size"), help=_with_range("ranks in the whole job, all nodes together (default 1)", "world_size"))
+    parallel.add_argument("--world-size", type=_number("world_size"), help=_with_range("ranks in the whole job, all nodes together (default 1); with --ray, each replica's, on its node", "world_size"))
     parallel.add_argument("--nnodes", type=_number("nnodes"), default=1, help=_with_range("machines taking part (run accelgen on each)", "nnodes"))
     parallel.add_argument("--node-rank", type=_number("node_rank"), default=0, help=_with_range("this machine's index, 0 to nnodes-1", "node_rank"))
     parallel.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node")
