@@ -102,10 +102,14 @@ class PromptFigures:
     @classmethod
     def of(cls, generator: Generator, replicas: list[ReplicaReport] | None) -> "PromptFigures":
         """The figures of ``generator``'s run, or the job's: the sums of its ``replicas``' (each replica its own store)."""
-        counts = replicas or [generator.stats]
+        return cls.summed(replicas or [generator.stats], generator.stats.prefix_store_bytes)
+
+    @classmethod
+    def summed(cls, counts: list, prefix_store_bytes: int | None) -> "PromptFigures":
+        """The sums of ``counts``' figures (replicas' reports, or generators' stats)."""
         return cls(*(sum(getattr(count, field) for count in counts)
                      for field in ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")),
-                   generator.stats.prefix_store_bytes)
+                   prefix_store_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,11 +491,8 @@ def _replicas_batches(world: World, job: CompletionJob, generator: Generator, co
         if world.leads_replica and (ready := results.hand_in(completions)):
             yield ready
     if world.leads_replica:
-        stats = generator.stats
-        results.finish(ReplicaReport(world.replica, count.rows, stats.new_tokens, time.perf_counter() - started,
-                                     taking.waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
-                                     stats.reused_tokens, stats.prefix_hits, stats.constrained_rows, stats.adapter_loads,
-                                     stats.adapter_rows))
+        results.finish(ReplicaReport.of_stats(world.replica, count.rows, generator.stats, time.perf_counter() - started,
+                                              taking.waited_seconds))
     if world.is_main:
         yield from results.rest()
         count.replicas = results.reports()

@@ -143,10 +143,10 @@ def _row_texts(dataset, request: DatasetRequest, conversations: bool,
         else:
             problem = prompt_problem(text)
         if not problem and request.schema_column:
-            text, problem = _with_schema(text, schema)
+            text, problem = with_schema(text, schema)
             column = request.schema_column if problem else column
         if not problem and request.adapter_column:
-            text, problem = _with_adapter(text, adapter, request.adapters)
+            text, problem = with_adapter(text, adapter, request.adapters)
             column = request.adapter_column if problem else column
         if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
             text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
@@ -186,7 +186,7 @@ def _csv_rows_not_utf8(request: DatasetRequest, source: str) -> dict[int, tuple[
                                   if column])
 
 
-def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
+def with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
     """``prompt`` held to ``schema`` (a row's value of the schema column: a JSON Schema object or its text; null or
     empty: the row has none), or why the schema cannot be one, as a clause with its fix."""
     if schema is None or (isinstance(schema, str) and not schema.strip()):
@@ -201,7 +201,7 @@ def _with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequ
     return PromptRequest(prompt, RowSettings(structure=structure), None), None
 
 
-def _with_adapter(prompt: str | Conversation | PromptRequest, name: object,
+def with_adapter(prompt: str | Conversation | PromptRequest, name: object,
                   adapters: AdapterSettings) -> tuple[PromptRequest | str | Conversation, str | None]:
     """``prompt`` (held to its schema, or not) completed with the LoRA adapter ``name`` (a row's value of the
     --lora-column; null or empty: the base model), or why it cannot be, as a clause with its fix."""

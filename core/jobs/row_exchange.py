@@ -40,6 +40,7 @@ from typing import Iterator
 import torch
 
 from accelgen.common.settings import World
+from accelgen.generation.stats import GenerationStats
 from accelgen.generation.text import Completion
 
 _PAST_THE_END = object()
@@ -66,6 +67,14 @@ class ReplicaReport:
     constrained_rows: int = 0  # rows it held to a structure
     adapter_loads: int = 0  # LoRA adapters copied into its buffer slots, and the prompts it completed per adapter
     adapter_rows: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of_stats(cls, replica: int, rows: int, stats: GenerationStats, seconds: float,
+                 waited_seconds: float = 0.0) -> "ReplicaReport":
+        """Replica ``replica``'s report from its generator's ``stats``, once it completed ``rows`` in ``seconds``."""
+        return cls(replica, rows, stats.new_tokens, seconds, waited_seconds, stats.prompt_tokens, stats.prefilled_tokens,
+                   stats.reused_tokens, stats.prefix_hits, stats.constrained_rows, stats.adapter_loads,
+                   dict(stats.adapter_rows))
 
 
 class RowTaking:

@@ -21,8 +21,7 @@ from typing import Any
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import BadPrompt, PromptRequest, as_conversation, prompt_problem
 from accelgen.common.settings import RowSettings
-from accelgen.common.structure import schema_structure
-from accelgen.generation.grammars import structure_problem
+from accelgen.jobs.dataset_rows import with_adapter, with_schema
 from accelgen.ray.cluster import ReplicaResources, cluster_device, import_ray
 from accelgen.ray.replica import Failed, Replica, ReplicaRecipe
 
@@ -82,28 +81,24 @@ class Completions:
             prompt, problem = value, prompt_problem(value)
         if problem:
             return BadPrompt(problem.split(": ")[0])
-        settings = RowSettings()
-        if self.schema_column and (schema := columns[self.schema_column][place]) not in (None, ""):
-            try:
-                structure = schema_structure(schema)
-            except ValueError as error:
-                return BadPrompt(f"its schema (column {self.schema_column!r}) {error}")
-            if (problem := structure_problem(structure)) is not None:
-                return BadPrompt(f"its schema (column {self.schema_column!r}) {problem}")
-            settings = dataclasses.replace(settings, structure=structure)
-        if self.adapter_column and (adapter := columns[self.adapter_column][place]) not in (None, ""):
-            problem = (f"holds {type(adapter).__name__}, not an adapter's name" if not isinstance(adapter, str)
-                       else self.replica.request.run.lora.problem(adapter))
+        if self.schema_column:  # as a dataset row's schema is read (its fix left out of the error row)
+            prompt, problem = with_schema(prompt, columns[self.schema_column][place])
+            if problem:
+                return BadPrompt(f"its schema (column {self.schema_column!r}) {problem.rsplit(': ', 1)[0]}")
+        if self.adapter_column:
+            prompt, problem = with_adapter(prompt, columns[self.adapter_column][place], self.replica.request.run.lora)
             if problem:
                 return BadPrompt(f"its adapter (column {self.adapter_column!r}) {problem.split(': ')[0]}")
-            settings = dataclasses.replace(settings, adapter=adapter)
         if self.settings_columns:
             own = {name: value for name in SETTINGS_COLUMNS if name in columns
                    and (value := _setting(name, columns[name][place])) is not None}
             if "stop" in own:
                 own["stop"] = (own["stop"],) if isinstance(own["stop"], str) else tuple(own["stop"])
-            settings = dataclasses.replace(settings, **own)
-        return prompt if settings == RowSettings() else PromptRequest(prompt, settings, None)
+            if isinstance(prompt, PromptRequest):
+                prompt = dataclasses.replace(prompt, settings=dataclasses.replace(prompt.settings, **own))
+            elif own:
+                prompt = PromptRequest(prompt, RowSettings(**own), None)
+        return prompt
 
 
 def complete_dataset(dataset, model: str | None = None, *, replicas: int = 1, world_size: int = 1,

@@ -313,8 +313,7 @@ class _Driver:
             return None
         first = answers[0][0]
         replicas: list[ReplicaReport] = [replica for _, replica in answers]
-        prompts = PromptFigures(*(sum(getattr(replica, field) for replica in replicas) for field in
-                                  ("prompt_tokens", "prefilled_tokens", "reused_tokens", "prefix_hits")), None)
+        prompts = PromptFigures.summed(replicas, None)
         loaded = self.first_loaded or self.started
         return dataclasses.replace(
             first, rows=self.count.rows, new_tokens=self.new_tokens,

@@ -131,10 +131,7 @@ class Replica:
         if self.ranks is not None:
             self.ranks.hand(REPORT)  # the ranks' memory figures are gathered: every rank takes part
         seconds = time.perf_counter() - self.loaded_at
-        stats = self.generator.stats
-        figures = ReplicaReport(self.number, self.rows, stats.new_tokens, seconds, 0.0, stats.prompt_tokens,
-                                stats.prefilled_tokens, stats.reused_tokens, stats.prefix_hits, stats.constrained_rows,
-                                stats.adapter_loads, dict(stats.adapter_rows))
+        figures = ReplicaReport.of_stats(self.number, self.rows, self.generator.stats, seconds)
         return run_report(self.generator, self.load_seconds, seconds, self.rows), figures
 
 
