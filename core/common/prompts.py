@@ -93,12 +93,25 @@ class PromptRequest:
     fields: dict | None  # None: the row's output line holds no request (a dataset row held to its own schema)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    """A row to score rather than complete (``accelgen score``): its text (a text, a conversation, or token ids) and
+    the continuations scored after it: none (the text alone is scored), one (a continuation's log-likelihood), or
+    several ``choices`` ranked by theirs. Each continuation is a text, or token ids going after the text's."""
+
+    prompt: str | Conversation | BadPrompt | tuple[int, ...]
+    continuations: tuple[str | tuple[int, ...], ...] = ()
+    choices: bool = False
+
+
 def prompt_problem(text: object) -> str | None:
     """Why ``text`` cannot be a prompt, with the fix, as a clause ("is empty: give it some text"); None when
     it can. A dataset's missing value is None; bytes that are not UTF-8 reach Python from a shell as lone
     surrogates (their ``surrogateescape`` form). A :class:`Conversation` is checked when it is made."""
-    if isinstance(text, PromptRequest):
+    if isinstance(text, (PromptRequest, ScoreRequest)):
         text = text.prompt
+    if isinstance(text, tuple) and text and all(isinstance(token, int) for token in text):  # a score request's ids
+        return None
     if isinstance(text, Conversation):
         return None
     if isinstance(text, (list, tuple)):  # messages, as the Python API takes them

@@ -147,6 +147,8 @@ class RunSettings:
     stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
     skip_bad_rows: bool = False  # a row that cannot be completed becomes an error row instead of stopping the run
     logprobs: bool = False  # record each chosen token's log-probability under the model's own distribution
+    #: each prompt token's log-probability given those before it, with this many best alternatives (0: none); None: none
+    prompt_logprobs: int | None = None
     num_samples: int = 1  # completions drawn for each prompt, its prefill shared
     rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
     prefix_cache: int | None = None  # bytes of prompt-prefix blocks kept on the device; 0: no reuse; None: a default
@@ -215,6 +217,8 @@ class RunSettings:
             del settings["stop"]
         if not self.logprobs:
             del settings["logprobs"]
+        if self.prompt_logprobs is None:
+            del settings["prompt_logprobs"]
         if self.num_samples == 1:
             del settings["num_samples"]
         if self.structure is None:

@@ -75,6 +75,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(int, 0, 2**64 - 1),  # a nanosecond timestamp fits; so does any seed torch takes
     "limit": COUNT,
     "num_samples": Range(int, 1, 1 << 16),
+    "prompt_logprobs": Range(int, 0, 1 << 10),  # alternatives per token: OpenAI's API gives at most 5, vLLM's 20
     "prefill_chunk": Range(int, 0, INT32_MAX),
     "max_restarts": Range(int, 0, 1000),
     "world_size": Range(int, 1, 65536),

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 import torch
 
 from accelgen.common.errors import UsageError
-from accelgen.common.prompts import PromptRequest
+from accelgen.common.prompts import PromptError, PromptRequest, ScoreRequest
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation import decoding
 from accelgen.generation.adapter_slots import AdapterSlots
@@ -26,6 +26,7 @@ from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
 from accelgen.generation.scheduler import Row, Scheduler
+from accelgen.generation.scoring import PARTS, ScoreParts
 from accelgen.generation.stats import BatchTiming, GenerationStats
 from accelgen.generation.text import Completion, PromptCodec, PromptSamples, SampleCompletion, eos_token_ids
 from accelgen.model.loaded_model import LoadedModel
@@ -84,6 +85,25 @@ class Generator:
         """A generator of the same model for another batch size (its own caches and graphs)."""
         return Generator(self.loaded, dataclasses.replace(self.run, batch_size=batch_size), self.adapter_slots)
 
+    def scoring(self, alternatives: int = 0) -> "Generator":
+        """A generator of the same model that scores rows (:meth:`score`), each token with its ``alternatives`` most
+        likely ones: this one where it scores so already, else one of its own (its caches), made once."""
+        if self.run.prompt_logprobs == alternatives and self.run.max_new_tokens == 1:
+            return self
+        scorers = self.__dict__.setdefault("_scorers", {})
+        if alternatives not in scorers:
+            scorers[alternatives] = Generator(self.loaded, dataclasses.replace(
+                self.run, prompt_logprobs=alternatives, max_new_tokens=1, num_samples=1, use_graphs=False,
+                structure=None, structured_rows=False, logprobs=False), self.adapter_slots)
+        return scorers[alternatives]
+
+    def score(self, requests: Sequence[ScoreRequest | str], alternatives: int = 0) -> list[Completion]:
+        """Each request scored, in order (a text alone: its tokens scored): its completion's ``prompt_scores`` hold
+        its text's tokens' log-probabilities (``alternatives``: with that many most likely tokens at each), its
+        ``continuations`` each continuation's log-likelihood after it (``accelgen.generation.scoring``)."""
+        requests = [request if isinstance(request, ScoreRequest) else ScoreRequest(request) for request in requests]
+        return [completion for batch in self.scoring(alternatives).generate_batches(requests) for completion in batch]
+
     @property
     def capture_failure(self) -> str | None:
         """Why the accelerator could not capture the decode step (then it runs eagerly), or None."""
@@ -129,18 +149,33 @@ class Generator:
         each sample's draws depend only on the seed, its prompt's number, its own and the step)."""
         texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
         first_samples = first_samples or {}
+        scores = ScoreParts(self.text, self.run.skip_bad_rows)
+        scored: set[int] = set()  # the numbers of the score requests' prompts not yet out
 
         def encoded() -> Iterator[EncodedPrompt]:
             for number, prompt in numbered_prompts:
+                if isinstance(prompt, ScoreRequest):
+                    if self.run.prompt_logprobs is None:
+                        raise UsageError("Score requests go to a generator that scores: call generator.score(requests), "
+                                         "or load with prompt_logprobs=0.")
+                    for part, ids in scores.encode(number, prompt).parts:
+                        scored.add(part)
+                        yield EncodedPrompt(part, ids)
+                    continue
                 ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
                 texts[number] = (prompt, truncated)
                 conversation = not isinstance(ids, str) and self.text.conversation(prompt) is not None
                 yield EncodedPrompt(number, ids, prompt.settings if isinstance(prompt, PromptRequest) else None,
                                     conversation, first_samples.get(number, 0))
 
-        for rows in self._run_rows(encoded()):
+        for rows in self._scored_numbers(self._run_rows(encoded()), scored):
             samples = []
             for row in rows:
+                if row.number in scored:  # a score request's: its completion once its last prompt is out
+                    scored.discard(row.number)
+                    if (completion := scores.gather(row)) is not None:
+                        samples.append(SampleCompletion(completion, 0, 1))
+                    continue
                 tokens, reason = self.ends.trim(row)
                 self.stats.new_tokens += len(tokens)
                 samples.append(SampleCompletion(self.text.completion(row, *texts[row.number], tokens, reason),
@@ -148,6 +183,16 @@ class Generator:
                 if samples[-1].ends_prompt:
                     del texts[row.number]
             yield samples
+
+    @staticmethod
+    def _scored_numbers(rows: Iterator[list[Row]], scored: set[int]) -> Iterator[list[Row]]:
+        """``rows``, a prompt refused by the engine named by its score request's number where it is one of its."""
+        try:
+            yield from rows
+        except PromptError as error:
+            if error.number in scored:
+                raise PromptError(error.number // PARTS, error.rest) from None
+            raise
 
     def generate_token_ids(self, prompts: Sequence[Sequence[int]], first_index: int = 0) -> list[tuple[list[int], str]]:
         """New token ids and finish reason per tokenized prompt, numbered from ``first_index``."""

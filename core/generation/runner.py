@@ -25,6 +25,7 @@ from accelgen.generation import decoding
 from accelgen.generation.constraints import SlotConstraints
 from accelgen.generation.prefill_steps import PrefillShape, RowsForward, chunk_step, padded, prefill_step, row_settings
 from accelgen.generation.prefix_reuse import PrefixReuse, store_bytes
+from accelgen.generation.prompt_scores import PromptScores, ScoredPositions, packed_positions, padded_positions, score_positions
 from accelgen.generation.sampling import RowSampling
 from accelgen.generation.scheduler import Insertion, Row
 from accelgen.generation.slot_shapes import SlotShape, SlotShapes, StepCapture
@@ -55,13 +56,16 @@ class SlotRunner:
         #: whether prefills without a stored beginning may run their prompts packed in one row, without padding
         self.packs_prompts = accelerator.tuning.packs_prompts and model_forward.packs_prompts
         self.capture = StepCapture(accelerator, run, stats, self.model.config.model_type)
+        #: prompts are scored in their prefills (``accelgen.generation.prompt_scores``): those run eagerly, whole
+        self.scores_prompts = run.prompt_logprobs is not None
         self._decode_started = 0.0  # when the decode steps up to the next look began
         self._last_step_at: float | None = None  # when the last decode step that rows wait on was issued
         self._positions_waited = 0  # prompt positions prefilled since then
         self._steps_left = self._passes_run = 0  # of the insertion going in: decode steps it may give, passes run
         #: the store of prompt prefixes (--prefix-cache); none for a model whose masks need rows at one position.
-        #: The ranks of a replica agree on its size (the smallest of theirs): they must find the same prefixes.
-        self.prefixes = None if run.prefix_cache == 0 or self.rows_aligned else PrefixReuse(
+        #: The ranks of a replica agree on its size (the smallest of theirs): they must find the same prefixes. A run
+        #: that scores its prompts computes every position of each: none is taken from the store.
+        self.prefixes = None if run.prefix_cache == 0 or self.rows_aligned or self.scores_prompts else PrefixReuse(
             min(gather_from_ranks(store_bytes(run.prefix_cache, accelerator.memory_stats().get("free_bytes")), world)),
             device, stats)
         stats.prefix_store_bytes = None if self.prefixes is None else self.prefixes.budget_bytes
@@ -169,6 +173,11 @@ class SlotRunner:
         if fresh:
             prefill_shape = shape.prefill_shapes[key] = PrefillShape(*key, self.device, self.shapes.mask_words)
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
+        # a scored prefill runs as it is: its passes' hidden states are read (a captured step would not give them)
+        capture = self.capture if not self.scores_prompts else lambda step, buffers, counter: step
+        if self.scores_prompts:
+            for row in prompts:
+                row.prompt_scores = PromptScores.unscored(row.prompt_ids, self.run.prompt_logprobs)
         prefill_shape.load(prompts, prompt_slots, draws, insertion.sources, draw_slots, self.rules.pad_token_id)
         if self.constraints is not None:  # each draw's first token under its structure
             masks = self.constraints.first_masks(draws, [prompts[source].prompt_ids for source in insertion.sources])
@@ -177,20 +186,23 @@ class SlotRunner:
             decoding.hold_slots(shape.state, torch.tensor(insertion.slots, device=self.device))
         for span in spans[:-1]:
             if span not in prefill_shape.chunk_steps:
-                prefill_shape.chunk_steps[span] = self.capture(
+                prefill_shape.chunk_steps[span] = capture(
                     chunk_step(prefill_shape, self._on_rows(), *span), prefill_shape.passes_over, "prefill_captures")
-            self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span)
+            self._prefill_pass(prefill_shape.chunk_steps[span], prefill_shape.passes_over, span,
+                               self._scorer(prompts, prefill_shape, span[0]))
         if packed:
             if prefill_shape.packed_step is None:
                 prefill_shape.packed_step = prefill_step(prefill_shape, self._on_rows(), self.rules, self._shares_prompts,
                                                          packed=True)
-            self._prefill_pass(prefill_shape.packed_step, tuple(prefill_shape), spans[-1])
+            self._prefill_pass(prefill_shape.packed_step, tuple(prefill_shape), spans[-1],
+                               self._scorer(prompts, prefill_shape, None))
         else:
             if prefill_shape.step is None:
-                prefill_shape.step = self.capture(
+                prefill_shape.step = capture(
                     prefill_step(prefill_shape, self._on_rows(), self.rules, self._shares_prompts), tuple(prefill_shape),
                     "prefill_captures")
-            self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1])  # a captured step's run writes as a replay
+            self._prefill_pass(prefill_shape.step, tuple(prefill_shape), spans[-1],  # a captured step's run writes as a replay
+                               self._scorer(prompts, prefill_shape, spans[-1][0]))
         self.stats.prefills += 1
         self.stats.prefill_rows += rows
         self.stats.slot_tokens += rows
@@ -206,9 +218,11 @@ class SlotRunner:
                 row.first_token, row.first_logprob, row.prompt_slot = token, logprob, slot
                 row.bucket = insertion.bucket_length  # where its prompt's cache row holds the prompt
 
-    def _prefill_pass(self, step: Callable[..., object], buffers: tuple[torch.Tensor, ...], span: tuple[int, int]) -> None:
+    def _prefill_pass(self, step: Callable[..., object], buffers: tuple[torch.Tensor, ...], span: tuple[int, int],
+                      score: Callable[[torch.Tensor], None] | None = None) -> None:
         """One forward pass of a prefill, over positions ``span`` of its bucket, timed (the longest is kept); after a
-        decode step of the running rows when a pass of this insertion ran before it and they have steps left."""
+        decode step of the running rows when a pass of this insertion ran before it and they have steps left. With
+        ``score``, the pass's final hidden states are handed to it (its prompts scored)."""
         if self._passes_run and self._steps_left:
             with self._timed("decode_seconds"):
                 self._decode_step()
@@ -217,7 +231,10 @@ class SlotRunner:
                 self._last_step_at = None
         self.accelerator.synchronize()
         started = time.perf_counter()
-        step(*buffers)
+        with self.forward.final_hidden_states() if score else contextlib.nullcontext() as held:
+            step(*buffers)
+        if score:
+            score(held[-1])
         self.accelerator.mark_step()
         self.accelerator.synchronize()
         self._passes_run += 1
@@ -225,6 +242,34 @@ class SlotRunner:
         self.stats.longest_prefill_pass = max(self.stats.longest_prefill_pass, time.perf_counter() - started)
         if self._last_step_at is not None:  # rows wait on this pass
             self._positions_waited += span[1] - span[0]
+
+    def _scorer(self, prompts: list[Row], prefill_shape: PrefillShape,
+                start: int | None) -> Callable[[torch.Tensor], None] | None:
+        """What scores ``prompts`` from the hidden states of a pass of their prefill shape (from bucket position
+        ``start`` on; None: packed in one row), in a run that scores its prompts; else None."""
+        if not self.scores_prompts:
+            return None
+        input_ids, prompt_mask = prefill_shape.input_ids, prefill_shape.prompt_mask
+
+        def score(hidden: torch.Tensor) -> None:
+            positions = (packed_positions(hidden, input_ids, prompt_mask, len(prompts)) if start is None
+                         else padded_positions(hidden, input_ids, prompt_mask, start, len(prompts)))
+            self._keep_scores(prompts, positions)
+
+        return score
+
+    def _keep_scores(self, prompts: list[Row], positions: ScoredPositions) -> None:
+        """Score ``positions`` of ``prompts``' tokens and keep their scores with the rows (read back to the host)."""
+        scores = score_positions(self.forward.head_logits, positions, self.model.config.vocab_size,
+                                 self.run.prompt_logprobs)
+        of_prompt, indices, logprobs, greedy, top_ids, top_logprobs = (
+            values.tolist() for values in (positions.prompts, positions.token_indices, *scores))
+        by_prompt: dict[int, list[int]] = {}
+        for place, prompt in enumerate(of_prompt):
+            by_prompt.setdefault(prompt, []).append(place)
+        for prompt, places in by_prompt.items():
+            prompts[prompt].prompt_scores.fill(*([values[place] for place in places]
+                                                 for values in (indices, logprobs, greedy, top_ids, top_logprobs)))
 
     def _start_parked(self, resumed: list[tuple[Row, int]]) -> None:
         """Start parked samples in their slots: their prompt's keys and values copied from its cache row, their

@@ -39,6 +39,7 @@ from accelgen.common.prompts import PromptError
 from accelgen.common.settings import RowSettings, RunSettings
 from accelgen.generation.adapter_slots import AdapterSlots
 from accelgen.generation.decoding import choose_bucket
+from accelgen.generation.prompt_scores import PromptScores
 
 #: Decode steps between two looks at which rows have finished (each look waits for the device), per policy:
 #: a finished row's slot idles until the next look; a fixed batch only stops early at one.
@@ -70,6 +71,7 @@ class Row:
     first_logprob: float = 0.0
     prompt_slot: int | None = None
     adapter_slot: int = 0  # the buffer slot its LoRA adapter is in while it runs (0: the base model's), set as it starts
+    prompt_scores: PromptScores | None = None  # its prompt's tokens scored in its prefill (--prompt-logprobs)
 
     @property
     def samples(self) -> int:

@@ -16,11 +16,14 @@ from transformers import PreTrainedTokenizerBase
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, PromptRequest, as_conversation, check_prompts
 from accelgen.common.settings import ChatSettings, RunSettings
+from accelgen.generation.prompt_scores import PromptScores
 from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.scheduler import Row
 
 #: The fields of a :class:`Completion` its output line holds only when they are set.
 OPTIONAL_FIELDS = ("messages", "error", "logprobs", "completions", "request", "reasoning", "adapter")
+#: The fields of a :class:`Completion` an output line never holds as they are (``as_row`` writes what they say).
+SCORE_FIELDS = ("prompt_scores", "continuations")
 
 
 @dataclasses.dataclass
@@ -43,13 +46,22 @@ class Completion:
     request: dict | None = None  # a prompt request's fields (an OpenAI batch line's custom_id and url)
     reasoning: str | None = None  # a reasoning model's thinking, between its markers (the completion is its answer)
     adapter: str | None = None  # the LoRA adapter it was completed with, by name (None: the base model)
+    #: its prompt's tokens scored (``--prompt-logprobs``; a score row's text), with the texts of the tokens named
+    prompt_scores: PromptScores | None = None
+    continuations: list | None = None  # a score row's continuations, scored (``accelgen.generation.scoring``)
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
         something: ``messages`` for a conversation, ``error`` for an error row, ``logprobs`` when recorded,
-        ``completions`` with several samples)."""
-        return {name: value for name, value in dataclasses.asdict(self).items()
-                if value is not None or name not in OPTIONAL_FIELDS}
+        ``completions`` with several samples; ``prompt_logprobs`` (and ``prompt_top_logprobs``) with prompt scores)."""
+        row = {name: value for name, value in dataclasses.asdict(
+            dataclasses.replace(self, prompt_scores=None, continuations=None)).items()
+            if (value is not None or name not in OPTIONAL_FIELDS) and name not in SCORE_FIELDS}
+        if self.prompt_scores is not None:
+            row.update(prompt_token_ids=self.prompt_scores.token_ids, prompt_logprobs=self.prompt_scores.logprobs)
+            if self.prompt_scores.top is not None:
+                row["prompt_top_logprobs"] = self.prompt_scores.named_top()
+        return row
 
     @classmethod
     def of_samples(cls, samples: list["Completion"]) -> "Completion":
@@ -244,7 +256,22 @@ class PromptCodec:
             request=request,
             reasoning=reasoning,
             adapter=row.settings.adapter,
+            prompt_scores=None if row.prompt_scores is None else self.named(row.prompt_scores),
         )
+
+    def scored(self, number: int, prompt: str | Conversation, truncated: bool, text_scores: PromptScores,
+               continuations: list | None) -> Completion:
+        """The completion of score request ``number``: its text's tokens scored (named), its ``continuations``'
+        scores; ``prompt``: the text the model saw, as :meth:`completion` gives it."""
+        prompt_text = self.tokenizer.decode(text_scores.token_ids, skip_special_tokens=not isinstance(prompt, Conversation))
+        return Completion(number, prompt_text if truncated or not isinstance(prompt, str) else prompt, "", [],
+                          len(text_scores.token_ids), "scored", prompt_scores=self.named(text_scores),
+                          continuations=continuations)
+
+    def named(self, scores: PromptScores) -> PromptScores:
+        """``scores`` with the texts of their tokens and alternatives (each token decoded alone)."""
+        ids = set(scores.token_ids) | {token for top in scores.top or () if top for token, _ in top}
+        return dataclasses.replace(scores, texts={token: self.tokenizer.decode([token]) for token in ids})
 
     def _reasoning_and_answer(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> tuple[str | None, str]:
         """The text of the thinking among ``new_token_ids`` (None when they hold none) and of the answer after it."""

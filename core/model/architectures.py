@@ -65,6 +65,21 @@ class Architecture:
     #: attention scaled by the module's ``scaling``; no norm, soft-capping or sink. A device may then fuse a decode
     #: step's attention between the products (the CPU plugin's ``decode_self_attention``).
     llama_attention: bool = False
+    #: ``finish_logits(config, logits)``: what the family's causal-LM head does to the output projection's logits
+    #: (Gemma's soft-capping, Granite's scaling), for logits computed from its hidden states (prompt scores); None:
+    #: the projection's logits are the model's.
+    finish_logits: Callable[[transformers.PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
+
+
+def _soft_capped(config: transformers.PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """Gemma 2's and 3's final soft-capping, as their causal-LM head applies it."""
+    cap = config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _scaled(config: transformers.PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """Granite's logits, divided by its ``logits_scaling``."""
+    return logits / config.logits_scaling
 
 
 def _falcon_key_value_heads(config: transformers.PretrainedConfig) -> int:
@@ -95,10 +110,10 @@ ARCHITECTURES = {
     "mistral": _llama_like("MistralDecoderLayer", llama_attention=True),
     "qwen2": _llama_like("Qwen2DecoderLayer", llama_attention=True, masks_by_layer_type=True),
     "qwen3": _llama_like("Qwen3DecoderLayer", masks_by_layer_type=True),
-    "granite": _llama_like("GraniteDecoderLayer", llama_attention=True),
+    "granite": _llama_like("GraniteDecoderLayer", llama_attention=True, finish_logits=_scaled),
     "smollm3": _llama_like("SmolLM3DecoderLayer", masks_by_layer_type=True),
-    "gemma2": _llama_like("Gemma2DecoderLayer", masks_by_layer_type=True),
-    "gemma3_text": _llama_like("Gemma3DecoderLayer", masks_by_layer_type=True),
+    "gemma2": _llama_like("Gemma2DecoderLayer", masks_by_layer_type=True, finish_logits=_soft_capped),
+    "gemma3_text": _llama_like("Gemma3DecoderLayer", masks_by_layer_type=True, finish_logits=_soft_capped),
     # Phi-3's query/key/value and gate/up projections are fused, their rows not grouped by head
     "phi3": Architecture(packs_prompts=True, not_split_because="DeepSpeed's split of its fused projections fails"),
     # OLMo 2 normalizes queries and keys over all heads at once: a rank holds only its heads

@@ -169,6 +169,7 @@ def run_settings(
     stop: Sequence[str] = RunSettings.stop,
     skip_bad_rows: bool = RunSettings.skip_bad_rows,
     logprobs: bool = RunSettings.logprobs,
+    prompt_logprobs: int | None = RunSettings.prompt_logprobs,
     num_samples: int = RunSettings.num_samples,
     prefix_cache: str | int | None = RunSettings.prefix_cache,
     prefill_chunk: int = RunSettings.prefill_chunk,
@@ -194,7 +195,9 @@ def run_settings(
     own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept).
     ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
     place instead of stopping the run. ``logprobs``: each completion also holds its tokens' log-probabilities
-    under the model's own distribution (before temperature, top-k and top-p). ``num_samples``: completions drawn
+    under the model's own distribution (before temperature, top-k and top-p). ``prompt_logprobs``: each completion also
+    holds its prompt's tokens' log-probabilities (each given the tokens before it), with that many most likely tokens
+    at each (0: none), computed in the prefill. ``num_samples``: completions drawn
     for each prompt (sampled), its prefill computed once and shared by them. ``prefix_cache``: device memory (bytes,
     or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
     what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory. ``prefill_chunk``: prompt
@@ -240,6 +243,7 @@ def run_settings(
         stop=tuple(stop),
         skip_bad_rows=skip_bad_rows,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         num_samples=num_samples,
         prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
         else parse_memory_size(prefix_cache, "--prefix-cache"),
@@ -340,7 +344,7 @@ def _check(run: RunSettings) -> None:
     sampling = run.sampling
     check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
                    buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed, num_samples=run.num_samples,
+                   seed=sampling.seed, num_samples=run.num_samples, prompt_logprobs=run.prompt_logprobs,
                    prefill_chunk=run.prefill_chunk)
     if run.num_samples > 1 and not sampling.do_sample:
         raise UsageError(f"--num-samples {run.num_samples} with greedy decoding gives {run.num_samples} equal "

@@ -14,8 +14,9 @@ own changes (BLOOM's ALiBi slopes on the device, for instance). Falcon's ALiBi v
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -45,6 +46,7 @@ class ModelForward:
         self.adapters = adapters
         architecture = architecture_of(model.config)
         self.builds_4d_mask = architecture.takes_4d_mask
+        self._finish_logits = architecture.finish_logits
         #: each kind of attention layer the model has, with how many latest positions its queries see
         self.windows = layer_windows(model.config)
         if architecture.make_capturable:
@@ -110,6 +112,26 @@ class ModelForward:
         if self.adapters is not None and adapter_slots is not None:  # each prompt's adapter for each of its tokens
             adapter_slots = adapter_slots.index_select(0, prompt_of)[None]
         return self._with_adapters(adapter_slots, arguments).logits[0]
+
+    @contextlib.contextmanager
+    def final_hidden_states(self) -> Iterator[list[torch.Tensor]]:
+        """A list that takes, for each call of the model inside the block, the hidden states [B, T, H] its causal-LM
+        head reads (the base model's output, every position's, before the head keeps only the last): what prompt
+        scores are computed from, the head applied a few positions at a time (:meth:`head_logits`)."""
+        held: list[torch.Tensor] = []
+        # the module whose output the head reads: the decoder where the model names one (OPT's is inside its base model)
+        decoder = (self.model.get_decoder() if hasattr(self.model, "get_decoder") else None) or self.model.base_model
+        hook = decoder.register_forward_hook(lambda module, inputs, output: held.append(output[0]))
+        try:
+            yield held
+        finally:
+            hook.remove()
+
+    def head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The logits [T, V] of hidden states [T, H], as the model's causal-LM head makes them: its output projection
+        (this rank's, gathered, under tensor parallelism), then what the family does to them (``finish_logits``)."""
+        logits = self.model.get_output_embeddings()(hidden_states[None])[0]
+        return logits if self._finish_logits is None else self._finish_logits(self.model.config, logits)
 
     def _masks(self, mask_for: Callable[[int | None], torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
         """The 4D mask (``mask_for(window)``) of a model whose layers are of one kind; a mapping {layer type: its mask}

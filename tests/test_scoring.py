@@ -1,0 +1,110 @@
+"""Scoring (``accelgen score``, ``Generator.score``, ``--prompt-logprobs``): each prompt token's log-probability given
+the tokens before it, computed in the engine's prefill, equal to ``log_softmax`` of Hugging Face's forward (float32)
+within 1e-5 on every family, one row at a time and eight at once, packed in one row and padded to a bucket; a
+continuation's log-likelihood and whether it is the greedy one; choices ranked as that forward ranks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import FAMILY_SETTINGS, skip_unless_installed
+from test_parity import _new_dtype_keyword
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import accelgen
+from accelgen.common.prompts import ScoreRequest
+
+pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
+
+#: Rows of different lengths (some longer than a sliding window of the family models).
+TEXTS = ["Hello", "The quick brown fox jumps over the lazy dog again and again", "DeepSpeed is",
+         "one two three four five six seven eight nine ten eleven twelve", "a", "Tokens and more tokens",
+         "Short one", "the model reads every word of this row before the last"]
+FAMILIES = ("bloom", "gpt2", "llama", "opt", "falcon", *(family for family in FAMILY_SETTINGS if family != "llama"))
+
+
+class HuggingFace:
+    """The reference: Hugging Face's model (float32), one forward per sequence, ``log_softmax`` of its logits."""
+
+    def __init__(self, folder):
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        keyword = "dtype" if _new_dtype_keyword() else "torch_dtype"
+        self.model = AutoModelForCausalLM.from_pretrained(folder, **{keyword: torch.float32}).eval()
+
+    def logprobs(self, ids: list[int]) -> tuple[list[float], list[bool]]:
+        """Each token's log-probability after the first, and whether it is the argmax there."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor([ids])).logits[0, :-1].float()
+        targets = torch.tensor(ids[1:])
+        return (torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0].tolist(),
+                (logits.argmax(-1) == targets).tolist())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_scores_equal_hugging_faces_forward(tiny_model_folder, family, batch_size):
+    skip_unless_installed(family)
+    folder = tiny_model_folder(family)
+    reference = HuggingFace(folder)
+    generator = accelgen.load(folder, device="cpu", dtype="float32", batch_size=batch_size)
+    scored = generator.score(TEXTS, alternatives=3)
+    for text, completion in zip(TEXTS, scored, strict=True):
+        ids = reference.tokenizer(text)["input_ids"]
+        scores = completion.prompt_scores
+        assert scores.token_ids == ids and completion.prompt_token_count == len(ids)
+        expected, greedy = reference.logprobs(ids)
+        assert scores.logprobs[0] is None and scores.logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        assert scores.greedy[1:] == greedy
+        for top, logprob in zip(scores.top[1:], expected):
+            assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
+            assert top[0][1] >= logprob - 1e-6
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_packed_and_padded_prefills_score_the_same(tiny_model_folder, packed):
+    """Llama packs prompts in one row where prefills run as they are; a prefill chunk shorter than the rows makes
+    them run padded to their bucket, in passes."""
+    folder = tiny_model_folder("llama")
+    reference = HuggingFace(folder)
+    generator = accelgen.load(folder, device="cpu", dtype="float32", batch_size=4,
+                              prefill_chunk=0 if packed else 8)
+    for text, completion in zip(TEXTS, generator.score(TEXTS), strict=True):
+        expected, _ = reference.logprobs(reference.tokenizer(text)["input_ids"])
+        assert completion.prompt_scores.logprobs[1:] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_continuations_likelihood_and_whether_it_is_greedy(tiny_model_folder):
+    folder = tiny_model_folder("llama")
+    reference = HuggingFace(folder)
+    generator = accelgen.load(folder, device="cpu", dtype="float32", batch_size=2, max_new_tokens=6, ignore_eos=True)
+    context = "The quick brown fox"
+    [greedy_completion] = generator.generate([context])
+    greedy_ids = tuple(greedy_completion.completion_token_ids)  # as token ids: a random model's text may not tokenize back
+    requests = [ScoreRequest(context + " ", ("jumps over",)),  # its space goes on to the continuation
+                ScoreRequest(tuple(reference.tokenizer(context)["input_ids"]), (greedy_ids,))]
+    first, second = generator.score(requests)
+    whole = reference.tokenizer(context + " jumps over")["input_ids"]
+    context_ids = reference.tokenizer(context)["input_ids"]
+    expected, greedy = reference.logprobs(whole)
+    [continuation] = first.continuations
+    assert continuation.tokens == len(whole) - len(context_ids)
+    assert continuation.logprob == pytest.approx(sum(expected[len(context_ids) - 1:]), abs=1e-4)
+    assert continuation.greedy == all(greedy[len(context_ids) - 1:])
+    assert first.prompt_scores.token_ids == context_ids
+    assert second.continuations[0].greedy  # the model's own greedy completion is its greedy continuation
+
+
+def test_choices_are_ranked_as_hugging_faces_forward_ranks_them(tiny_model_folder):
+    folder = tiny_model_folder("gpt2")
+    reference = HuggingFace(folder)
+    generator = accelgen.load(folder, device="cpu", dtype="float32", batch_size=3)
+    context, choices = "The capital of the land is", (" Paris", " a big city", " Rome", " the")
+    [completion] = generator.score([ScoreRequest(context, choices, choices=True)])
+    context_ids = reference.tokenizer(context)["input_ids"]
+    sums = []
+    for choice in choices:
+        expected, _ = reference.logprobs(reference.tokenizer(context + choice)["input_ids"])
+        sums.append(sum(expected[len(context_ids) - 1:]))
+    assert [choice.logprob for choice in completion.continuations] == pytest.approx(sums, abs=1e-4)
+    assert max(range(len(sums)), key=sums.__getitem__) == max(
+        range(len(sums)), key=lambda place: completion.continuations[place].logprob)
