@@ -266,7 +266,7 @@ def compare_score_rows(index: int, base: dict, other: dict, tolerance: float = D
     """Two ``accelgen score`` rows: the same best choice, the same continuation_greedy, or else a prompt_logprob
     within ``tolerance`` (:data:`DEFAULT_TOLERANCE`); drift of prompt_logprob and of token_logprobs."""
     differences = [f"{field} {other.get(field)}, baseline {base.get(field)}" for field in ("best_choice", "continuation_greedy")
-                   if False]
+                   if (field in base or field in other) and base.get(field) != other.get(field)]
     one, two = base.get("prompt_logprob"), other.get("prompt_logprob")
     numbers = isinstance(one, int | float) and isinstance(two, int | float)
     sum_drift = abs(one - two) if numbers else None
