@@ -135,7 +135,8 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
         return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
-    return {"bench": bench_command, "shard": shard_command, "run": run_command}[command](invocation, plugin_manager)
+    return {"bench": bench_command, "shard": shard_command, "run": run_command, "score": run_command}[command](
+        invocation, plugin_manager)
 
 
 def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
@@ -167,11 +168,18 @@ def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int
 
 
 def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
+    """``accelgen run``, and ``accelgen score`` (the same job, its rows scored: ``accelgen.jobs.score_lines``)."""
     arguments = invocation.arguments
+    scoring = arguments.command == "score"
+    scored_column = (arguments.continuation_column or arguments.choices_column) if scoring else None
+    if scored_column is not None and not arguments.dataset:
+        flag = "--choices-column" if arguments.choices_column else "--continuation-column"
+        raise UsageError(f"{flag} names a column of --dataset: pass --dataset (a --prompt text is scored alone).")
     if arguments.prompt and arguments.dataset:
         raise UsageError("Pass --prompt or --dataset, not both.")
     if not arguments.prompt and not arguments.dataset:
-        raise UsageError("No prompts given: pass --prompt TEXT (repeat it for several prompts) or --dataset SOURCE.")
+        what = "texts to score" if scoring else "prompts"
+        raise UsageError(f"No {what} given: pass --prompt TEXT (repeat it for several) or --dataset SOURCE.")
     if arguments.lora_column is not None and not arguments.dataset:
         raise UsageError("--lora-column names a column of --dataset (each row's adapter); --prompt rows run on the base "
                          "model: complete a dataset, or drop --lora-column.")
@@ -190,7 +198,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
             _check_cluster_options(arguments, invocation.worker)
         request = _request(arguments, plugin_manager, _replica_world(invocation), _cluster_device(arguments, plugin_manager),
                            chat_template=_chat_template(arguments.chat_template_file),
-                           json_schema=_json_schema(arguments.json_schema_file))
+                           json_schema=_json_schema(arguments.json_schema_file),
+                           **({"prompt_logprobs": arguments.token_logprobs or 0} if scoring else {}))
         # before the output is opened: each rank of a replica holds a store of its share of the heads
         request.check_prefix_store(request.world.size if invocation.worker
                                    else max(1, (arguments.world_size or 1) // arguments.data_parallel))
@@ -205,6 +214,7 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         source=arguments.dataset, column=arguments.column, split=arguments.split, config=arguments.dataset_config,
         limit=arguments.limit, streaming=arguments.streaming, skip_bad_rows=arguments.skip_bad_rows,
         schema_column=arguments.schema_column, adapter_column=arguments.lora_column, adapters=request.run.lora,
+        scores=scoring, scored_column=scored_column, choices=scoring and arguments.choices_column is not None,
     ) if arguments.dataset else None
     # the launcher of the node holding rank 0 locks the output for its ranks; a worker locks when it is rank 0
     # and no launcher of ours holds the lock (torchrun started by hand)
@@ -212,13 +222,21 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
                    # a restarted worker resumes what the job wrote (an output from before it is still replaced)
                    overwrite=arguments.overwrite and not (restarts_so_far() and written_by_this_job(arguments.output)),
                    lock_output=request.world.is_main if invocation.worker else arguments.node_rank == 0,
-                   served_model_names=arguments.served_model_name)
+                   served_model_names=arguments.served_model_name, scores=_score_lines(arguments) if scoring else None)
     try:
         if arguments.ray is not None:
             return _generate(arguments, request, job)  # the replicas are Ray's; this process drives them
         return _here_or_launched(invocation, request, lambda: _generate(arguments, request, job))
     finally:
         job.close()  # the output's lock, held by the launcher for the whole of a tensor-parallel job
+
+
+def _score_lines(arguments: argparse.Namespace):
+    """What the lines of ``accelgen score`` hold, by its options."""
+    from accelgen.jobs.score_lines import ScoreLines
+
+    kind = "choices" if arguments.choices_column else "continuation" if arguments.continuation_column else "text"
+    return ScoreLines(kind, arguments.token_logprobs)
 
 
 def _chat_template(path: str | None) -> str | None:

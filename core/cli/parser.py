@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logprobs", action="store_true",
                      help="write each new token's log-probability (logprobs) under the model's own distribution: "
                           "log_softmax of its logits, before --temperature, --top-k and --top-p")
+    run.add_argument("--prompt-logprobs", type=_number("prompt_logprobs"), nargs="?", const=0, metavar="K",
+                     help="write each prompt token's log-probability given those before it (prompt_logprobs, the first "
+                          "null), computed in the prefill, with K most likely tokens at each (prompt_top_logprobs; "
+                          "default 0: none)")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text,
                      help="end a completion at the first occurrence of TEXT (not kept; finish_reason stop), on top of "
                           "the model's end tokens; repeat for several. In TEXT, \\n is a new line, \\t a tab and "
@@ -174,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --ray: what each replica asks of a node, as Ray says it, e.g. '{\"num_cpus\": 8}', "
                               "'{\"num_gpus\": 1}', '{\"resources\": {\"NAME\": 1}}' (default: what the device's "
                               "plugin asks for each of the replica's --world-size ranks)")
+
+    _add_score_parser(commands, run)
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)
@@ -228,6 +234,63 @@ def build_parser() -> argparse.ArgumentParser:
                          help="do each available device's once-per-machine work now (the CPU: build its C++ kernels), "
                               "ahead of the first job: for images, cluster nodes and CI")
     return parser
+
+
+def _add_score_parser(commands, run: argparse.ArgumentParser) -> None:
+    """``accelgen score``: the rows' log-likelihoods, through the same job as ``run`` (every option of run that
+    decides nothing of a score takes run's default)."""
+    score = commands.add_parser("score", help="log-likelihoods of texts, continuations and choices, and perplexity")
+    _add_model_arguments(score)
+    score.add_argument("--prompt", action="append", default=[], help="a text to score; repeat for several")
+    data = score.add_argument_group("dataset scoring (instead of --prompt)")
+    data.add_argument("--dataset", help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk folder")
+    data.add_argument("--dataset-config", help="the dataset's configuration (Hub datasets with several)")
+    data.add_argument("--split", default="train", help="split to score (default: train)")
+    data.add_argument("--column", default="text", help="column holding the texts: text, or conversations (rendered by "
+                                                       "the chat template) (default: text)")
+    scored = data.add_mutually_exclusive_group()
+    scored.add_argument("--continuation-column", metavar="COLUMN",
+                        help="column holding each row's continuation: its log-likelihood after the row's text, and "
+                             "whether it is the model's greedy continuation")
+    scored.add_argument("--choices-column", metavar="COLUMN",
+                        help="column holding each row's choices (a list of texts, or its JSON text): each one's "
+                             "log-likelihood after the row's text, the best named (by the sum, per token, per byte)")
+    data.add_argument("--limit", type=_number("limit"), help=_with_range("score only the first N rows", "limit"))
+    data.add_argument("--streaming", action="store_true", help="read rows as needed (datasets larger than memory)")
+    data.add_argument("--skip-bad-rows", action="store_true",
+                      help="write a row that cannot be scored (empty, too long, without its continuation or choices) "
+                           "as an error row (finish_reason error, error: why) and go on, instead of stopping")
+    score.add_argument("--token-logprobs", type=_number("prompt_logprobs"), nargs="?", const=0, metavar="K",
+                       help="also write each token (tokens), its log-probability (token_logprobs, the first null) and "
+                            "its K most likely alternatives (top_logprobs; default 0: none)")
+    score.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
+    chat = score.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
+    chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
+    chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
+    chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
+                      help="a Jinja chat template to render conversations with, instead of the tokenizer's")
+    chat.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object("--chat-template-kwargs"),
+                      help="more variables for the chat template, as a JSON object")
+    score.add_argument("--max-input-tokens", type=_number("max_input_tokens"),
+                       help=_with_range("keep only the first N tokens of each text", "max_input_tokens"))
+    score.add_argument("--batch-size", type=_number("batch_size"), default=RunSettings.batch_size,
+                       help=_with_range("rows prefilled together", "batch_size"))
+    score.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=RunSettings.buckets,
+                       help="prompt length buckets, e.g. 32,64,128 (a row longer than the largest is refused)")
+    _add_number(score, "--prefill-chunk", RunSettings.prefill_chunk,
+                "tokens one prefill pass runs at most: a longer row is scored in passes of this many (default {default})")
+    score.add_argument("--output", help="write one JSON line of scores per row to this file")
+    score.add_argument("--quiet", action="store_true", help="print no rows, only the summary")
+    score.add_argument("--details", action="store_true", help="after the summary, print what the run ran on and how")
+    _add_offload_arguments(score)
+    parallel = _add_parallel_arguments(score)
+    parallel.add_argument("--data-parallel", type=_number("data_parallel"), default=1, metavar="R",
+                          help=_with_range("model replicas sharing the rows (default 1)", "data_parallel"))
+    _add_number(parallel, "--max-restarts", DEFAULT_MAX_RESTARTS,
+                "times a job of several ranks starts its workers again after one fails (default {default})")
+    own = {action.dest for action in score._actions}
+    score.set_defaults(**{**{action.dest: action.default for action in run._actions
+                             if action.dest not in own and action.dest != "help"}, "max_new_tokens": 1})
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:

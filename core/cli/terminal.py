@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import sys
@@ -29,11 +30,33 @@ def print_batch(batch_number: int, completions: Sequence["Completion"], error_of
             print(f"Error: {error_of(completion)}")
             continue
         print(f"Input: {completion.prompt!r}")
+        if completion.finish_reason == "scored":
+            print(f"Score: {score_phrase(completion)}")
+            continue
         samples = completion.completions or [{"completion": completion.completion}]
         for number, sample in enumerate(samples, start=1):
             label = f"Output (sample {number}/{len(samples)})" if len(samples) > 1 else "Output"
             print(f"{label}: {completion.prompt + sample['completion']!r}")
     print(flush=True)
+
+
+def score_phrase(completion: "Completion") -> str:
+    """What a scored row's line says, in words: its text's log-likelihood and perplexity, its continuation's or its
+    best choice."""
+    scores = completion.prompt_scores
+    total, tokens = scores.total(), len(scores.token_ids)
+    phrase = f"log-likelihood {total:.4f} over {tokens - 1} tokens after the first"
+    if tokens > 1:
+        phrase += f", perplexity {math.exp(-total / (tokens - 1)):.3f}"
+    continuations = completion.continuations or []
+    if len(continuations) == 1:
+        [continuation] = continuations
+        greedy = "the greedy continuation" if continuation.greedy else "not the greedy continuation"
+        phrase += f"; continuation {continuation.text!r}: {continuation.logprob:.4f} ({greedy})"
+    elif continuations:
+        best = max(range(len(continuations)), key=lambda place: continuations[place].logprob)
+        phrase += f"; best of {len(continuations)} choices: {best} ({continuations[best].text!r}, {continuations[best].logprob:.4f})"
+    return phrase
 
 
 def flush_output() -> None:
@@ -88,8 +111,14 @@ def print_summary(report: "RunReport", job: "CompletionJob", details: bool = Fal
     ``details``, then what the run ran on and how (``print_details``)."""
     noun = job.noun if report.rows == 1 else f"{job.noun}s"
     capturing = f", {report.capture_seconds:.1f} s of it capturing the decode step" if report.capture_seconds >= 1 else ""
-    print(f"accelgen: {report.rows:,} {noun}, {report.new_tokens:,} new tokens in {report.generate_seconds:.2f} s "
-          f"({report.tokens_per_second:,.1f} tokens/s{capturing}); model loaded in {report.load_seconds:.2f} s"
+    if report.prompt_logprobs is not None and report.new_tokens <= report.rows:  # rows scored (accelgen score)
+        tokens = report.prompts.tokens if report.prompts else 0
+        done = (f"{report.rows:,} {noun} scored, {tokens:,} tokens in {report.generate_seconds:.2f} s "
+                f"({report.rows_per_second:,.1f} rows/s, {tokens / max(report.generate_seconds, 1e-9):,.1f} tokens/s)")
+    else:
+        done = (f"{report.rows:,} {noun}, {report.new_tokens:,} new tokens in {report.generate_seconds:.2f} s "
+                f"({report.tokens_per_second:,.1f} tokens/s{capturing})")
+    print(f"accelgen: {done}; model loaded in {report.load_seconds:.2f} s"
           f"{_restarts()}" + (f"; written to {job.output}" if job.output else ""), file=sys.stderr)
     if details:
         print_details(report)

@@ -22,10 +22,12 @@ PARTS = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class ContinuationScore:
-    """A continuation scored after its row's text: the sum of its tokens' log-probabilities (its log-likelihood), how
-    many tokens and UTF-8 bytes it has (for per-token and per-byte rankings), whether every token of it is the model's
-    greedy choice (it is the greedy continuation), and each token's log-probability."""
+    """A continuation scored after its row's text (``text``: as the row gave it): the sum of its tokens'
+    log-probabilities (its log-likelihood), how many tokens and UTF-8 bytes it has (for per-token and per-byte
+    rankings), whether every token of it is the model's greedy choice (it is the greedy continuation), and each token's
+    log-probability."""
 
+    text: str
     logprob: float
     tokens: int
     bytes: int
@@ -139,8 +141,8 @@ class ScoreParts:
         whole = rows[0].prompt_scores
         text_scores = PromptScores(whole.token_ids[:length], whole.logprobs[:length], whole.greedy[:length],
                                    None if whole.top is None else whole.top[:length])
-        continuations = [ContinuationScore(row.prompt_scores.total(length), len(row.prompt_ids) - length,
-                                           len(text.encode()), row.prompt_scores.all_greedy(length),
-                                           row.prompt_scores.logprobs[length:])
-                         for row, text in zip(rows, encoded.continuation_texts)] if encoded.continuation_texts else None
+        continuations = ([ContinuationScore(text, row.prompt_scores.total(length), len(row.prompt_ids) - length,
+                                            len(text.encode()), row.prompt_scores.all_greedy(length),
+                                            row.prompt_scores.logprobs[length:])
+                          for row, text in zip(rows, encoded.continuation_texts)] if encoded.continuation_texts else None)
         return self.codec.scored(number, prompt, encoded.truncated, text_scores, continuations)

@@ -22,7 +22,7 @@ from typing import IO, Callable, Iterator, Sequence
 from accelgen.common.errors import AccelgenWarning, UsageError, reason, user_errors
 from accelgen.common.output_files import check_output_file, real_path, refuse_link, replace_whole
 from accelgen.common.prompts import PromptRequest
-from accelgen.generation.text import OPTIONAL_FIELDS, Completion, SampleCompletion
+from accelgen.generation.text import OPTIONAL_FIELDS, SCORE_FIELDS, Completion, SampleCompletion
 from accelgen.jobs.kept_samples import SAMPLES_SUFFIX, KeptSamples
 from accelgen.jobs.output_lock import OutputLock
 from accelgen.jobs.prompt_digest import DIGEST_FIELD, RECORD_FIELD, digest_problem, with_digest
@@ -34,10 +34,12 @@ LAST_RUN_FIELD = "last_run"
 #: the form it was started in), and what the last run did.
 UNCOMPARED_FIELDS = ("model", RECORD_FIELD, LAST_RUN_FIELD)
 
-#: The fields a line may hold besides :data:`LINE_FIELDS` (lines written before the digest have none).
-OPTIONAL_LINE_FIELDS = (*OPTIONAL_FIELDS, DIGEST_FIELD)
+#: The fields a line may hold besides :data:`LINE_FIELDS` (lines written before the digest have none; the prompt's
+#: scores are written with --prompt-logprobs).
+OPTIONAL_LINE_FIELDS = (*OPTIONAL_FIELDS, DIGEST_FIELD, "prompt_token_ids", "prompt_logprobs", "prompt_top_logprobs")
 #: The fields of every line, in order: a line without them was not written by ``accelgen run``.
-LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion) if field.name not in OPTIONAL_LINE_FIELDS)
+LINE_FIELDS = tuple(field.name for field in dataclasses.fields(Completion)
+                    if field.name not in OPTIONAL_LINE_FIELDS and field.name not in SCORE_FIELDS)
 
 
 def run_record_path(output: str) -> str:

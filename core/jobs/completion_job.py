@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 from accelgen.adapters.figures import AdapterFigures
 from accelgen.common.errors import AccelgenWarning, UsageError
-from accelgen.common.prompts import PromptError, check_prompts
+from accelgen.common.prompts import PromptError, ScoreRequest, check_prompts
 from accelgen.common.settings import World
 from accelgen.generation.generator import Generator
 from accelgen.generation.text import Completion, PromptSamples, SampleCompletion
@@ -33,6 +33,7 @@ from accelgen.jobs.openai_batch import BatchOutputLines, ServedNames, is_batch_f
 from accelgen.jobs.progress import Progress
 from accelgen.jobs.row_exchange import ReplicaReport, ReplicaResults, RowTaking
 from accelgen.jobs.row_structures import check_job_structure, check_with_tokenizer, checked_rows
+from accelgen.jobs.score_lines import ScoreLines
 from accelgen.loading.model_files import BUILT_IN_NAME
 from accelgen.model.memory import parameter_bytes
 from accelgen.parallel.job_store import job_store
@@ -160,6 +161,7 @@ class RunReport:
     adapters: AdapterFigures | None = None  # what the LoRA adapters did (the job's), None without adapters
     step_traces: int = 0  # decode steps traced instead of captured (``Accelerator.trace_step``)
     trace_failure: str | None = None  # why the decode step could not be traced (then it ran as it is)
+    prompt_logprobs: int | None = None  # the prompts' tokens were scored (with that many alternatives each)
 
     @property
     def rows_per_second(self) -> float:
@@ -201,7 +203,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         unsharded_parameter_bytes=generator.loaded.unsharded_parameter_bytes,
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
         structure=StructureFigures.of(generator, replicas), first_error=first_error,
-        step_traces=stats.step_traces, trace_failure=stats.trace_failure,
+        step_traces=stats.step_traces, trace_failure=stats.trace_failure, prompt_logprobs=generator.run.prompt_logprobs,
         adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
                                    else 0, replicas or [stats]),
     )
@@ -210,14 +212,19 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
 def open_job(
     request: Request, *, prompts: Sequence[str] = (), dataset: DatasetRequest | None = None, output: str | None = None,
     overwrite: bool = False, lock_output: bool | None = None, served_model_names: Sequence[str] = (),
+    scores: ScoreLines | None = None,
 ) -> CompletionJob:
     """The job of completing ``prompts`` or the ``dataset``'s rows into ``output``: inputs and output checked,
     a stopped run's completed rows found; nothing loaded or written yet. The output is locked against other
     writers until the job closes when ``lock_output`` (default: on rank 0, the writer). ``served_model_names``: the
     names an OpenAI batch file's requests may give as their ``model`` to be served by this run (the first is written
-    into the responses); by default the model's own name."""
-    lines = CompletionLines()
+    into the responses); by default the model's own name. ``scores``: the rows are scored into these lines
+    (``accelgen score``; a dataset's rows as its ``scores`` say), not completed."""
+    lines = scores or CompletionLines()
     batch = dataset is not None and is_batch_file(dataset.source)
+    if batch and scores is not None:
+        raise UsageError(f"{dataset.source!r} is an OpenAI batch file: accelgen run serves its requests (echo and "
+                         f"logprobs give prompt log-probabilities); accelgen score reads rows of text.")
     if served_model_names and not batch:
         raise UsageError("--served-model-name names the model an OpenAI batch file's requests ask for: it goes with "
                          "--dataset requests.jsonl (a file of batch requests); drop it for other prompts.")
@@ -251,7 +258,8 @@ def open_job(
         check_job_structure(request.run)
         if not request.run.skip_bad_rows:  # else a prompt that cannot be one becomes an error row
             check_prompts(prompts)
-        rows, dataset_keys = TextRows(iter(prompts), len(prompts)), None
+        texts = iter(prompts) if scores is None else (ScoreRequest(prompt) for prompt in prompts)
+        rows, dataset_keys = TextRows(texts, len(prompts)), None
         source = dict(prompts_sha256=hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest())
     if request.run.chat.text_as_user or rows.conversational:
         source["chat_template_sha256"] = chat_template_hash(request)
@@ -320,8 +328,8 @@ def _slots_for_the_rows(request: Request, job: CompletionJob) -> Request:
     line: a batch shape larger than that would compute empty slots at every step. Rows that choose their own number
     of samples (an OpenAI batch file) or a count not known beforehand (a streamed dataset) keep the asked size."""
     run = request.run
-    if job.rows.total is None or run.rows_choose:
-        return request
+    if job.rows.total is None or run.rows_choose or (job.dataset is not None and job.dataset.choices):
+        return request  # (a row of choices takes a slot per choice)
     slots = max(1, _row_samples_left(request, job))
     if slots >= run.batch_size:
         return request

@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 from typing import Iterator
 
 from accelgen.common.errors import UsageError, user_errors
-from accelgen.common.prompts import SKIP_BAD_ROWS, BadPrompt, Conversation, PromptRequest, as_conversation, prompt_problem
+from accelgen.common.prompts import (
+    SKIP_BAD_ROWS,
+    BadPrompt,
+    Conversation,
+    PromptRequest,
+    ScoreRequest,
+    as_conversation,
+    prompt_problem,
+)
 from accelgen.common.settings import AdapterSettings, RowSettings
 from accelgen.common.structure import schema_structure
 from accelgen.common.value_ranges import check_settings
@@ -98,7 +107,7 @@ ROWS_PER_READ = 1024
 def _column_values(dataset, request: DatasetRequest) -> Iterator[tuple | UnreadableRow]:
     """Each row's values of the prompt, schema and adapter columns (None for a column not named), in dataset order, or
     (in a JSON file) why the row cannot be read; a row the datasets library cannot read stops with its index."""
-    columns = (request.column, request.schema_column, request.adapter_column)
+    columns = (request.column, request.schema_column, request.adapter_column, request.scored_column)
     if isinstance(dataset, JsonRows):
         yield from itertools.islice(dataset.values(columns), request.limit)
         return
@@ -131,7 +140,7 @@ def _row_texts(dataset, request: DatasetRequest, conversations: bool,
                 continue
             raise UsageError(f"Dataset {request.source!r} {values.where(index)} {values.what}: {values.fix}, "
                              f"{SKIP_BAD_ROWS}.")
-        text, schema, adapter = values
+        text, schema, adapter, scored = values
         if request.schema_column and not from_json:
             _check_schema_value(schema, request.schema_column)
         column, problem = not_utf8.get(index) or (_lone_surrogate(values, request) if from_json else (None, None))
@@ -148,6 +157,9 @@ def _row_texts(dataset, request: DatasetRequest, conversations: bool,
         if not problem and request.adapter_column:
             text, problem = with_adapter(text, adapter, request.adapters)
             column = request.adapter_column if problem else column
+        if not problem and request.scores:
+            text, problem = with_continuations(text, scored, request)
+            column = request.scored_column if problem else column
         if problem and request.skip_bad_rows:  # what is wrong, without the fix to the file
             text = BadPrompt(problem.split(": ")[0] if column != request.schema_column
                              else f"its schema (column {column!r}) {problem.rsplit(': ', 1)[0]}")
@@ -159,7 +171,8 @@ def _row_texts(dataset, request: DatasetRequest, conversations: bool,
 
 def _lone_surrogate(values: tuple, request: DatasetRequest) -> tuple[str | None, str | None]:
     """The first column of a JSON row's ``values`` holding a lone surrogate, and the problem; (None, None) if none."""
-    for column, value in zip((request.column, request.schema_column, request.adapter_column), values):
+    for column, value in zip((request.column, request.schema_column, request.adapter_column, request.scored_column),
+                             values):
         problem = surrogate_problem(value) if column else None
         if problem:
             return column, problem
@@ -182,8 +195,8 @@ def _csv_rows_not_utf8(request: DatasetRequest, source: str) -> dict[int, tuple[
     :func:`accelgen.jobs.csv_bytes.rows_not_utf8`); None for any other source."""
     if file_builder(source) != "csv" or not holds_bytes_not_utf8(source):
         return None
-    return rows_not_utf8(source, [column for column in (request.column, request.schema_column, request.adapter_column)
-                                  if column])
+    return rows_not_utf8(source, [column for column in (request.column, request.schema_column, request.adapter_column,
+                                                        request.scored_column) if column])
 
 
 def with_schema(prompt: str | Conversation, schema: object) -> tuple[PromptRequest | str | Conversation, str | None]:
@@ -216,6 +229,33 @@ def with_adapter(prompt: str | Conversation | PromptRequest, name: object,
     return PromptRequest(prompt, RowSettings(adapter=name), None), None
 
 
+def with_continuations(prompt: str | Conversation, value: object,
+                       request: DatasetRequest) -> tuple[ScoreRequest | str | Conversation, str | None]:
+    """``prompt`` as a row to score, with the row's ``value`` of the continuation or choices column (none named: the
+    text alone), or why that value cannot be one, as a clause with its fix."""
+    if request.scored_column is None:
+        return ScoreRequest(prompt), None
+    if request.choices:
+        if isinstance(value, str) and value.strip().startswith("["):  # a list written as JSON text (a CSV column)
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return prompt, "holds text that is not a JSON list of choices: write the choices as a JSON list of texts"
+        if not isinstance(value, (list, tuple)) or not value:
+            return prompt, "holds no list of choices: give each row a list of at least one text"
+        if not all(isinstance(choice, str) and choice for choice in value):
+            return prompt, "holds a choice that is not a text (or is empty): give each choice some text"
+        return ScoreRequest(prompt, tuple(value), choices=True), None
+    if not isinstance(value, str) or not value:
+        return prompt, "holds no continuation: give each row a text to score after its prompt"
+    return ScoreRequest(prompt, (value,)), None
+
+
+def scored_option(request: DatasetRequest) -> str:
+    """The option naming the column of a score job's continuations or choices."""
+    return "--choices-column" if request.choices else "--continuation-column"
+
+
 def _check_column(dataset, request: DatasetRequest) -> str:
     """Raise UsageError unless the column exists and holds text or conversations: "text", "conversation", or
     "mixed" (values of several types, each row read as what it is), and the schema and adapter columns named exist
@@ -232,7 +272,8 @@ def _check_column(dataset, request: DatasetRequest) -> str:
         features = {name: None for name in first_row}
     if request.column not in features:
         raise UsageError(f"Column {request.column!r} is not in the dataset; its columns: {', '.join(features)}.")
-    for option, column in (("--schema-column", request.schema_column), ("--lora-column", request.adapter_column)):
+    for option, column in (("--schema-column", request.schema_column), ("--lora-column", request.adapter_column),
+                           (scored_option(request), request.scored_column)):
         if column is not None and column not in features:
             raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(features)}.")
     adapter_names = features.get(request.adapter_column)  # None: known row by row
@@ -265,7 +306,7 @@ def _check_json_columns(rows: JsonRows, request: DatasetRequest) -> str:
     if not types:
         return "mixed"  # no row can be read: each says why
     for option, column in (("Column", request.column), ("--schema-column", request.schema_column),
-                           ("--lora-column", request.adapter_column)):
+                           ("--lora-column", request.adapter_column), (scored_option(request), request.scored_column)):
         if column is not None and column not in types:
             raise UsageError(f"{option} {column!r} is not in the dataset; its columns: {', '.join(types)}.")
     def held(column: str) -> str:

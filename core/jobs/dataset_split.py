@@ -25,6 +25,11 @@ class DatasetRequest:
     adapter_column: str | None = None  # the column naming each row's LoRA adapter (--lora-column; empty: the base model)
     adapters: AdapterSettings = AdapterSettings()  # the adapters such a column may name
     schema_column: str | None = None  # the column holding each row's JSON Schema (--schema-column)
+    #: the rows are scored (``accelgen score``): ``scored_column`` holds each row's continuation (a text) or, with
+    #: ``choices``, its choices (a list of texts); None: the row's text alone is scored
+    scores: bool = False
+    scored_column: str | None = None
+    choices: bool = False
 
 
 def unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, error: BaseException) -> str:

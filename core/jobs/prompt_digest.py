@@ -35,6 +35,9 @@ def prompt_part(line: dict) -> dict:
         part["request"] = line["request"]
     if line.get("adapter") is not None:  # the LoRA adapter the row asked for
         part["adapter"] = line["adapter"]
+    for scored in ("continuation", "choices"):  # a score row's continuations (``accelgen score``)
+        if line.get(scored) is not None:
+            part[scored] = line[scored]
     return part
 
 
