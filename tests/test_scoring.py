@@ -5,14 +5,22 @@ continuation's log-likelihood and whether it is the greedy one; choices ranked a
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import run_to_the_end
 from family_models import FAMILY_SETTINGS, skip_unless_installed
 from test_parity import _new_dtype_keyword
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
+from accelgen.cli import main
 from accelgen.common.prompts import ScoreRequest
+from accelgen.parallel.launcher import free_port
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
 
@@ -108,3 +116,96 @@ def test_choices_are_ranked_as_hugging_faces_forward_ranks_them(tiny_model_folde
     assert [choice.logprob for choice in completion.continuations] == pytest.approx(sums, abs=1e-4)
     assert max(range(len(sums)), key=sums.__getitem__) == max(
         range(len(sums)), key=lambda place: completion.continuations[place].logprob)
+
+
+# -- accelgen score: lines, resumes, error rows, ranks ------------------------------------------------------------
+
+
+def rows_of(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line]
+
+
+def write_rows(path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+CHOICE_ROWS = [{"text": "The capital of the land is", "choices": [" Paris", " a big city", " Rome"]},
+               {"text": "Hello there", "choices": [" friend", " x"]},
+               {"text": "one two three", "choices": [" four", " five six", " seven"]},
+               {"text": "The quick brown fox", "choices": [" jumps", " sleeps"]}]
+
+
+def test_score_lines_hold_what_the_forward_gives(tiny_model_folder, tmp_path):
+    folder = tiny_model_folder("llama")
+    reference = HuggingFace(folder)
+    rows = write_rows(tmp_path / "rows.jsonl", CHOICE_ROWS)
+    output = tmp_path / "scores.jsonl"
+    assert main(["score", "--device", "cpu", "--dtype", "float32", "--model", str(folder), "--dataset", str(rows),
+                 "--choices-column", "choices", "--token-logprobs", "2", "--batch-size", "4", "--output", str(output),
+                 "--quiet"]) == 0
+    for row, line in zip(CHOICE_ROWS, rows_of(output), strict=True):
+        ids = reference.tokenizer(row["text"])["input_ids"]
+        expected, _ = reference.logprobs(ids)
+        assert line["tokens"] == ids and line["prompt_tokens"] == len(ids)
+        assert line["token_logprobs"][0] is None and line["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+        assert line["prompt_logprob"] == pytest.approx(sum(expected), abs=1e-4)
+        assert line["perplexity"] == pytest.approx(math.exp(-sum(expected) / (len(ids) - 1)), rel=1e-4)
+        assert [len(top) for top in line["top_logprobs"][1:]] == [2] * (len(ids) - 1)
+        sums = []
+        for choice in row["choices"]:
+            whole, _ = reference.logprobs(reference.tokenizer(row["text"] + choice)["input_ids"])
+            sums.append(sum(whole[len(ids) - 1:]))
+        assert line["choices"] == row["choices"] and line["choice_logprobs"] == pytest.approx(sums, abs=1e-4)
+        assert line["best_choice"] == max(range(len(sums)), key=sums.__getitem__)
+        assert line["choice_bytes"] == [len(choice.encode()) for choice in row["choices"]]
+
+
+def test_a_stopped_score_run_resumes_into_the_same_lines(tiny_model_folder, tmp_path):
+    folder = str(tiny_model_folder("gpt2"))
+    rows = write_rows(tmp_path / "rows.jsonl", CHOICE_ROWS)
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    common = ["score", "--device", "cpu", "--model", folder, "--dataset", str(rows), "--choices-column", "choices",
+              "--quiet"]
+    assert main([*common, "--output", str(whole)]) == 0
+    assert main([*common, "--output", str(resumed)]) == 0
+    lines = resumed.read_text().split("\n")
+    resumed.write_text("\n".join(lines[:2]) + "\n")  # a run stopped after two rows
+    assert main([*common, "--output", str(resumed)]) == 0
+    assert rows_of(resumed) == rows_of(whole)
+
+
+def test_rows_that_cannot_be_scored_are_error_rows_or_one_line(tiny_model_folder, tmp_path, capsys):
+    folder = str(tiny_model_folder("llama"))
+    rows = write_rows(tmp_path / "rows.jsonl", [{"text": "Hello", "cont": " there"}, {"text": "Hi", "cont": ""},
+                                                {"text": "", "cont": " x"}, {"text": "Fine", "cont": 3}])
+    output = tmp_path / "out.jsonl"
+    common = ["score", "--device", "cpu", "--model", folder, "--dataset", str(rows), "--continuation-column", "cont",
+              "--quiet"]
+    assert main(common) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "row 1" in error and "'cont'" in error and "--skip-bad-rows" in error
+    assert main([*common, "--skip-bad-rows", "--output", str(output)]) == 0
+    lines = rows_of(output)
+    assert [line["finish_reason"] for line in lines] == ["scored", "error", "error", "error"]
+    assert lines[0]["continuation_tokens"] >= 1 and isinstance(lines[0]["continuation_greedy"], bool)
+    assert all(line["prompt_logprob"] is None and line["error"] for line in lines[1:])
+
+
+@pytest.mark.slow
+def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, job_environment):
+    pytest.importorskip("deepspeed")
+
+    folder = str(tiny_model_folder("llama"))
+    rows = write_rows(tmp_path / "rows.jsonl", CHOICE_ROWS)
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ["score", "--device", "cpu", "--dtype", "float32", "--model", folder, "--dataset", str(rows),
+              "--choices-column", "choices", "--token-logprobs", "1", "--batch-size", "8", "--quiet"]
+    assert main([*common, "--output", str(one)]) == 0
+    result = run_to_the_end([sys.executable, "-m", "accelgen.cli", *common, "--world-size", "2", "--output", str(two),
+                             "--master-port", str(free_port())], job_environment, 240)
+    assert result.returncode == 0, result.stderr
+    for single, ranked in zip(rows_of(one), rows_of(two), strict=True):
+        assert ranked["token_logprobs"][1:] == pytest.approx(single["token_logprobs"][1:], abs=1e-5)
+        assert ranked["choice_logprobs"] == pytest.approx(single["choice_logprobs"], abs=1e-4)
+        assert ranked["best_choice"] == single["best_choice"]
