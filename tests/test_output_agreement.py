@@ -242,3 +242,16 @@ def test_a_chart_without_matplotlib_is_one_line_before_any_work(tmp_path, monkey
     with pytest.raises(UsageError, match="--plot needs matplotlib: pip install") as raised:
         compare_outputs([first, str(tmp_path / "missing.jsonl")], plot=str(tmp_path / "chart.png"))
     assert "\n" not in str(raised.value)
+
+
+def test_two_real_scores_agree(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    write_lines(rows, [{"text": "The quick brown fox", "choices": ["jumps", "sleeps"]},
+                       {"text": "Hello there", "choices": ["friend", "enemy", "you"]}])
+    outputs = [str(tmp_path / name) for name in ("a.jsonl", "b.jsonl")]
+    for output in outputs:
+        assert main(["score", "--dataset", str(rows), "--column", "text", "--choices-column", "choices",
+                     "--token-logprobs", "--output", output]) == 0
+    [pair] = compare_files(outputs).pairs
+    assert pair.agreeing == len(pair.rows) == 2 and pair.drift("prompt_drift").count > 0
+    assert pair.drift("sum_drift").largest < 1e-4  # one machine, one dtype: the same sums
