@@ -209,3 +209,38 @@ def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, jo
         assert ranked["token_logprobs"][1:] == pytest.approx(single["token_logprobs"][1:], abs=1e-5)
         assert ranked["choice_logprobs"] == pytest.approx(single["choice_logprobs"], abs=1e-4)
         assert ranked["best_choice"] == single["best_choice"]
+
+
+#: A row of 32k tokens over a vocabulary of 150k: its logits whole would be 32k x 150k floats (19.9 GB).
+LONG_ROW, WIDE_VOCABULARY = 32_768, 151_936
+LONG_ROW_SCRIPT = """
+import json, resource, sys
+import torch
+import accelgen
+from accelgen.common.prompts import ScoreRequest
+
+generator = accelgen.load(sys.argv[1], device="cpu", dtype="float32", buckets=(LONG_ROW,), prefill_chunk=512)
+ids = torch.randint(0, WIDE_VOCABULARY, (LONG_ROW,), generator=torch.Generator().manual_seed(0)).tolist()
+[completion] = generator.score([ScoreRequest(tuple(ids))])
+logprobs = completion.prompt_scores.logprobs[1:]
+print(json.dumps({"scored": len(logprobs), "finite": all(-1e4 < value <= 0 for value in logprobs),
+                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+""".replace("LONG_ROW", str(LONG_ROW)).replace("WIDE_VOCABULARY", str(WIDE_VOCABULARY))
+
+
+@pytest.mark.slow
+def test_a_long_row_of_a_wide_vocabulary_is_scored_in_bounded_memory(tiny_model_folder, tmp_path, cli_environment):
+    """Measured in a process of its own: its peak is what loading and scoring took, a small share of the 19.9 GB its
+    logits would hold at once."""
+    from tiny_models import build_model
+    from transformers import LlamaConfig
+
+    folder = build_model(tmp_path / "wide", LlamaConfig(
+        vocab_size=WIDE_VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=LONG_ROW + 64))
+    AutoTokenizer.from_pretrained(tiny_model_folder("llama")).save_pretrained(folder)
+    result = run_to_the_end([sys.executable, "-c", LONG_ROW_SCRIPT, str(folder)], cli_environment, 600)
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["scored"] == LONG_ROW - 1 and measured["finite"]
+    assert measured["peak_bytes"] < 3 * 2**30, measured
