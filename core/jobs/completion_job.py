@@ -284,10 +284,11 @@ def _served_names(request: Request, given: Sequence[str]) -> ServedNames:
 
 def _batch_lines(request: Request, names: ServedNames) -> BatchOutputLines:
     """The output lines of a batch file's run (refusing what they cannot hold)."""
-    if request.run.logprobs:
-        raise UsageError("--logprobs is not written into OpenAI batch output lines: drop --logprobs for a batch file, "
-                         "or complete a text or messages column to have them.")
-    return BatchOutputLines(names.written)
+    for flag, asked in (("--logprobs", request.run.logprobs), ("--prompt-logprobs", request.run.prompt_logprobs is not None)):
+        if asked:
+            raise UsageError(f"{flag} is not written into OpenAI batch output lines: each request asks for its own "
+                             f"(body.logprobs K, with echo for its prompt's); drop {flag} for a batch file.")
+    return BatchOutputLines(names.written, request.model.tokenizer)
 
 
 def _resumed_run_record(output: str, overwrite: bool) -> dict | None:
@@ -357,6 +358,11 @@ def job_request(request: Request, job: CompletionJob) -> Request:
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, rows_choose=True, skip_bad_rows=True))
     if job.rows.constrained:  # rows bring their own structures: the steps take each slot's mask
         request = dataclasses.replace(request, run=dataclasses.replace(request.run, structured_rows=True))
+    if job.rows.prompt_logprobs is not None:  # rows ask for their prompts' log-probabilities: every prefill scores
+        alternatives = max(job.rows.prompt_logprobs, request.run.prompt_logprobs or 0)
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, prompt_logprobs=alternatives))
+    if job.rows.logprobs:  # rows ask for their new tokens' log-probabilities: every row's are recorded
+        request = dataclasses.replace(request, run=dataclasses.replace(request.run, logprobs=True))
     request = _slots_for_the_rows(request, job)
     request = request.capture_decided(_rows_left(request, job))
     check_with_tokenizer(request)

@@ -54,6 +54,9 @@ class TextRows:
     conversational: bool = False  # the rows are conversations (some of them, in a batch file)
     rows_choose: bool = False  # the rows bring their own settings (``PromptRequest``: an OpenAI batch file's requests)
     constrained: bool = False  # some rows bring their own structure (a schema column, a request's response_format)
+    #: the most alternatives a row asks for with its prompt's log-probabilities (a batch request's echo and logprobs K)
+    prompt_logprobs: int | None = None
+    logprobs: bool = False  # some rows ask for their generated tokens' log-probabilities (a batch request's logprobs)
 
 
 def open_rows(request: DatasetRequest) -> TextRows:

@@ -13,6 +13,14 @@ request naming anything else is an error row. So is a request that cannot be ser
 anything but its neutral value, a value out of range, more tokens than the run's slots hold): as in OpenAI's batch
 API, one request's problem is its own line's ``error``, never the batch's.
 
+A ``/v1/completions`` request may ask for log-probabilities as OpenAI's legacy API and vLLM give them: ``logprobs`` K
+(0 to 20) gives each generated token's, and with ``echo`` true the prompt's tokens first (the first one's null), its
+``text`` then the prompt and the completion; ``max_tokens`` 0 with ``echo`` scores the prompt alone. The choice's
+``logprobs`` holds ``tokens`` (each token's text where it stands), ``token_logprobs``, ``top_logprobs`` (the token's and
+its K best alternatives', by text; the engine keeps no alternatives of a generated token: its own alone) and
+``text_offset`` (where each token starts in the prompt and completion). The run scores prompts (``prompt_logprobs``)
+and records generated tokens' log-probabilities when some request asks (``TextRows``), each line writing its own.
+
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with the
 body OpenAI's chat completion or completion object (``choices``, one per sample, a reasoning model's thinking in a
 chat message's ``reasoning_content``; ``usage``: prompt and completion token counts); an error row has ``response`` null and ``error`` ``{"code", "message"}``. Every id is made from
@@ -23,6 +31,7 @@ was written).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -52,6 +61,12 @@ NEUTRAL_VALUES = {"stream": (False,), "logprobs": (False, 0), "echo": (False,), 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 #: Most samples one request may ask for (OpenAI's own limit).
 MOST_SAMPLES = 128
+#: Body fields a /v1/completions request asks for log-probabilities with (a chat request may not set them).
+LOGPROBS_FIELDS = ("logprobs", "echo")
+#: Most alternatives a request's ``logprobs`` may ask for at each token (vLLM's limit; OpenAI's own is 5).
+MOST_LOGPROBS = 20
+#: Tokens before a token decoded with it to find its text where it stands (a SentencePiece space, a byte's character).
+TEXT_CONTEXT = 8
 
 
 def is_batch_file(source: str) -> bool:
@@ -87,14 +102,28 @@ def open_requests(dataset: DatasetRequest, model_names: "ServedNames") -> TextRo
     if bad_line:
         raise UsageError(f"Batch file {dataset.source!r} {bad_line}.")
     _check_ids_apart(dataset.source, path)
-    total, chat, constrained = 0, False, False
+    total, chat, constrained, prompt_logprobs, logprobs = 0, False, False, None, False
     for _, data in _request_lines(path, dataset.limit):
         total += 1
         chat = chat or (isinstance(data, dict) and data.get("url") == CHAT_URL)
         body = data.get("body") if isinstance(data, dict) else None
         constrained = constrained or (isinstance(body, dict) and body.get("response_format") not in (None, {"type": "text"}))
+        echo, alternatives = _asked_logprobs(data)
+        if alternatives is not None:  # the run scores prompts with the most alternatives any request asks for
+            logprobs = True
+            prompt_logprobs = max(prompt_logprobs or 0, alternatives) if echo else prompt_logprobs
     rows = (request_row(data, model_names) for _, data in _request_lines(path, dataset.limit))
-    return TextRows(rows, total, conversational=chat, rows_choose=True, constrained=constrained)
+    return TextRows(rows, total, conversational=chat, rows_choose=True, constrained=constrained,
+                    prompt_logprobs=prompt_logprobs, logprobs=logprobs)
+
+
+def _asked_logprobs(data: object) -> tuple[bool, int | None]:
+    """Whether a request line asks for its prompt echoed, and the alternatives its ``logprobs`` asks for (None: no
+    log-probabilities), as far as it is a /v1/completions request that asks them rightly (others are error rows)."""
+    try:
+        return _logprobs_fields(data["body"]) if data.get("url") == COMPLETIONS_URL else (False, None)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False, None
 
 
 def _check_ids_apart(source: str, path: str) -> None:
@@ -127,14 +156,15 @@ def request_row(data: object, model_names: "ServedNames") -> PromptRequest:
     """One request line as a row: its prompt and own settings, or (a BadPrompt) why it cannot be served."""
     fields = {"custom_id": data.get("custom_id"), "url": data.get("url")} if isinstance(data, dict) else {}
     try:
-        prompt, settings = _read_request(data, model_names)
+        prompt, settings, asked = _read_request(data, model_names)
     except ValueError as problem:
         return PromptRequest(BadPrompt(str(problem)), RowSettings(), fields)
-    return PromptRequest(prompt, settings, fields)
+    return PromptRequest(prompt, settings, {**fields, **asked})
 
 
-def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conversation, RowSettings]:
-    """The request's prompt and settings; ValueError saying what is wrong with it."""
+def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conversation, RowSettings, dict]:
+    """The request's prompt and settings, and what its line is to hold beside its completion (``echo``, ``logprobs``
+    K, ``max_tokens`` 0: the prompt alone), as its fields; ValueError saying what is wrong with it."""
     if not isinstance(data, dict) or not isinstance(data.get("custom_id"), str) or not isinstance(data.get("body"), dict):
         raise ValueError("is not an OpenAI batch request (a custom_id text and a body object)")
     if data.get("method", "POST") != "POST" or data.get("url") not in (CHAT_URL, COMPLETIONS_URL):
@@ -144,13 +174,42 @@ def _read_request(data: object, model_names: "ServedNames") -> tuple[str | Conve
     model = body.get("model")
     if model is not None and model not in model_names.accepted and model not in model_names.adapters:
         raise ValueError(model_names.refusal(model))
+    completions = data["url"] == COMPLETIONS_URL
     for name, value in body.items():
-        if name not in SETTING_FIELDS and name not in IGNORED_FIELDS and value is not None \
-                and value not in NEUTRAL_VALUES.get(name, ()):
+        if name in SETTING_FIELDS or name in IGNORED_FIELDS or value is None or (completions and name in LOGPROBS_FIELDS):
+            continue
+        if name in LOGPROBS_FIELDS and value not in NEUTRAL_VALUES[name]:
+            raise ValueError(f"sets {name}, which accelgen gives on {COMPLETIONS_URL} only (logprobs K, echo for the "
+                             f"prompt's): remove it, or ask {COMPLETIONS_URL}")
+        if value not in NEUTRAL_VALUES.get(name, ()):
             raise ValueError(f"sets {name}, which accelgen does not honour: remove it")
+    echo, alternatives = _logprobs_fields(body) if completions else (False, None)
     prompt = _chat_prompt(body) if data["url"] == CHAT_URL else _text_prompt(body)
-    own = {setting: _setting(name, body[name]) for name, setting in SETTING_FIELDS.items() if body.get(name) is not None}
-    return prompt, RowSettings(**own, adapter=model if model in model_names.adapters else None)
+    asked = {"echo": True} if echo else {}
+    if alternatives is not None:
+        asked["logprobs"] = alternatives
+    prompt_alone = echo and any(type(body.get(name)) is int and body[name] == 0 for name in ("max_tokens", "max_completion_tokens"))
+    own = {setting: _setting(name, body[name]) for name, setting in SETTING_FIELDS.items()
+           if body.get(name) is not None and not (prompt_alone and setting == "max_new_tokens")}
+    if prompt_alone:  # the engine makes one token, which the line leaves out
+        own["max_new_tokens"], asked["max_tokens"] = 1, 0
+    return prompt, RowSettings(**own, adapter=model if model in model_names.adapters else None), asked
+
+
+def _logprobs_fields(body: dict) -> tuple[bool, int | None]:
+    """A /v1/completions body's ``echo``, and the alternatives its ``logprobs`` asks for (None: none asked);
+    ValueError when either is not a value they take."""
+    echo, alternatives = body.get("echo", False), body.get("logprobs")
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise ValueError(f"echo must be true or false (got {echo!r})")
+    if alternatives is None or alternatives is False:
+        return echo, None
+    if type(alternatives) is not int or not 0 <= alternatives <= MOST_LOGPROBS:
+        raise ValueError(f"logprobs must be a whole number from 0 to {MOST_LOGPROBS} (the alternatives given at each "
+                         f"token) (got {alternatives!r})")
+    return echo, alternatives
 
 
 def _chat_prompt(body: dict) -> Conversation:
@@ -202,7 +261,9 @@ def _setting(name: str, value: object) -> object:
     setting = SETTING_FIELDS[name]
     if not RANGES[setting].holds(value) or (name == "n" and value > MOST_SAMPLES):
         allowed = f"a whole number from 1 to {MOST_SAMPLES}" if name == "n" else RANGES[setting].describe()
-        raise ValueError(f"{name} must be {allowed}{' (or 0: greedy)' if name == 'temperature' else ''} (got {value!r})")
+        also = {"temperature": " (or 0: greedy)", "max_tokens": f" (or 0 with echo on {COMPLETIONS_URL}: the prompt alone)",
+                "max_completion_tokens": f" (or 0 with echo on {COMPLETIONS_URL}: the prompt alone)"}.get(name, "")
+        raise ValueError(f"{name} must be {allowed}{also} (got {value!r})")
     return value
 
 
@@ -254,10 +315,16 @@ def _message(sample: dict) -> dict:
 
 
 class BatchOutputLines:
-    """OpenAI batch output lines for the completions of a batch file's requests, by ``model``."""
+    """OpenAI batch output lines for the completions of a batch file's requests, by ``model``; ``tokenizer`` gives the
+    model's tokenizer, read the first time a request's log-probabilities name their tokens."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, tokenizer: Callable[[], object] | None = None):
         self.model = model
+        self.tokenizer_of = tokenizer
+
+    @functools.cached_property
+    def tokenizer(self):
+        return self.tokenizer_of()
 
     def line(self, completion: Completion) -> dict:
         request = completion.request or {}
@@ -266,10 +333,14 @@ class BatchOutputLines:
             return {**line, "response": None, "error": {"code": "invalid_request", "message": completion.error}}
         samples = completion.completions or [{"completion": completion.completion, "finish_reason": completion.finish_reason,
                                               "completion_token_ids": completion.completion_token_ids,
-                                              "reasoning": completion.reasoning}]
+                                              "reasoning": completion.reasoning, "logprobs": completion.logprobs}]
+        if request.get("max_tokens") == 0:  # echo with max_tokens 0: the prompt alone (the one token made left out)
+            samples = [{"completion": "", "finish_reason": "length", "completion_token_ids": [], "logprobs": []}] * len(samples)
         chat = request.get("url") == CHAT_URL
-        choices = [{"index": number, **({"message": _message(sample)} if chat else {"text": sample["completion"]}),
-                    "logprobs": None, "finish_reason": FINISH_REASONS[sample["finish_reason"]]}
+        echoed = completion.prompt if request.get("echo") else ""
+        choices = [{"index": number, **({"message": _message(sample)} if chat else {"text": echoed + sample["completion"]}),
+                    "logprobs": self._logprobs(completion, sample) if "logprobs" in request else None,
+                    "finish_reason": FINISH_REASONS[sample["finish_reason"]]}
                    for number, sample in enumerate(samples)]
         new_tokens = sum(len(sample["completion_token_ids"]) for sample in samples)
         body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{completion.index}",
@@ -279,6 +350,38 @@ class BatchOutputLines:
                           "total_tokens": completion.prompt_token_count + new_tokens}}
         return {**line, "response": {"status_code": 200, "request_id": f"req_{completion.index}", "body": body},
                 "error": None}
+
+    def _logprobs(self, completion: Completion, sample: dict) -> dict:
+        """A completion choice's ``logprobs`` (legacy /v1/completions): its prompt's tokens first when the request
+        echoes it (scored in the prefill), then its sample's; each token's text, log-probability, its own and its
+        best alternatives' (up to K + 1, by text) and where it starts in the prompt and completion."""
+        request, scores = completion.request, completion.prompt_scores
+        alternatives, echo = request["logprobs"], request.get("echo", False)
+        prompt_ids = scores.token_ids if scores is not None else self.tokenizer.encode(completion.prompt)
+        new_ids = sample["completion_token_ids"]
+        texts = _TokenTexts(self.tokenizer, prompt_ids + new_ids)
+        chosen = ([None, *scores.logprobs[1:]] if echo else []) + list(sample.get("logprobs") or [])
+        written = completion.prompt + sample["completion"]
+        logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for place, position in enumerate(range(0 if echo else len(prompt_ids), len(prompt_ids) + len(new_ids))):
+            if position == len(prompt_ids):  # the completion's tokens follow the prompt as the request gave it
+                offset = len(completion.prompt)
+            text = texts.of(position, texts.ids[position])
+            # the characters it takes in the text: its own where the text holds them (a special token the prompt
+            # spells out), else those it adds to its decoded text (none for a BOS, an EOS; a character's first byte)
+            width = len(text) if written.startswith(text, offset) else len(texts.of(position, texts.ids[position], True))
+            logprob, top = (None, None) if chosen[place] is None else (_finite(chosen[place]), {})
+            if top is not None:
+                best = [(texts.ids[position], chosen[place])]
+                if position < len(prompt_ids) and scores.top is not None:
+                    best += scores.top[position][:alternatives]  # (a generated token's alternatives are not kept)
+                for token, value in sorted(best, key=lambda pair: -pair[1]):
+                    top.setdefault(texts.of(position, token), _finite(value))  # texts may coincide: the likelier kept
+            for field, value in zip(logprobs, (text, logprob, top, offset)):
+                logprobs[field].append(value)
+            offset += width
+        return logprobs
 
     @staticmethod
     def problem(line: object, index: int) -> str | None:
@@ -345,3 +448,22 @@ class BatchOutputLines:
     @staticmethod
     def request_key(row: PromptRequest) -> object:
         return row.fields.get("custom_id")
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability as JSON holds it: -inf (a token the model rules out) as -9999.0, as vLLM writes it."""
+    return max(float(logprob), -9999.0)
+
+
+class _TokenTexts:
+    """The texts of a row's tokens ``ids`` where they stand: each decoded after the few tokens before it, so that a
+    word's space (SentencePiece) and a character's bytes come out as they do in the whole text."""
+
+    def __init__(self, tokenizer, ids: list[int]):
+        self.tokenizer, self.ids = tokenizer, ids
+
+    def of(self, position: int, token: int, skip_special_tokens: bool = False) -> str:
+        """The text ``token`` would add at ``position`` (special tokens by name, unless skipped)."""
+        before = self.ids[max(0, position - TEXT_CONTEXT):position]
+        head = self.tokenizer.decode(before, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(before + [token], skip_special_tokens=skip_special_tokens)[len(head):]
