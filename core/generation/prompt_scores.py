@@ -15,8 +15,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-#: The most logits the head computes at once for prompt scores (64 MiB in float32).
-LOGITS_AT_ONCE = 1 << 24
+#: The most logits the head computes at once for prompt scores (16 MiB in float32: a few hundred positions of a
+#: vocabulary of tens of thousands, the passes over them kept in the processor's caches).
+LOGITS_AT_ONCE = 1 << 22
 
 
 @dataclasses.dataclass
@@ -117,7 +118,7 @@ def score_positions(head_logits: Callable[[torch.Tensor], torch.Tensor], positio
         logits = head_logits(hidden[first:end]).float()
         log_softmax = logits.log_softmax(-1)
         logprobs[first:end] = log_softmax.gather(1, targets[first:end, None])[:, 0]
-        greedy[first:end] = logits.argmax(-1) == targets[first:end]
+        greedy[first:end] = logits.max(-1).indices == targets[first:end]  # the first largest, as argmax takes it
         if alternatives:
             best = log_softmax.topk(min(alternatives, logits.shape[-1]), dim=-1)
             top_ids[first:end, :best.indices.shape[1]], top_logprobs[first:end, :best.values.shape[1]] = best.indices, best.values
