@@ -397,6 +397,18 @@ def _shard(arguments: argparse.Namespace, request: Request) -> int:
 
 
 def compare_command(arguments: argparse.Namespace) -> int:
+    """Bench result files into tables and a chart; output files of the same rows into their agreement."""
+    from accelgen.bench.output_agreement import DEFAULT_TOLERANCE, are_output_files, compare_outputs
+
+    if are_output_files(arguments.files):
+        print(compare_outputs(arguments.files, baseline=arguments.baseline, markdown=arguments.markdown, plot=arguments.plot,
+                              tolerance=DEFAULT_TOLERANCE if arguments.tolerance is None else arguments.tolerance))
+        for path, what in ((arguments.markdown, "the Markdown table"), (arguments.plot, "the chart")):
+            if path:
+                print(f"accelgen: wrote {what} to {os.path.abspath(path)}", file=sys.stderr)
+        return 0
+    if arguments.tolerance is not None:
+        raise UsageError("--tolerance applies to output files of accelgen run / score: drop it for bench result files.")
     from accelgen.bench.compare import (
         METRICS,
         check_chart_columns,

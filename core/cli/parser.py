@@ -208,9 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_arguments(bench)
 
     compare = commands.add_parser("compare", help="tables and a chart from result files of any machines")
-    compare.add_argument("files", nargs="+", help="result files written by 'accelgen bench' (or published ones)")
+    compare.add_argument("files", nargs="+", help="result files written by 'accelgen bench' (or published ones), or output "
+                         "files of 'accelgen run' / 'accelgen score' of the same rows: do the answers agree "
+                         "(docs/agreement.md)")
     compare.add_argument("--metric", choices=sorted(METRICS), default="end-to-end", help="figure in the cells (default: end-to-end)")
-    compare.add_argument("--baseline", help="hardware label to compare the others with (default: the first column)")
+    compare.add_argument("--baseline", help="hardware label (or output file) to compare the others with (default: the first)")
+    compare.add_argument("--tolerance", type=float, default=None,
+                         help="output files: how far a plain score's prompt_logprob may drift and still agree, relative "
+                              "(default 1e-3)")
     compare.add_argument("--markdown", help="also write the table as Markdown to this file")
     compare.add_argument("--plot", help="also draw a PNG chart to this file (needs matplotlib)")
 
