@@ -98,7 +98,7 @@ def responses(results: dict, task: str) -> list:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_tasks_score_as_lm_evals_own_hugging_face_model(tiny_model_folder, task_index, family):
     folder = tiny_model_folder(family)
-    ours = AccelgenLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=4)
+    ours = AccelgenLM(pretrained=str(folder), device="cpu:0", dtype="float32", batch_size=4)  # lm-eval's --device form
     # the same window as ours: HFLM reads a whole context, accelgen's engine keeps a position for the token it adds
     reference = HFLM(pretrained=str(folder), dtype="float32", batch_size=4, device="cpu", max_length=ours.max_length)
     assert ours.max_length < len(reference.tok_encode(QUESTIONS[-1][0]))  # the long question is cut
@@ -176,3 +176,15 @@ def test_a_window_larger_than_the_engine_holds_is_refused(tiny_model_folder):
     assert AccelgenLM(generator=generator).max_length == 254  # 256 positions: the scored token's and a new one's kept
     with pytest.raises(UsageError, match="max_length 256 is over the 254 tokens"):
         AccelgenLM(generator=generator, max_length=256)
+
+
+def test_a_tasks_sampling_settings_are_taken_and_others_refused(tiny_model_folder):
+    from lm_eval.api.instance import Instance
+
+    model = AccelgenLM(generator=accelgen.load(tiny_model_folder("gpt2"), device="cpu", dtype="float32"))
+    sampling = model._generating(4, ["x"], {"do_sample": True, "temperature": 0.7, "top_p": 0.9}).run.sampling
+    assert (sampling.do_sample, sampling.temperature, sampling.top_p) == (True, 0.7, 0.9)
+    assert not model._generating(4, [], {"do_sample": False, "temperature": 0.7}).run.sampling.do_sample
+    request = Instance("generate_until", {}, ("Hello", {"until": ["x"], "max_gen_toks": 4, "num_beams": 2}), 0)
+    with pytest.raises(UsageError, match=r"^A task's generation settings hold num_beams, which accelgen does not take"):
+        model.generate_until([request])

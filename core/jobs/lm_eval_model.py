@@ -25,8 +25,12 @@ from accelgen.model.shape import context_limit
 #: The name lm-eval knows accelgen's model by (``lm_eval --model accelgen``).
 MODEL_NAME = "accelgen"
 NOT_INSTALLED = "lm-evaluation-harness is not installed: pip install 'accelgen[eval]'"
-#: What a task's generation settings may hold (lm-eval's names, once normalized); others are refused, not ignored.
-GENERATION_SETTINGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
+#: The names a task may give its new-token budget, the first one present winning (as lm-eval reads them).
+BUDGET_NAMES = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+#: What else a task's generation settings may hold; anything more is refused, not ignored.
+SAMPLING_NAMES = {"do_sample", "temperature", "top_p", "top_k"}
+#: What a tokenizer says of a length it does not know (transformers' VERY_LARGE_INTEGER).
+UNKNOWN_LENGTH = int(1e30)
 
 
 def harness_installed() -> bool:
@@ -69,7 +73,8 @@ class GeneratorLM:
         if generator is None:
             from accelgen.session.api import load
 
-            options = {**load_options, **({"device": device} if device else {})}
+            # lm-eval's --device names a device and its index ("cuda:0", its default): accelgen's ranks pick the index
+            options = {**load_options, **({"device": device.split(":")[0]} if device else {})}
             if batch_size is not None:
                 options["batch_size"] = _batch_size(batch_size)
             generator = load(pretrained, **options)
@@ -114,15 +119,12 @@ class GeneratorLM:
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
-        """HFLM's encoding: the tokenizer's special tokens (or ``add_bos_token``'s choice), none for a text that
-        starts with the prefix token's text already."""
-        from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+        """HFLM's own encoding, run on this model's tokenizer: its default changed across lm-eval releases (0.4.9 adds
+        no special token to a causal model's text unless ``add_bos_token``; later ones add the tokenizer's, none to a
+        text that starts with the prefix token's text), and contexts must encode as the installed HFLM encodes them."""
+        from lm_eval.models.huggingface import HFLM
 
-        options = _add_special_kwargs(add_special_tokens, self.add_bos_token)
-        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
-            options["add_special_tokens"] = False
-        ids = self.tokenizer.encode(string, **options)
-        return ids[-left_truncate_len:] if left_truncate_len else ids
+        return HFLM.tok_encode(self, string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len)
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
@@ -164,17 +166,13 @@ class GeneratorLM:
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each (context, settings): its completion from the context's last ``max_length - max_gen_toks`` tokens, cut
         at the first of its ``until`` texts (or the end token's). Requests of the same settings run together."""
-        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-
         end_text = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         groups: dict[str, list[int]] = {}
         for place, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(place)
         texts: list[str] = [""] * len(requests)
         for places in groups.values():
-            settings = dict(normalize_gen_kwargs(requests[places[0]].args[1], self.max_gen_toks))
-            until = handle_stop_sequences(settings.pop("until", None), eos=end_text)
-            new_tokens = settings.pop("max_gen_toks")
+            until, new_tokens, settings = generation_settings(requests[places[0]].args[1], self.max_gen_toks, end_text)
             longest_context = self.max_length - new_tokens
             if longest_context <= 0:
                 raise UsageError(f"A task asks for {new_tokens} new tokens, not fewer than the {self.max_length}-token "
@@ -182,7 +180,7 @@ class GeneratorLM:
             contexts = [self.tok_encode(requests[place].args[0], left_truncate_len=longest_context) for place in places]
             generator = self._generating(new_tokens, [text for text in until if text and text != end_text], settings)
             for place, (tokens, _) in zip(places, generator.generate_token_ids(contexts)):
-                texts[place] = postprocess_generated_text(self.tok_decode(tokens), until, None)
+                texts[place] = cut_at_stops(self.tok_decode(tokens), until)
                 self.cache_hook.add_partial("generate_until", requests[place].args, texts[place])
         return texts
 
@@ -206,14 +204,16 @@ class GeneratorLM:
     def _generating(self, new_tokens: int, stop: list[str], settings: dict) -> Generator:
         """A generator of the same model for one group of requests: ``new_tokens`` at most, ending at ``stop``, greedy
         unless the task samples."""
-        unknown = sorted(set(settings) - GENERATION_SETTINGS)
+        unknown = sorted(set(settings) - SAMPLING_NAMES)
         if unknown:
             raise UsageError(f"A task's generation settings hold {', '.join(unknown)}, which accelgen does not take: "
                              f"drop them (--gen_kwargs or the task's generation_kwargs).")
         run = self.generator.run
+        # HFLM's reading: greedy unless do_sample, or a temperature above 0 with do_sample unsaid; at 0, greedy
+        temperature, do_sample = float(settings.get("temperature") or 0.0), settings.get("do_sample")
         sampling = dataclasses.replace(run.sampling, do_sample=False)
-        if settings.get("do_sample") and float(settings.get("temperature", 1.0)) > 0:
-            sampling = dataclasses.replace(run.sampling, do_sample=True, temperature=float(settings.get("temperature", 1.0)),
+        if temperature > 0 and do_sample is not False:
+            sampling = dataclasses.replace(run.sampling, do_sample=True, temperature=temperature,
                                            top_p=float(settings.get("top_p", 1.0)), top_k=int(settings.get("top_k", 0)))
         return Generator(self.generator.loaded, dataclasses.replace(
             run, max_new_tokens=new_tokens, stop=tuple(stop), sampling=sampling, num_samples=1, prompt_logprobs=None,
@@ -239,10 +239,34 @@ def engine_window(generator: Generator) -> int:
 
 
 def harness_window(generator: Generator) -> int:
-    """HFLM's window for this model (its config's, else its tokenizer's, else lm-eval's default)."""
-    from lm_eval.models.utils import resolve_max_length
+    """HFLM's window for this model: its config's n_positions, max_position_embeddings or n_ctx (a composite model's
+    text config's), else its tokenizer's model_max_length, else 2048."""
+    config = getattr(generator.model.config, "text_config", None) or generator.model.config
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        if getattr(config, name, None) is not None:
+            return int(getattr(config, name))
+    length = getattr(generator.tokenizer, "model_max_length", None)
+    return int(length) if length is not None and length < UNKNOWN_LENGTH else 2048
 
-    return resolve_max_length(generator.model.config, generator.tokenizer)
+
+def generation_settings(settings: dict, default_new_tokens: int, end_text: str) -> tuple[list[str], int, dict]:
+    """A task's generation settings as HFLM reads them: its stop texts (``until``, a text or a list) with the end
+    token's text added, its new-token budget (``max_gen_toks`` or an alias, else ``default_new_tokens``), the rest."""
+    rest = dict(settings)
+    until = rest.pop("until", None)
+    until = [until] if isinstance(until, str) else list(until or [])
+    if end_text not in until:
+        until.append(end_text)
+    budgets = [rest.pop(name) for name in BUDGET_NAMES if name in rest]
+    return until, int(budgets[0]) if budgets else default_new_tokens, rest
+
+
+def cut_at_stops(text: str, stops: Sequence[str]) -> str:
+    """``text`` before the first of ``stops`` (HFLM's cut: each stop in turn, empty ones skipped)."""
+    for stop in stops:
+        if stop:
+            text = text.split(stop)[0]
+    return text
 
 
 def _batch_size(value: int | str) -> int:
@@ -325,8 +349,7 @@ def lm_eval_cli() -> None:
     cli_evaluate()
 
 
-if harness_installed():
+if __name__ == "__main__":  # python -m: the model registered once, by the module under its own name
+    importlib.import_module("accelgen.jobs.lm_eval_model").lm_eval_cli()
+elif harness_installed():
     lm_class()  # lm-eval's model "accelgen" exists once this module is imported
-
-if __name__ == "__main__":
-    lm_eval_cli()
