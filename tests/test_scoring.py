@@ -193,7 +193,9 @@ def test_rows_that_cannot_be_scored_are_error_rows_or_one_line(tiny_model_folder
 
 
 @pytest.mark.slow
-def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, job_environment):
+@pytest.mark.parametrize("split", [["--world-size", "2"], ["--world-size", "2", "--data-parallel", "2"]],
+                         ids=["tensor-parallel", "data-parallel"])
+def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, job_environment, split):
     pytest.importorskip("deepspeed")
 
     folder = str(tiny_model_folder("llama"))
@@ -202,13 +204,14 @@ def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, jo
     common = ["score", "--device", "cpu", "--dtype", "float32", "--model", folder, "--dataset", str(rows),
               "--choices-column", "choices", "--token-logprobs", "1", "--batch-size", "8", "--quiet"]
     assert main([*common, "--output", str(one)]) == 0
-    result = run_to_the_end([sys.executable, "-m", "accelgen.cli", *common, "--world-size", "2", "--output", str(two),
+    result = run_to_the_end([sys.executable, "-m", "accelgen.cli", *common, *split, "--output", str(two),
                              "--master-port", str(free_port())], job_environment, 240)
     assert result.returncode == 0, result.stderr
     for single, ranked in zip(rows_of(one), rows_of(two), strict=True):
         assert ranked["token_logprobs"][1:] == pytest.approx(single["token_logprobs"][1:], abs=1e-5)
         assert ranked["choice_logprobs"] == pytest.approx(single["choice_logprobs"], abs=1e-4)
-        assert ranked["best_choice"] == single["best_choice"]
+        assert ranked["best_choice"] == single["best_choice"] and ranked["tokens"] == single["tokens"]
+        assert ranked["top_logprobs"][1][0]["id"] == single["top_logprobs"][1][0]["id"]
 
 
 #: A row of 32k tokens over a vocabulary of 150k: its logits whole would be 32k x 150k floats (19.9 GB).

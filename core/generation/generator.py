@@ -80,6 +80,7 @@ class Generator:
                                            run.batch_size, markers, run.skip_bad_rows) if run.constrained else None
         self.runner = SlotRunner(forward, self.accelerator, loaded.device, run, self.world, rules, self.stats,
                                  self.constraints)
+        self._scorers: dict[int, Generator] = {}  # generators of the same model that score rows, by alternatives
 
     def with_batch_size(self, batch_size: int) -> "Generator":
         """A generator of the same model for another batch size (its own caches and graphs)."""
@@ -90,7 +91,7 @@ class Generator:
         likely ones: this one where it scores so already, else one of its own (its caches), made once."""
         if self.run.prompt_logprobs == alternatives and self.run.max_new_tokens == 1:
             return self
-        scorers = self.__dict__.setdefault("_scorers", {})
+        scorers = self._scorers
         if alternatives not in scorers:
             scorers[alternatives] = Generator(self.loaded, dataclasses.replace(
                 self.run, prompt_logprobs=alternatives, max_new_tokens=1, num_samples=1, use_graphs=False,

@@ -46,6 +46,15 @@ class PromptScores:
             if self.top is not None:
                 self.top[index] = list(zip(top_ids[place], top_logprobs[place]))
 
+    @classmethod
+    def from_fields(cls, fields: dict) -> "PromptScores":
+        """Scores from their fields read back from JSON (``dataclasses.asdict`` of some): pairs and ids as they were."""
+        top = fields["top"]
+        texts = fields.get("texts")
+        return cls(fields["token_ids"], fields["logprobs"], fields["greedy"],
+                   None if top is None else [None if pairs is None else [tuple(pair) for pair in pairs] for pairs in top],
+                   None if texts is None else {int(token): text for token, text in texts.items()})
+
     def named_top(self) -> list[list[dict] | None]:
         """The alternatives of each token as an output line holds them: ``{"id", "token", "logprob"}``, best first."""
         texts = self.texts or {}
@@ -60,6 +69,21 @@ class PromptScores:
     def all_greedy(self, start: int, end: int | None = None) -> bool:
         """Whether every token of [start, end) is the model's greedy choice (the greedy continuation)."""
         return all(self.greedy[start:end])
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuationScore:
+    """A continuation scored after its row's text (``text``: as the row gave it): the sum of its tokens'
+    log-probabilities (its log-likelihood), how many tokens and UTF-8 bytes it has (for per-token and per-byte
+    rankings), whether every token of it is the model's greedy choice (it is the greedy continuation), and each token's
+    log-probability."""
+
+    text: str
+    logprob: float
+    tokens: int
+    bytes: int
+    greedy: bool
+    token_logprobs: list[float]
 
 
 class ScoredPositions(NamedTuple):

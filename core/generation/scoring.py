@@ -12,27 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 from accelgen.common.prompts import BadPrompt, Conversation, PromptError, ScoreRequest
-from accelgen.generation.prompt_scores import PromptScores
+from accelgen.generation.prompt_scores import ContinuationScore, PromptScores
 from accelgen.generation.scheduler import Row
 from accelgen.generation.text import Completion, PromptCodec
 
 #: A request's prompts are numbered ``number * PARTS + part``: each its own, the request's number read back from it.
 PARTS = 1 << 16
-
-
-@dataclasses.dataclass(frozen=True)
-class ContinuationScore:
-    """A continuation scored after its row's text (``text``: as the row gave it): the sum of its tokens'
-    log-probabilities (its log-likelihood), how many tokens and UTF-8 bytes it has (for per-token and per-byte
-    rankings), whether every token of it is the model's greedy choice (it is the greedy continuation), and each token's
-    log-probability."""
-
-    text: str
-    logprob: float
-    tokens: int
-    bytes: int
-    greedy: bool
-    token_logprobs: list[float]
 
 
 @dataclasses.dataclass(frozen=True)

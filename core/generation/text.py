@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from accelgen.common.errors import UsageError, first_line
 from accelgen.common.prompts import Conversation, PromptError, PromptRequest, as_conversation, check_prompts
 from accelgen.common.settings import ChatSettings, RunSettings
-from accelgen.generation.prompt_scores import PromptScores
+from accelgen.generation.prompt_scores import ContinuationScore, PromptScores
 from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.scheduler import Row
 
@@ -48,7 +48,7 @@ class Completion:
     adapter: str | None = None  # the LoRA adapter it was completed with, by name (None: the base model)
     #: its prompt's tokens scored (``--prompt-logprobs``; a score row's text), with the texts of the tokens named
     prompt_scores: PromptScores | None = None
-    continuations: list | None = None  # a score row's continuations, scored (``accelgen.generation.scoring``)
+    continuations: list[ContinuationScore] | None = None  # a score row's continuations, scored (``accelgen score``)
 
     def as_row(self) -> dict:
         """The completion as an output line's fields (those of :data:`OPTIONAL_FIELDS` only when they hold
@@ -62,6 +62,14 @@ class Completion:
             if self.prompt_scores.top is not None:
                 row["prompt_top_logprobs"] = self.prompt_scores.named_top()
         return row
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "Completion":
+        """A completion from ``dataclasses.asdict`` of one, read back from JSON (rows handed between replicas)."""
+        scores, continuations = fields.get("prompt_scores"), fields.get("continuations")
+        return cls(**{**fields, "prompt_scores": None if scores is None else PromptScores.from_fields(scores),
+                      "continuations": None if continuations is None
+                      else [ContinuationScore(**continuation) for continuation in continuations]})
 
     @classmethod
     def of_samples(cls, samples: list["Completion"]) -> "Completion":

@@ -195,7 +195,7 @@ class ReplicaResults:
             if self.next_row in self._own:
                 rows.append(self._own.pop(self.next_row))
             elif self.store.check([key]):
-                rows.append(Completion(**json.loads(self.store.get(key))))
+                rows.append(Completion.from_fields(json.loads(self.store.get(key))))
                 self.store.delete_key(key)
             else:
                 if rows:
