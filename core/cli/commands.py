@@ -135,8 +135,8 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
         return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
-    return {"bench": bench_command, "shard": shard_command, "run": run_command, "score": run_command}[command](
-        invocation, plugin_manager)
+    return {"bench": bench_command, "shard": shard_command, "run": run_command, "score": run_command,
+            "eval": eval_command}[command](invocation, plugin_manager)
 
 
 def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
@@ -309,6 +309,34 @@ def _generate(arguments: argparse.Namespace, request: Request, job) -> int:
         every_row_failed = print_error_rows(*job.error_rows(report), report, job)
     leave_process_group()
     return EVERY_ROW_FAILED_STATUS if every_row_failed else 0
+
+
+def eval_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
+    """``accelgen eval``: lm-evaluation-harness's tasks on the engine; the tasks found before the model loads."""
+    from accelgen.jobs.lm_eval_model import task_manager
+
+    arguments = invocation.arguments
+    index = task_manager(arguments.tasks, arguments.include_path)  # lm_eval installed, every task found
+    request = _request(arguments, plugin_manager, invocation.world)
+    return _here_or_launched(invocation, request, lambda: _evaluate(arguments, request, index))
+
+
+def _evaluate(arguments: argparse.Namespace, request: Request, index) -> int:
+    """Evaluate in this process (one rank of a job, or the whole job); rank 0 prints the table and writes --output."""
+    from accelgen.jobs.lm_eval_model import evaluate_generator, result_table
+    from accelgen.parallel.process_groups import leave_process_group
+    from accelgen.session.api import load_request
+
+    quiet_libraries()
+    results = evaluate_generator(load_request(request), arguments.tasks, index, limit=arguments.limit,
+                                 num_fewshot=arguments.num_fewshot, output_path=arguments.output,
+                                 log_samples=arguments.log_samples, max_length=arguments.max_length)
+    if results is not None:  # rank 0
+        print(result_table(results))
+        if arguments.output:
+            print(f"accelgen: wrote {arguments.output}", file=sys.stderr)
+    leave_process_group()
+    return 0
 
 
 def bench_command(invocation: Invocation, plugin_manager: PluginManager) -> int:

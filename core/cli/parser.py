@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "plugin asks for each of the replica's --world-size ranks)")
 
     _add_score_parser(commands, run)
+    _add_eval_parser(commands)
 
     bench = commands.add_parser("bench", help="measure latency and throughput (the published BLOOM protocol)")
     _add_model_arguments(bench)
@@ -296,6 +297,30 @@ def _add_score_parser(commands, run: argparse.ArgumentParser) -> None:
     own = {action.dest for action in score._actions}
     score.set_defaults(**{**{action.dest: action.default for action in run._actions
                              if action.dest not in own and action.dest != "help"}, "max_new_tokens": 1})
+
+
+def _add_eval_parser(commands) -> None:
+    """``accelgen eval``: lm-evaluation-harness's tasks on the engine (``accelgen[eval]``)."""
+    evaluate = commands.add_parser("eval", help="score lm-evaluation-harness tasks (pip install \"accelgen[eval]\")")
+    _add_model_arguments(evaluate)
+    evaluate.add_argument("--tasks", required=True, type=lambda text: [task for task in text.split(",") if task],
+                          help="lm-eval task, group or tag names or globs, comma-separated (hellaswag,arc_easy)")
+    evaluate.add_argument("--include-path", metavar="FOLDER", help="a folder of task YAML files of your own")
+    evaluate.add_argument("--num-fewshot", type=_number("num_fewshot"), metavar="N",
+                          help=_with_range("examples before each question (default: each task's)", "num_fewshot"))
+    evaluate.add_argument("--limit", type=float, metavar="N",
+                          help="only the first N documents of each task (below 1: that share of them)")
+    evaluate.add_argument("--output", metavar="FILE", help="write lm-eval's results as JSON")
+    evaluate.add_argument("--log-samples", action="store_true",
+                          help="keep every document's requests and answers in --output")
+    evaluate.add_argument("--max-length", type=_number("max_length"), metavar="N",
+                          help=_with_range("the window a request is cut to (default: the model's context less 2)",
+                                           "max_length"))
+    evaluate.add_argument("--batch-size", type=_number("batch_size"), default=RunSettings.batch_size,
+                          help=_with_range("requests prefilled and decoded together", "batch_size"))
+    evaluate.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=RunSettings.buckets,
+                          help="prompt length buckets, e.g. 128,512,2048 (the largest bounds --max-length)")
+    _add_parallel_arguments(evaluate)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,9 @@ RANGES: dict[str, Range] = {
     "seed": Range(int, 0, 2**64 - 1),  # a nanosecond timestamp fits; so does any seed torch takes
     "limit": COUNT,
     "num_samples": Range(int, 1, 1 << 16),
-    "prompt_logprobs": Range(int, 0, 1 << 10),  # alternatives per token: OpenAI's API gives at most 5, vLLM's 20
+    "prompt_logprobs": Range(int, 0, 1 << 10),
+    "num_fewshot": Range(int, 0, 1 << 16),
+    "max_length": Range(int, 2, INT32_MAX),  # alternatives per token: OpenAI's API gives at most 5, vLLM's 20
     "prefill_chunk": Range(int, 0, INT32_MAX),
     "max_restarts": Range(int, 0, 1000),
     "world_size": Range(int, 1, 65536),
