@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import accelgen
 from accelgen.cli import main
 from accelgen.common.prompts import ScoreRequest
+from accelgen.model.architectures import ARCHITECTURES
 from accelgen.parallel.launcher import free_port
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
@@ -192,6 +193,31 @@ def test_rows_that_cannot_be_scored_are_error_rows_or_one_line(tiny_model_folder
     assert all(line["prompt_logprob"] is None and line["error"] for line in lines[1:])
 
 
+#: The families whose tiny model splits over two ranks (others are refused under --world-size 2, in one line: a family
+#: that cannot be split, GPT-2 which DeepSpeed's AutoTP refuses, the tiny Falcon's single key/value head).
+SPLIT_FAMILIES = [family for family in FAMILIES
+                  if ARCHITECTURES[family].not_split_because is None and family not in ("gpt2", "falcon")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_two_ranks_score_as_hugging_faces_forward(tiny_model_folder, tmp_path, job_environment, family):
+    skip_unless_installed(family)
+    folder = tiny_model_folder(family)
+    reference = HuggingFace(folder)
+    rows = write_rows(tmp_path / "rows.jsonl", [{"text": text} for text in TEXTS])
+    output = tmp_path / "two.jsonl"
+    result = run_to_the_end([sys.executable, "-m", "accelgen.cli", "score", "--device", "cpu", "--dtype", "float32",
+                             "--model", str(folder), "--dataset", str(rows), "--token-logprobs", "--batch-size", "8",
+                             "--world-size", "2", "--master-port", str(free_port()), "--output", str(output), "--quiet"],
+                            job_environment, 240)
+    assert result.returncode == 0, result.stderr
+    for text, line in zip(TEXTS, rows_of(output), strict=True):
+        ids = reference.tokenizer(text)["input_ids"]
+        expected, _ = reference.logprobs(ids)
+        assert line["tokens"] == ids and line["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", [["--world-size", "2"], ["--world-size", "2", "--data-parallel", "2"]],
                          ids=["tensor-parallel", "data-parallel"])
@@ -221,6 +247,7 @@ import json, resource, sys
 import torch
 import accelgen
 from accelgen.common.prompts import ScoreRequest
+from accelgen.model.architectures import ARCHITECTURES
 
 generator = accelgen.load(sys.argv[1], device="cpu", dtype="float32", buckets=(LONG_ROW,), prefill_chunk=512)
 ids = torch.randint(0, WIDE_VOCABULARY, (LONG_ROW,), generator=torch.Generator().manual_seed(0)).tolist()
