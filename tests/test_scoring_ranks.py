@@ -75,7 +75,6 @@ import json, resource, sys
 import torch
 import accelgen
 from accelgen.common.prompts import ScoreRequest
-from accelgen.model.architectures import ARCHITECTURES
 
 generator = accelgen.load(sys.argv[1], device="cpu", dtype="float32", buckets=(LONG_ROW,), prefill_chunk=512)
 ids = torch.randint(0, WIDE_VOCABULARY, (LONG_ROW,), generator=torch.Generator().manual_seed(0)).tolist()
