@@ -106,13 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "model, as vLLM's run-batch takes it (e.g. gpt-4o-mini); the first is written into the "
                            "responses; repeat for several (default: the --model as given)")
     run.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
-    chat = run.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
-    chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
-    chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
-    chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
-                      help="a Jinja chat template to render conversations with, instead of the tokenizer's")
-    chat.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object("--chat-template-kwargs"),
-                      help="more variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'")
+    _add_chat_arguments(run)
     _add_structure_arguments(run, json_flag=True)
     run.add_argument("--max-new-tokens", type=_number("max_new_tokens"), default=RunSettings.max_new_tokens,
                      help=_with_range(f"default {RunSettings.max_new_tokens}", "max_new_tokens"))
@@ -270,13 +264,7 @@ def _add_score_parser(commands, run: argparse.ArgumentParser) -> None:
                        help="also write each token (tokens), its log-probability (token_logprobs, the first null) and "
                             "its K most likely alternatives (top_logprobs; default 0: none)")
     score.add_argument("--overwrite", action="store_true", help="replace an --output file of another run instead of refusing")
-    chat = score.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
-    chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
-    chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
-    chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
-                      help="a Jinja chat template to render conversations with, instead of the tokenizer's")
-    chat.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object("--chat-template-kwargs"),
-                      help="more variables for the chat template, as a JSON object")
+    _add_chat_arguments(score)
     score.add_argument("--max-input-tokens", type=_number("max_input_tokens"),
                        help=_with_range("keep only the first N tokens of each text", "max_input_tokens"))
     score.add_argument("--batch-size", type=_number("batch_size"), default=RunSettings.batch_size,
@@ -321,6 +309,17 @@ def _add_eval_parser(commands) -> None:
     evaluate.add_argument("--buckets", type=RANGES["buckets"].parse_list, default=RunSettings.buckets,
                           help="prompt length buckets, e.g. 128,512,2048 (the largest bounds --max-length)")
     _add_parallel_arguments(evaluate)
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of conversations: text rows as user messages, a system prompt, the chat template and its variables."""
+    chat = parser.add_argument_group("instruction models (conversations are rendered by the tokenizer's chat template)")
+    chat.add_argument("--chat", action="store_true", help="make each --prompt or text row one user message")
+    chat.add_argument("--system-prompt", metavar="TEXT", help="a system message first in every conversation that has none")
+    chat.add_argument("--chat-template", metavar="FILE", dest="chat_template_file",
+                      help="a Jinja chat template to render conversations with, instead of the tokenizer's")
+    chat.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object("--chat-template-kwargs"),
+                      help="more variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
