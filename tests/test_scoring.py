@@ -187,3 +187,21 @@ def test_rows_that_cannot_be_scored_are_error_rows_or_one_line(tiny_model_folder
     assert [line["finish_reason"] for line in lines] == ["scored", "error", "error", "error"]
     assert lines[0]["continuation_tokens"] >= 1 and isinstance(lines[0]["continuation_greedy"], bool)
     assert all(line["prompt_logprob"] is None and line["error"] for line in lines[1:])
+
+
+def test_a_conversation_is_scored_as_its_chat_template_renders_it(tmp_path):
+    """The built-in model's tokenizer has a chat template: a row of messages is scored as the tokens it renders."""
+    from accelgen.loading.model_files import DEFAULT_MODEL
+
+    reference = HuggingFace(DEFAULT_MODEL)
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."}]
+    rows = write_rows(tmp_path / "rows.jsonl", [{"messages": messages}])
+    output = tmp_path / "out.jsonl"
+    assert main(["score", "--device", "cpu", "--dtype", "float32", "--dataset", str(rows), "--column", "messages",
+                 "--token-logprobs", "--output", str(output), "--quiet"]) == 0
+    [line] = rows_of(output)
+    ids = list(reference.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                        continue_final_message=True)["input_ids"])
+    expected, _ = reference.logprobs(ids)
+    assert line["tokens"] == ids and line["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)

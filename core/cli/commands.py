@@ -199,7 +199,8 @@ def run_command(invocation: Invocation, plugin_manager: PluginManager) -> int:
         request = _request(arguments, plugin_manager, _replica_world(invocation), _cluster_device(arguments, plugin_manager),
                            chat_template=_chat_template(arguments.chat_template_file),
                            json_schema=_json_schema(arguments.json_schema_file),
-                           **({"prompt_logprobs": arguments.token_logprobs or 0} if scoring else {}))
+                           # a score's work is its prefills: no decode step worth capturing
+                           **({"prompt_logprobs": arguments.token_logprobs or 0, "graphs": False} if scoring else {}))
         # before the output is opened: each rank of a replica holds a store of its share of the heads
         request.check_prefix_store(request.world.size if invocation.worker
                                    else max(1, (arguments.world_size or 1) // arguments.data_parallel))
