@@ -59,10 +59,31 @@ def test_scores_equal_hugging_faces_forward(tiny_model_folder, family, batch_siz
         assert scores.token_ids == ids and completion.prompt_token_count == len(ids)
         expected, greedy = reference.logprobs(ids)
         assert scores.logprobs[0] is None and scores.logprobs[1:] == pytest.approx(expected, abs=1e-5)
-        assert scores.greedy[1:] == greedy
         for top, logprob in zip(scores.top[1:], expected):
             assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
             assert top[0][1] >= logprob - 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continuations_scored_alone_are_the_forwards_and_greedy_as_its_argmax(tiny_model_folder, family):
+    """A continuation scored without its text's tokens (lm-evaluation-harness's requests): the head runs on its
+    positions alone, with the same log-probabilities; each token greedy where the forward's argmax is it."""
+    skip_unless_installed(family)
+    folder = tiny_model_folder(family)
+    reference = HuggingFace(folder)
+    generator = accelgen.load(folder, device="cpu", dtype="float32", batch_size=4)
+    pairs = [reference.tokenizer(text)["input_ids"] for text in TEXTS[:4]]
+    requests = [ScoreRequest(tuple(ids[:1]), (tuple(ids[1:]),), text_scores=False) for ids in pairs if len(ids) > 1]
+    for ids, completion in zip([ids for ids in pairs if len(ids) > 1], generator.score(requests), strict=True):
+        expected, greedy = reference.logprobs(ids)
+        [continuation] = completion.continuations
+        assert completion.prompt_scores is None and continuation.tokens == len(ids) - 1
+        assert continuation.token_logprobs == pytest.approx(expected, abs=1e-5)
+        assert continuation.greedy == all(greedy)
+    context = reference.tokenizer("The quick brown fox")["input_ids"]
+    [greedy_ids] = generator.generate_token_ids([context])[:1]
+    [completion] = generator.score([ScoreRequest(tuple(context), (tuple(greedy_ids[0][:4]),), text_scores=False)])
+    assert completion.continuations[0].greedy
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])

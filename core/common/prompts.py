@@ -97,11 +97,14 @@ class PromptRequest:
 class ScoreRequest:
     """A row to score rather than complete (``accelgen score``): its text (a text, a conversation, or token ids) and
     the continuations scored after it: none (the text alone is scored), one (a continuation's log-likelihood), or
-    several ``choices`` ranked by theirs. Each continuation is a text, or token ids going after the text's."""
+    several ``choices`` ranked by theirs. Each continuation is a text, or token ids going after the text's.
+    ``text_scores``: the text's own tokens are scored too (False, with continuations: theirs alone, the model's head
+    run on no position of the text, as lm-evaluation-harness needs them)."""
 
     prompt: str | Conversation | BadPrompt | tuple[int, ...]
     continuations: tuple[str | tuple[int, ...], ...] = ()
     choices: bool = False
+    text_scores: bool = True
 
 
 def prompt_problem(text: object) -> str | None:

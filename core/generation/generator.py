@@ -22,6 +22,7 @@ from accelgen.generation.adapter_slots import AdapterSlots
 from accelgen.generation.capture_decision import CaptureWhenItPays
 from accelgen.generation.constraints import SlotConstraints
 from accelgen.generation.grammars import GrammarCompiler
+from accelgen.generation.prompt_scores import PromptScores
 from accelgen.generation.reasoning import ThinkMarkers
 from accelgen.generation.row_ends import RowEnds
 from accelgen.generation.runner import SlotRunner
@@ -46,6 +47,7 @@ class EncodedPrompt(NamedTuple):
     own: RowSettings | None = None
     conversation: bool = False
     first_sample: int = 0
+    scores: PromptScores | None = None  # a score request's prompt: what of it is scored
 
 
 class Generator:
@@ -151,6 +153,7 @@ class Generator:
         texts: dict[int, tuple[str, bool]] = {}  # by number: the prompt, and whether it was truncated
         first_samples = first_samples or {}
         scores = ScoreParts(self.text, self.run.skip_bad_rows)
+        alternatives = self.run.prompt_logprobs or 0
         scored: set[int] = set()  # the numbers of the score requests' prompts not yet out
 
         def encoded() -> Iterator[EncodedPrompt]:
@@ -159,9 +162,11 @@ class Generator:
                     if self.run.prompt_logprobs is None:
                         raise UsageError("Score requests go to a generator that scores: call generator.score(requests), "
                                          "or load with prompt_logprobs=0.")
-                    for part, ids in scores.encode(number, prompt).parts:
+                    encoded_request = scores.encode(number, prompt)
+                    for part, ids in encoded_request.parts:
                         scored.add(part)
-                        yield EncodedPrompt(part, ids)
+                        yield EncodedPrompt(part, ids, scores=None if isinstance(ids, str)
+                                            else encoded_request.scores_of(ids, alternatives))
                     continue
                 ids, truncated = self.text.encode_row(number, prompt, self.run.skip_bad_rows)
                 texts[number] = (prompt, truncated)
@@ -221,7 +226,9 @@ class Generator:
                     if isinstance(prompt.ids, str):
                         scheduler.add_error(prompt.number, prompt.ids)
                     else:
-                        scheduler.add(prompt.number, prompt.ids, prompt.own, prompt.conversation, prompt.first_sample)
+                        row = scheduler.add(prompt.number, prompt.ids, prompt.own, prompt.conversation, prompt.first_sample)
+                        if row.error is None:  # a score request's prompt says what of it is scored
+                            row.prompt_scores = prompt.scores
                     read += 1
             except Exception as error:  # noqa: BLE001 - raised once the rows before it are out
                 source, source_error = iter(()), error

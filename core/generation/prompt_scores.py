@@ -24,23 +24,30 @@ LOGITS_AT_ONCE = 1 << 22
 class PromptScores:
     """A prompt's tokens, scored: for token i, its log-probability given the tokens before it, whether it is the
     model's greedy choice there, and (``top``, where alternatives are asked for) the K most likely tokens there as
-    (id, log-probability), best first. Token 0 has nothing before it: None in each."""
+    (id, log-probability), best first. Token 0 has nothing before it: None in each. Only tokens from ``scored_from``
+    on are scored, and only those from ``greedy_from`` on say whether they are the greedy choice (None before): the
+    head runs on no other position (a continuation's tokens alone, where its text's are not asked for)."""
 
     token_ids: list[int]
     logprobs: list[float | None]
     greedy: list[bool | None]
     top: list[list[tuple[int, float]] | None] | None
     texts: dict[int, str] | None = None  # each token's text (its tokens' and alternatives'), once named
+    scored_from: int = 1
+    greedy_from: int | None = None  # None: no token's (its length)
 
     @classmethod
-    def unscored(cls, token_ids: list[int], alternatives: int) -> "PromptScores":
-        """The scores of ``token_ids`` before any is computed; ``alternatives``: K (0: none kept)."""
+    def unscored(cls, token_ids: list[int], alternatives: int, scored_from: int = 1,
+                 greedy_from: int | None = None) -> "PromptScores":
+        """The scores of ``token_ids`` before any is computed; ``alternatives``: K (0: none kept); the tokens scored
+        from ``scored_from`` on, whether they are the greedy choice from ``greedy_from`` on (None: none)."""
         empty = [None] * len(token_ids)
-        return cls(list(token_ids), list(empty), list(empty), list(empty) if alternatives else None)
+        return cls(list(token_ids), list(empty), list(empty), list(empty) if alternatives else None, None,
+                   scored_from, len(token_ids) if greedy_from is None else greedy_from)
 
-    def fill(self, indices: list[int], logprobs: list[float], greedy: list[bool], top_ids: list[list[int]],
+    def fill(self, indices: list[int], logprobs: list[float], greedy: list[bool | None], top_ids: list[list[int]],
              top_logprobs: list[list[float]]) -> None:
-        """Set the scores of the tokens at ``indices`` (a pass's)."""
+        """Set the scores of the tokens at ``indices`` (a pass's; ``greedy`` None where it was not asked)."""
         for place, index in enumerate(indices):
             self.logprobs[index], self.greedy[index] = logprobs[place], greedy[place]
             if self.top is not None:
@@ -53,13 +60,20 @@ class PromptScores:
         texts = fields.get("texts")
         return cls(fields["token_ids"], fields["logprobs"], fields["greedy"],
                    None if top is None else [None if pairs is None else [tuple(pair) for pair in pairs] for pairs in top],
-                   None if texts is None else {int(token): text for token, text in texts.items()})
+                   None if texts is None else {int(token): text for token, text in texts.items()},
+                   fields.get("scored_from", 1), fields.get("greedy_from"))
 
     def named_top(self) -> list[list[dict] | None]:
         """The alternatives of each token as an output line holds them: ``{"id", "token", "logprob"}``, best first."""
         texts = self.texts or {}
         return [None if top is None else [{"id": token, "token": texts.get(token), "logprob": logprob}
                                           for token, logprob in top] for top in self.top]
+
+    def part(self, end: int) -> "PromptScores":
+        """The scores of the first ``end`` tokens."""
+        return dataclasses.replace(self, token_ids=self.token_ids[:end], logprobs=self.logprobs[:end],
+                                   greedy=self.greedy[:end], top=None if self.top is None else self.top[:end],
+                                   greedy_from=min(self.greedy_from, end))
 
     def total(self, start: int = 1, end: int | None = None) -> float:
         """The sum of the log-probabilities of tokens [start, end) (the log-likelihood of those tokens after the ones
@@ -126,10 +140,11 @@ def packed_positions(hidden: torch.Tensor, input_ids: torch.Tensor, prompt_mask:
 
 
 def score_positions(head_logits: Callable[[torch.Tensor], torch.Tensor], positions: ScoredPositions, vocabulary: int,
-                    alternatives: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each scored position's next token's log-probability [M] (float32), whether it is the logits' argmax [M], and
-    the ``alternatives`` most likely tokens' ids and log-probabilities [M, K]: the head (``head_logits``: hidden
-    states [T, H] -> logits [T, V] over a ``vocabulary`` of V) applied to a few positions at a time."""
+                    alternatives: int, greedy_wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each scored position's next token's log-probability [M] (float32), whether it is the logits' argmax [M] (where
+    ``greedy_wanted`` [M]; False elsewhere), and the ``alternatives`` most likely tokens' ids and log-probabilities
+    [M, K]: the head (``head_logits``: hidden states [T, H] -> logits [T, V] over a ``vocabulary`` of V) applied to a
+    few positions at a time."""
     hidden, targets = positions.hidden, positions.targets
     count = hidden.shape[0]
     logprobs = torch.zeros(count, dtype=torch.float32, device=hidden.device)
@@ -142,7 +157,9 @@ def score_positions(head_logits: Callable[[torch.Tensor], torch.Tensor], positio
         logits = head_logits(hidden[first:end]).float()
         log_softmax = logits.log_softmax(-1)
         logprobs[first:end] = log_softmax.gather(1, targets[first:end, None])[:, 0]
-        greedy[first:end] = logits.max(-1).indices == targets[first:end]  # the first largest, as argmax takes it
+        wanted = greedy_wanted[first:end]
+        if bool(wanted.any()):  # the first largest, as argmax takes it; a pass over the logits: only where asked
+            greedy[first:end][wanted] = logits[wanted].max(-1).indices == targets[first:end][wanted]
         if alternatives:
             best = log_softmax.topk(min(alternatives, logits.shape[-1]), dim=-1)
             top_ids[first:end, :best.indices.shape[1]], top_logprobs[first:end, :best.values.shape[1]] = best.indices, best.values

@@ -175,9 +175,10 @@ class SlotRunner:
         draw_slots = [slot_of.get(id(row), prompt_slots[source]) for row, source in zip(draws, insertion.sources)]
         # a scored prefill runs as it is: its passes' hidden states are read (a captured step would not give them)
         capture = self.capture if not self.scores_prompts else lambda step, buffers, counter: step
-        if self.scores_prompts:
+        if self.scores_prompts:  # each row's tokens scored, but where a score request says which
             for row in prompts:
-                row.prompt_scores = PromptScores.unscored(row.prompt_ids, self.run.prompt_logprobs)
+                if row.prompt_scores is None:
+                    row.prompt_scores = PromptScores.unscored(row.prompt_ids, self.run.prompt_logprobs)
         prefill_shape.load(prompts, prompt_slots, draws, insertion.sources, draw_slots, self.rules.pad_token_id)
         if self.constraints is not None:  # each draw's first token under its structure
             masks = self.constraints.first_masks(draws, [prompts[source].prompt_ids for source in insertion.sources])
@@ -259,11 +260,20 @@ class SlotRunner:
         return score
 
     def _keep_scores(self, prompts: list[Row], positions: ScoredPositions) -> None:
-        """Score ``positions`` of ``prompts``' tokens and keep their scores with the rows (read back to the host)."""
+        """Score the ``positions`` of ``prompts``' tokens each row asks for, and keep their scores with the rows (read
+        back to the host)."""
+        def firsts(field: str) -> torch.Tensor:  # each prompt's first token index of ``field``, at each position
+            values = torch.tensor([getattr(row.prompt_scores, field) for row in prompts], device=self.device)
+            return values.index_select(0, positions.prompts)
+
+        positions = ScoredPositions(*(values[kept] for values in positions)) if bool(
+            (kept := positions.token_indices >= firsts("scored_from")).logical_not().any()) else positions
+        greedy_wanted = positions.token_indices >= firsts("greedy_from")
         scores = score_positions(self.forward.head_logits, positions, self.model.config.vocab_size,
-                                 self.run.prompt_logprobs)
-        of_prompt, indices, logprobs, greedy, top_ids, top_logprobs = (
-            values.tolist() for values in (positions.prompts, positions.token_indices, *scores))
+                                 self.run.prompt_logprobs, greedy_wanted)
+        of_prompt, indices, logprobs, greedy, top_ids, top_logprobs, wanted = (
+            values.tolist() for values in (positions.prompts, positions.token_indices, *scores, greedy_wanted))
+        greedy = [flag if asked else None for flag, asked in zip(greedy, wanted)]
         by_prompt: dict[int, list[int]] = {}
         for place, prompt in enumerate(of_prompt):
             by_prompt.setdefault(prompt, []).append(place)

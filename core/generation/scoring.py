@@ -29,6 +29,14 @@ class EncodedRequest:
     text_tokens: int
     continuation_texts: list[str]
     truncated: bool
+    text_scores: bool = True  # the text's own tokens are scored (else the continuations' alone)
+
+    def scores_of(self, ids: list[int], alternatives: int) -> PromptScores:
+        """What one of its prompts (``ids``) has scored: every token after the first, or its continuation's alone
+        (without ``text_scores``); whether each is the greedy choice, in its continuation only."""
+        continued = bool(self.continuation_texts)
+        return PromptScores.unscored(ids, alternatives, self.text_tokens if continued and not self.text_scores else 1,
+                                     self.text_tokens if continued else None)
 
 
 class ScoreParts:
@@ -67,7 +75,7 @@ class ScoreParts:
             text_ids, truncated = self._checked_ids(number, prompt), False
             return EncodedRequest([(number * PARTS + place, text_ids + self._checked_ids(number, continuation))
                                    for place, continuation in enumerate(continuations)] or [(number * PARTS, text_ids)],
-                                  len(text_ids), texts, truncated)
+                                  len(text_ids), texts, truncated, request.text_scores)
         if isinstance(prompt, str) and continuations:  # its trailing spaces go to the continuations
             kept = prompt.rstrip()
             spaces, prompt = prompt[len(kept):], kept
@@ -77,7 +85,7 @@ class ScoreParts:
         text_ids, truncated = self.codec.encode_row(number, prompt, errors_as_rows=False)
         parts = [(number * PARTS + place, text_ids + self._continuation_ids(number, prompt, text_ids, continuation))
                  for place, continuation in enumerate(continuations)]
-        return EncodedRequest(parts or [(number * PARTS, text_ids)], len(text_ids), texts, truncated)
+        return EncodedRequest(parts or [(number * PARTS, text_ids)], len(text_ids), texts, truncated, request.text_scores)
 
     def _continuation_ids(self, number: int, prompt: str | Conversation, text_ids: list[int],
                           continuation: str | tuple[int, ...]) -> list[int]:
@@ -123,11 +131,10 @@ class ScoreParts:
         if error is not None:
             return Completion(number, prompt if isinstance(prompt, str) else "", "", [], 0, "error", error=error)
         length = encoded.text_tokens
-        whole = rows[0].prompt_scores
-        text_scores = PromptScores(whole.token_ids[:length], whole.logprobs[:length], whole.greedy[:length],
-                                   None if whole.top is None else whole.top[:length])
+        text_scores = rows[0].prompt_scores.part(length)
         continuations = ([ContinuationScore(text, row.prompt_scores.total(length), len(row.prompt_ids) - length,
                                             len(text.encode()), row.prompt_scores.all_greedy(length),
                                             row.prompt_scores.logprobs[length:])
                           for row, text in zip(rows, encoded.continuation_texts)] if encoded.continuation_texts else None)
-        return self.codec.scored(number, prompt, encoded.truncated, text_scores, continuations)
+        return self.codec.scored(number, prompt, encoded.truncated, text_scores if encoded.text_scores else None,
+                                 continuations, text_scores.token_ids)

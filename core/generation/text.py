@@ -267,18 +267,21 @@ class PromptCodec:
             prompt_scores=None if row.prompt_scores is None else self.named(row.prompt_scores),
         )
 
-    def scored(self, number: int, prompt: str | Conversation, truncated: bool, text_scores: PromptScores,
-               continuations: list | None) -> Completion:
-        """The completion of score request ``number``: its text's tokens scored (named), its ``continuations``'
-        scores; ``prompt``: the text the model saw, as :meth:`completion` gives it."""
-        prompt_text = self.tokenizer.decode(text_scores.token_ids, skip_special_tokens=not isinstance(prompt, Conversation))
+    def scored(self, number: int, prompt: str | Conversation, truncated: bool, text_scores: PromptScores | None,
+               continuations: list | None, text_ids: list[int]) -> Completion:
+        """The completion of score request ``number`` (its text's tokens ``text_ids``): its text's scores (named; None
+        where only its continuations were scored), its ``continuations``' scores; ``prompt``: the text the model saw,
+        as :meth:`completion` gives it."""
+        prompt_text = self.tokenizer.decode(text_ids, skip_special_tokens=not isinstance(prompt, Conversation))
         return Completion(number, prompt_text if truncated or not isinstance(prompt, str) else prompt, "", [],
-                          len(text_scores.token_ids), "scored", prompt_scores=self.named(text_scores),
+                          len(text_ids), "scored", prompt_scores=None if text_scores is None else self.named(text_scores),
                           continuations=continuations)
 
     def named(self, scores: PromptScores) -> PromptScores:
         """``scores`` with the texts of their tokens and alternatives (each token decoded alone)."""
-        ids = set(scores.token_ids) | {token for top in scores.top or () if top for token, _ in top}
+        if scores.top is None:  # only alternatives are written with their texts
+            return scores
+        ids = set(scores.token_ids) | {token for top in scores.top if top for token, _ in top}
         return dataclasses.replace(scores, texts={token: self.tokenizer.decode([token]) for token in ids})
 
     def _reasoning_and_answer(self, prompt_token_ids: list[int], new_token_ids: list[int]) -> tuple[str | None, str]:

@@ -227,7 +227,7 @@ def score_window(context: list[int], continuation: list[int], max_length: int) -
         raise UsageError(f"A continuation of {len(continuation)} tokens cannot be scored in a {max_length}-token window: "
                          f"it must have 1 to {max_length}.")
     kept = (list(context) + list(continuation))[-(max_length + 1):]
-    return ScoreRequest(tuple(kept[: -len(continuation)]), (tuple(continuation),))
+    return ScoreRequest(tuple(kept[: -len(continuation)]), (tuple(continuation),), text_scores=False)  # theirs alone
 
 
 def engine_window(generator: Generator) -> int:
