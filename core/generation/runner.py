@@ -266,8 +266,9 @@ class SlotRunner:
             values = torch.tensor([getattr(row.prompt_scores, field) for row in prompts], device=self.device)
             return values.index_select(0, positions.prompts)
 
-        positions = ScoredPositions(*(values[kept] for values in positions)) if bool(
-            (kept := positions.token_indices >= firsts("scored_from")).logical_not().any()) else positions
+        kept = positions.token_indices >= firsts("scored_from")
+        if not bool(kept.all()):  # positions no row asks scores of: the head does not run on them
+            positions = ScoredPositions(*(values[kept] for values in positions))
         greedy_wanted = positions.token_indices >= firsts("greedy_from")
         scores = score_positions(self.forward.head_logits, positions, self.model.config.vocab_size,
                                  self.run.prompt_logprobs, greedy_wanted)
