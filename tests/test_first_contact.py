@@ -58,7 +58,15 @@ def test_the_readmes_compare_examples_compare_what_they_measure():
                 for words in lines if words[:2] == ["accelgen", "bench"] and "--output" in words}
     compares = [words for words in lines if words[:2] == ["accelgen", "compare"]]
     assert compares  # the README shows compare
+    # output files compared (their agreement): each written by a command shown, all of the same rows
+    rows_of_output = {option(words, "--output"): option(words, "--dataset") for words in lines
+                      if words[:2] in (["accelgen", "run"], ["accelgen", "score"]) and "--output" in words}
     for words in compares:
+        outputs = [word for word in words[2:] if word.endswith(".jsonl")]
+        if outputs:
+            assert len(outputs) >= 2 and all(output in rows_of_output for output in outputs), words
+            assert len({rows_of_output[output] for output in outputs}) == 1, words
+            continue
         files = [word for word in words[2:] if word.endswith(".json")]
         assert len(files) >= 2, words  # a comparison of something with something
         rows = [measured[file] if file in measured else rows_of_result_file(ROOT / file) for file in files]

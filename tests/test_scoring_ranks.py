@@ -71,9 +71,10 @@ def test_two_ranks_score_what_one_process_scores(tiny_model_folder, tmp_path, jo
 #: A row of 32k tokens over a vocabulary of 150k: its logits whole would be 32k x 150k floats (19.9 GB).
 LONG_ROW, WIDE_VOCABULARY = 32_768, 151_936
 LONG_ROW_SCRIPT = """
-import json, resource, sys
+import json, sys
 import torch
 import accelgen
+from accelgen.common.host_memory import peak_resident_bytes
 from accelgen.common.prompts import ScoreRequest
 
 generator = accelgen.load(sys.argv[1], device="cpu", dtype="float32", buckets=(LONG_ROW,), prefill_chunk=512)
@@ -81,14 +82,15 @@ ids = torch.randint(0, WIDE_VOCABULARY, (LONG_ROW,), generator=torch.Generator()
 [completion] = generator.score([ScoreRequest(tuple(ids))])
 logprobs = completion.prompt_scores.logprobs[1:]
 print(json.dumps({"scored": len(logprobs), "finite": all(-1e4 < value <= 0 for value in logprobs),
-                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_bytes": peak_resident_bytes()}))
 """.replace("LONG_ROW", str(LONG_ROW)).replace("WIDE_VOCABULARY", str(WIDE_VOCABULARY))
 
 
 @pytest.mark.slow
 def test_a_long_row_of_a_wide_vocabulary_is_scored_in_bounded_memory(tiny_model_folder, tmp_path, cli_environment):
-    """Measured in a process of its own: its peak is what loading and scoring took, a small share of the 19.9 GB its
-    logits would hold at once."""
+    """Measured in a process of its own (its peak since loading began: VmHWM, which, unlike getrusage's maximum, does not
+    carry the forked test process's memory over the exec): what loading and scoring took, 0.75 GB here, a small share of
+    the 19.9 GB its logits would hold at once."""
     from tiny_models import build_model
     from transformers import LlamaConfig
 
@@ -100,4 +102,4 @@ def test_a_long_row_of_a_wide_vocabulary_is_scored_in_bounded_memory(tiny_model_
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["scored"] == LONG_ROW - 1 and measured["finite"]
-    assert measured["peak_bytes"] < 3 * 2**30, measured
+    assert measured["peak_bytes"] < 1.5 * 2**30, measured
