@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import select
 import sys
@@ -43,18 +42,19 @@ def print_batch(batch_number: int, completions: Sequence["Completion"], error_of
 def score_phrase(completion: "Completion") -> str:
     """What a scored row's line says, in words: its text's log-likelihood and perplexity, its continuation's or its
     best choice."""
+    from accelgen.generation.prompt_scores import best_of  # after a run: torch is loaded
+
     scores = completion.prompt_scores
-    total, tokens = scores.total(), len(scores.token_ids)
-    phrase = f"log-likelihood {total:.4f} over {tokens - 1} tokens after the first"
-    if tokens > 1:
-        phrase += f", perplexity {math.exp(-total / (tokens - 1)):.3f}"
+    phrase = f"log-likelihood {scores.total():.4f} over {len(scores.token_ids) - 1} tokens after the first"
+    if (perplexity := scores.perplexity()) is not None:
+        phrase += f", perplexity {perplexity:.3f}"
     continuations = completion.continuations or []
     if len(continuations) == 1:
         [continuation] = continuations
         greedy = "the greedy continuation" if continuation.greedy else "not the greedy continuation"
         phrase += f"; continuation {continuation.text!r}: {continuation.logprob:.4f} ({greedy})"
     elif continuations:
-        best = max(range(len(continuations)), key=lambda place: continuations[place].logprob)
+        best = best_of([choice.logprob for choice in continuations])
         phrase += f"; best of {len(continuations)} choices: {best} ({continuations[best].text!r}, {continuations[best].logprob:.4f})"
     return phrase
 

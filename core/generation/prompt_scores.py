@@ -11,6 +11,7 @@ the model's greedy choice there (the logits' argmax), and its K most likely alte
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -80,6 +81,11 @@ class PromptScores:
         before them)."""
         return float(sum(self.logprobs[start:end]))
 
+    def perplexity(self) -> float | None:
+        """``exp`` of minus the mean log-probability of the tokens after the first; None for one token."""
+        scored = len(self.token_ids) - 1
+        return math.exp(-self.total() / scored) if scored > 0 else None
+
     def all_greedy(self, start: int, end: int | None = None) -> bool:
         """Whether every token of [start, end) is the model's greedy choice (the greedy continuation)."""
         return all(self.greedy[start:end])
@@ -98,6 +104,11 @@ class ContinuationScore:
     bytes: int
     greedy: bool
     token_logprobs: list[float]
+
+
+def best_of(values: list[float]) -> int:
+    """The index of the largest of ``values`` (the first, on a tie): the best of a row's choices."""
+    return max(range(len(values)), key=values.__getitem__)
 
 
 class ScoredPositions(NamedTuple):

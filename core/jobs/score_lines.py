@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from accelgen.common.prompts import PromptRequest, ScoreRequest
+from accelgen.generation.prompt_scores import best_of
 from accelgen.generation.text import Completion
 from accelgen.jobs.completion_file import CompletionLines
 from accelgen.jobs.prompt_digest import with_digest
@@ -43,9 +43,7 @@ class ScoreLines(CompletionLines):
             return with_digest({**line, "prompt_tokens": None, "prompt_logprob": None, "perplexity": None,
                                 "finish_reason": "error", "error": completion.error})
         scores = completion.prompt_scores
-        total = scores.total()
-        line.update(prompt_tokens=len(scores.token_ids), prompt_logprob=total,
-                    perplexity=math.exp(-total / (len(scores.token_ids) - 1)) if len(scores.token_ids) > 1 else None)
+        line.update(prompt_tokens=len(scores.token_ids), prompt_logprob=scores.total(), perplexity=scores.perplexity())
         if self.token_logprobs is not None:
             line.update(tokens=scores.token_ids, token_logprobs=scores.logprobs)
             if scores.top is not None:
@@ -58,9 +56,9 @@ class ScoreLines(CompletionLines):
             sums = [choice.logprob for choice in continuations]
             line.update(choice_logprobs=sums, choice_tokens=[choice.tokens for choice in continuations],
                         choice_bytes=[choice.bytes for choice in continuations],
-                        best_choice=_best(sums),
-                        best_choice_per_token=_best([choice.logprob / choice.tokens for choice in continuations]),
-                        best_choice_per_byte=_best([choice.logprob / max(choice.bytes, 1) for choice in continuations]))
+                        best_choice=best_of(sums),
+                        best_choice_per_token=best_of([choice.logprob / choice.tokens for choice in continuations]),
+                        best_choice_per_byte=best_of([choice.logprob / max(choice.bytes, 1) for choice in continuations]))
         return with_digest({**line, "finish_reason": "scored"})
 
     @staticmethod
@@ -88,8 +86,3 @@ class ScoreLines(CompletionLines):
     def every_row_failed_line(rows: int, where: str) -> str:
         none = f"none of the {rows} rows could be scored: each was" if rows > 1 else "the one row could not be scored: it was"
         return f"{none} written as an error row{where} (finish_reason \"error\", the reason in \"error\")"
-
-
-def _best(values: list[float]) -> int:
-    """The index of the largest of ``values`` (the first, on a tie)."""
-    return max(range(len(values)), key=values.__getitem__)
