@@ -23,13 +23,10 @@ from accelgen.jobs.row_exchange import ReplicaReport
 from accelgen.jobs.row_structures import checked_rows
 from accelgen.plugin.manager import get_plugin_manager
 from accelgen.plugin.registry import select_accelerator
-from accelgen.ray.replica_ranks import REPORT, ReplicaRanks
+from accelgen.ray.replica_ranks import RANK_END_SECONDS, REPORT, ReplicaRanks
 from accelgen.session.api import load_request
 from accelgen.session.out_of_memory import out_of_memory_line
 from accelgen.session.request import Request, build_request
-
-#: Seconds a replica whose step failed waits to see whether one of its ranks ended (then it is lost, and ends).
-RANK_END_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)

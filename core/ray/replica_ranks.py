@@ -32,6 +32,9 @@ from accelgen.common.settings import LaunchPlan, World
 REPORT = "report"
 #: Seconds between the watchdog's looks at the ranks.
 WATCH_SECONDS = 0.5
+#: Seconds a replica whose collective failed waits to see one of its ranks end (the rank's end can be seen after
+#: the collective broke) before it takes the failure as the job's.
+RANK_END_SECONDS = 5.0
 #: Linux's prctl option that sends a signal to a process when its parent ends.
 _PR_SET_PDEATHSIG = 1
 
@@ -76,8 +79,13 @@ class ReplicaRanks:
             time.sleep(0.05)
 
     def hand(self, call: Sequence[tuple[int, object]] | str) -> None:
-        """Give the ranks the next call: its rows, or ``REPORT`` (what the replica did: its ranks' figures gathered)."""
-        torch.distributed.broadcast_object_list([call], src=0)
+        """Give the ranks the next call: its rows, or ``REPORT`` (what the replica did: its ranks' figures gathered).
+        A broadcast broken by a rank gone ends the replica (the driver starts it again), not the job."""
+        try:
+            torch.distributed.broadcast_object_list([call], src=0)
+        except Exception:
+            self.end_if_a_rank_ended(within=RANK_END_SECONDS)
+            raise
 
 
 def _ranks_environment(accelerator, size: int, port: int) -> dict[str, str]:
