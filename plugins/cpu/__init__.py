@@ -23,6 +23,7 @@ from accelgen_cpu.extension_lock import (
     deepspeed_build_folder,
     deepspeed_builds_in_its_folder,
 )
+from accelgen_cpu.host_allocator import keep_freed_memory
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
 from accelgen_cpu.load_follower import LoadFollower
 from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_operator
@@ -75,6 +76,7 @@ class CpuAccelerator(Accelerator):
 
     def setup(self, world: World) -> torch.device:
         self._thread_chooser = ThreadChooser()  # how busy the machine is gets measured over the model's loading
+        keep_freed_memory()
         return torch.device("cpu")
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
