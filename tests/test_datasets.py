@@ -139,6 +139,20 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_row(tmp_path, cli_en
     assert rows_of(output) == rows_of(reference)
 
 
+def test_a_local_json_lines_job_runs_without_the_datasets_library(tmp_path, tiny_model_folder, cli_environment):
+    # the file is read by accelgen's own reader: the datasets library (and pandas, pyarrow with it) is not imported on
+    # the way to a job's first row; here it cannot be
+    rows = [{"text": "A river runs"}, {"text": "The city at night"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = ("import sys; sys.modules['datasets'] = None; from accelgen.cli import main; "
+           f"sys.exit(main(['run', '--model', {str(tiny_model_folder('llama'))!r}, '--dataset', "
+           f"{str(tmp_path / 'rows.jsonl')!r}, '--output', {str(tmp_path / 'out.jsonl')!r}, '--max-new-tokens', '4', "
+           "'--quiet']))")
+    done = subprocess.run([sys.executable, "-c", job], env=cli_environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert [row["prompt"] for row in rows_of(tmp_path / "out.jsonl")] == ["A river runs", "The city at night"]
+
+
 @pytest.mark.slow
 def test_dataset_completion_with_two_ranks(table, tiny_model_folder, tmp_path, cli_environment):
     pytest.importorskip("deepspeed")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import logging
 import os
 from typing import Iterator
 
@@ -64,12 +63,7 @@ def open_rows(request: DatasetRequest) -> TextRows:
     that is not streamed is read through once here, so that a row which cannot be a prompt stops the run
     before any model loads, not hours into it; a streamed one is checked row by row as it is read. A local JSON file
     is read by us (``accelgen.jobs.json_lines``: each row its own JSON), any other source by ``datasets``."""
-    import datasets
-
     check_settings(limit=request.limit)
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
-    logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     source = os.path.expanduser(request.source)
     check_local_path(request.source, source)
     not_utf8 = _csv_rows_not_utf8(request, source)

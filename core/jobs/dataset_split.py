@@ -5,6 +5,7 @@ cannot be written, an unknown split or configuration, a file or row that cannot 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 
@@ -52,9 +53,13 @@ def unreadable_row(rows, request: DatasetRequest, first_index: int, count: int, 
 
 def load_split(request: DatasetRequest, source: str, replace_bytes_not_utf8: bool) -> tuple[object, str | None]:
     """The requested split, and the Hub revision it was read at (None for a local source); a local CSV file's bytes
-    that are not UTF-8 replaced where ``replace_bytes_not_utf8`` (the rows holding one are error rows)."""
+    that are not UTF-8 replaced where ``replace_bytes_not_utf8`` (the rows holding one are error rows). The datasets
+    library is imported here, for the sources it reads (not a local JSON file, which is read without it)."""
     import datasets
 
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log of a file it cannot parse: ours says it
+    logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # "no metadata" of a card without YAML
     with user_errors(f"Cannot read dataset {request.source!r}", "fix the file, or pass another --dataset",
                      errors=(*FILE_ERRORS, StopIteration, datasets.exceptions.DatasetsError, ConnectionError),
                      explain=lambda error: _explain_load_error(error, request, source)):
