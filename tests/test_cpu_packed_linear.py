@@ -181,3 +181,41 @@ def test_a_prompts_rows_taken_in_chunks_give_what_each_row_gives_alone(kernel_va
     together = product(x)
     assert torch.equal(together, torch.cat([product(x[row:row + 1]) for row in range(300)]))
     assert torch.allclose(together, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+LOAD_PEAK = r"""
+import json, re, sys
+import accelgen
+from accelgen.common.host_memory import peak_resident_bytes
+accelgen.load(sys.argv[1], device="cpu", dtype=sys.argv[3])  # the imports and kernels a load takes, counted before
+before = int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+generator = accelgen.load(sys.argv[2], device="cpu", dtype=sys.argv[3])
+print(json.dumps({"before": before, "peak": peak_resident_bytes()}))
+"""
+
+
+@pytest.mark.parametrize("dtype, weight_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_laying_out_the_weights_at_load_holds_one_plain_layer_beside_them(tiny_model_folder, tmp_path, cli_environment,
+                                                                          dtype, weight_bytes):
+    # a model of 300 MB of float32 weights read from its file (mapped): as each layer is laid out its plain weight is
+    # let go, so the load's peak is the laid-out weights and about one layer more, never the two copies whole
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_folder("llama"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    del model
+    done = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tiny_model_folder("llama")), str(tmp_path / "model"),
+                           dtype], env=cli_environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout.splitlines()[-1])
+    assert measured["peak"] - measured["before"] < 1.3 * parameters * weight_bytes, measured

@@ -142,18 +142,22 @@ def pack_linear_layers(model: torch.nn.Module, rows: int) -> int:
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    # the layers by name: a list of the modules themselves would keep every plain weight until the last is laid out
+    layers = [(parent_name, name) for parent_name, parent in model.named_modules()
+              for name, child in parent.named_children() if type(child) is torch.nn.Linear]
     packed = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is torch.nn.Linear and uses.get(id(child.weight)) == 1 and not child.weight.is_meta
-                    and child.weight.dtype in (torch.float32, torch.bfloat16)):
-                if panels and child.weight.dtype == torch.float32:
-                    setattr(parent, name, FloatPanelsLinear(child))
-                elif packing_works(child.weight.dtype):
-                    setattr(parent, name, PackedLinear(child, rows))
-                else:
-                    continue
-                packed += 1
+    for parent_name, name in layers:
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, name)
+        if uses.get(id(child.weight)) == 1 and not child.weight.is_meta and child.weight.dtype in (torch.float32,
+                                                                                                   torch.bfloat16):
+            if panels and child.weight.dtype == torch.float32:
+                setattr(parent, name, FloatPanelsLinear(child))
+            elif packing_works(child.weight.dtype):
+                setattr(parent, name, PackedLinear(child, rows))
+            else:
+                continue
+            packed += 1
     return packed
 
 
