@@ -187,18 +187,34 @@ LOAD_PEAK = r"""
 import json, re, sys
 import accelgen
 from accelgen.common.host_memory import peak_resident_bytes
-accelgen.load(sys.argv[1], device="cpu", dtype=sys.argv[3])  # the imports and kernels a load takes, counted before
+options = json.loads(sys.argv[3])
+accelgen.load(sys.argv[1], device="cpu", **options)  # the imports and kernels a load takes, counted before
 before = int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
-generator = accelgen.load(sys.argv[2], device="cpu", dtype=sys.argv[3])
+generator = accelgen.load(sys.argv[2], device="cpu", **options)
 print(json.dumps({"before": before, "peak": peak_resident_bytes()}))
 """
 
 
-@pytest.mark.parametrize("dtype, weight_bytes", [("float32", 4), ("bfloat16", 2)])
-def test_laying_out_the_weights_at_load_holds_one_plain_layer_beside_them(tiny_model_folder, tmp_path, cli_environment,
-                                                                          dtype, weight_bytes):
-    # a model of 300 MB of float32 weights read from its file (mapped): as each layer is laid out its plain weight is
-    # let go, so the load's peak is the laid-out weights and about one layer more, never the two copies whole
+def prepared_bytes(model: torch.nn.Module, dtype: str, quantize: str | None) -> int:
+    """The bytes of ``model``'s weights as a run holds them: each in ``dtype``, or with ``quantize`` (int8) every
+    linear layer's weight in int8 with a scale per output."""
+    size = torch.finfo(getattr(torch, dtype)).bits // 8
+    total = 0
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if quantize and isinstance(module, torch.nn.Linear) and name == "weight":
+                total += parameter.numel() + parameter.shape[0] * size
+            else:
+                total += parameter.numel() * size
+    return total
+
+
+@pytest.mark.parametrize("dtype, quantize", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+def test_a_loads_peak_is_the_prepared_weights_and_about_one_layer_more(tiny_model_folder, tmp_path, cli_environment,
+                                                                        dtype, quantize):
+    # a model of 300 MB of float32 weights read from its file (mapped): each layer's plain weight is let go as its
+    # laid-out (or int8) form is made, so the load's peak is the weights as the run holds them and about one layer
+    # more, never the checkpoint's and the run's whole
     import json
     import subprocess
     import sys
@@ -210,12 +226,13 @@ def test_laying_out_the_weights_at_load_holds_one_plain_layer_beside_them(tiny_m
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    parameters = sum(parameter.numel() for parameter in model.parameters())
+    prepared = prepared_bytes(model, dtype, quantize)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     del model
+    options = json.dumps({"dtype": dtype, "quantize": quantize})
     done = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tiny_model_folder("llama")), str(tmp_path / "model"),
-                           dtype], env=cli_environment, capture_output=True, text=True, timeout=600)
+                           options], env=cli_environment, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.splitlines()[-1])
-    assert measured["peak"] - measured["before"] < 1.3 * parameters * weight_bytes, measured
+    assert measured["peak"] - measured["before"] < 1.3 * prepared, (measured, prepared)

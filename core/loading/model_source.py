@@ -16,7 +16,7 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from accelgen.common.errors import AccelgenWarning, UsageError
-from accelgen.common.settings import RunSettings, World
+from accelgen.common.settings import RunSettings, World, torch_dtype
 from accelgen.loading.checkpoint_conversions import converted
 from accelgen.loading.checkpoint_download import checkpoint_folder
 from accelgen.loading.checkpoint_files import CheckpointFolder
@@ -38,7 +38,8 @@ from accelgen.model.architectures import architecture_of
 from accelgen.model.empty_model import empty_model
 from accelgen.model.memory import parameter_bytes
 from accelgen.model.shape import check_shardable, slices_checkpoints
-from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head
+from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
+from accelgen.quantization.while_loading import QuantizingWeights
 
 
 @dataclasses.dataclass
@@ -163,14 +164,16 @@ class ModelSource:
     def load(
         self, run: RunSettings, device: torch.device, world: World,
         shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None, free_bytes: int | None = None,
-        device_is_host: bool = False, int8_head: bool = False,
+        device_is_host: bool = False, int8_head: bool = False, merges_adapter: bool = False,
     ) -> LoadedCheckpoint:
         """The model in ``run.dtype`` with its weights on ``device``. With ``shard`` (tensor parallelism,
         ``world.size`` > 1) this rank's part only: each rank reads its own slices of the checkpoint, or its
         own files of a pre-sharded one. With ``run.offload``, what does not fit the device's memory cap
         (``free_bytes``, the device's free memory, when no cap is given) stays in host memory or on disk;
         ``device_is_host``: the device computes in host memory; ``int8_head``: the device's int8 quantizes a head of
-        its own too (``Accelerator.tuning.int8_quantizes_head``: offloaded layers are quantized as they are read)."""
+        its own too (``Accelerator.tuning.int8_quantizes_head``). In int8, one process's layers are quantized as they
+        are read (each layer's full-precision weight held alone, then let go), unless ``merges_adapter``: a LoRA
+        adapter is merged into the full-precision weights first, and the device quantizes them after."""
         self.check_runs_on(world.size, run.dtype, run.quantize)
         check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)
@@ -187,9 +190,15 @@ class ModelSource:
                     f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
-            stored_head = pre_quantized and holds_int8_head(opened.skeleton, opened.weights)
-            model = load_weights(opened.skeleton, opened.weights, world, device, shard, opened.whole_tensors,
-                                 before_filling=functools.partial(empty_int8_layers, head=stored_head) if pre_quantized else None)
+            weights, before_filling = opened.weights, None
+            if pre_quantized:
+                stored_head = holds_int8_head(opened.skeleton, opened.weights)
+                before_filling = functools.partial(empty_int8_layers, head=stored_head)
+            elif run.quantize == "int8" and world.size == 1 and not merges_adapter:
+                weights = QuantizingWeights(weights, set(int8_layers(opened.skeleton, int8_head)), torch_dtype(run.dtype))
+                before_filling = functools.partial(empty_int8_layers, head=int8_head)
+            model = load_weights(opened.skeleton, weights, world, device, shard, opened.whole_tensors,
+                                 before_filling=before_filling)
         return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:

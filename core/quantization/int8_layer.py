@@ -28,11 +28,13 @@ def quantize_rows(weight: torch.Tensor, largest: torch.Tensor | None = None) -> 
     """``weight`` [out, in] as int8 values and one scale per output row (in the weight's dtype). ``largest``: each
     row's largest magnitude when the row is longer than ``weight`` holds (a row-parallel slice: the whole row's,
     so that every rank quantizes its slice as one process quantizes the whole)."""
-    if largest is None:
-        largest = weight.abs().amax(dim=1).float()
+    if largest is None:  # each row's largest magnitude, with no copy of the weight made for it
+        largest = torch.linalg.vector_norm(weight, ord=float("inf"), dim=1).float()
     scales = (largest / INT8_LIMIT).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-    values = torch.round(weight.float() / scales.float()[:, None]).clamp(-INT8_LIMIT, INT8_LIMIT).to(torch.int8)
-    return values, scales
+    # one float32 copy of the weight, divided, rounded and bounded in place (a layer's temporaries are what loading
+    # adds to the weights' bytes)
+    values = weight.to(torch.float32, copy=True).div_(scales.float()[:, None]).round_().clamp_(-INT8_LIMIT, INT8_LIMIT)
+    return values.to(torch.int8), scales
 
 
 class Int8Linear(torch.nn.Module):

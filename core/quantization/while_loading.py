@@ -67,9 +67,12 @@ class QuantizingWeights:
         with self._locks[weight]:
             tensor = self._waiting.pop(name, None)
             if tensor is None:
-                full = torch.empty(self._source.shape(weight), dtype=self._dtype)
-                self._source.copy_into(full, weight, None)
+                full = self._source.view(weight, None)  # the file's own pages where it can: no copy to quantize
+                if full is None or full.dtype != self._dtype:
+                    full = torch.empty(self._source.shape(weight), dtype=self._dtype)
+                    self._source.copy_into(full, weight, None)
                 values, scales = quantize_rows(full)
+                del full  # a view's map is let go with it
                 tensor, other, other_name = (values, scales, weight + SCALE_SUFFIX) if name == weight else (scales, values, weight)
                 self._waiting[other_name] = other
         destination.copy_(tensor)

@@ -48,7 +48,7 @@ def load_request(request: Request) -> Generator:
     host_bytes_before_loading = resident_bytes()
     restart_peak()
     loaded = request.model.load(run, device, world, shard, free_bytes, accelerator.shares_host_memory,
-                                accelerator.tuning.int8_quantizes_head)
+                                accelerator.tuning.int8_quantizes_head, request.adapters.merged is not None)
     if request.adapters.merged is not None:  # into the weights as loaded, before the device lays them out
         merge_adapter(loaded.model, request.adapters.merged, world)
     model = accelerator.prepare_model(loaded.model, device, run, world)

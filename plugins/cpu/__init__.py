@@ -23,7 +23,7 @@ from accelgen_cpu.extension_lock import (
     deepspeed_build_folder,
     deepspeed_builds_in_its_folder,
 )
-from accelgen_cpu.host_allocator import keep_freed_memory
+from accelgen_cpu.host_allocator import keep_freed_memory, return_freed_memory
 from accelgen_cpu.int8_kernels import choose_int8_kernels, int8_product_on_cpu
 from accelgen_cpu.load_follower import LoadFollower
 from accelgen_cpu.native_kernels import kernels_status, native_kernels, native_operator
@@ -76,7 +76,7 @@ class CpuAccelerator(Accelerator):
 
     def setup(self, world: World) -> torch.device:
         self._thread_chooser = ThreadChooser()  # how busy the machine is gets measured over the model's loading
-        keep_freed_memory()
+        return_freed_memory()  # while it loads; kept once it is ready
         return torch.device("cpu")
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device, run: RunSettings,
@@ -98,6 +98,8 @@ class CpuAccelerator(Accelerator):
             use_fused_norms(model)
         if run.quantize is None and run.offload is None:  # int8 layers come later; offloaded ones change every pass
             pack_linear_layers(model, run.batch_size)
+        if run.quantize is None:  # the model is ready (else once quantized)
+            keep_freed_memory()
         return model
 
     def linear_layout(self, weight: torch.Tensor) -> FloatPanels | None:
@@ -157,6 +159,7 @@ class CpuAccelerator(Accelerator):
         model = quantize_linear_layers(model, int8_product_on_cpu, head=self.tuning.int8_quantizes_head)
         if run.offload is None:  # offloaded weights arrive at each pass as stored: they keep that layout's kernel
             choose_int8_kernels(model, run.batch_size)  # by a rule over the instructions and the decode step's rows
+        keep_freed_memory()
         return model
 
     def capture(
