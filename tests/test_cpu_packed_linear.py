@@ -5,12 +5,16 @@ offloaded weights), counted in the parameters' bytes, and compiled. Whole runs' 
 parity with Hugging Face ``generate`` over packed layers is in test_parity.py; compiled = eager in test_capture.py."""
 
 import gc
+import json
+import subprocess
+import sys
 import weakref
 
 import pytest
 import torch
 from conftest import PROMPTS
 from safetensors import safe_open
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import accelgen
 from accelgen.model.memory import parameter_bytes
@@ -215,12 +219,6 @@ def test_a_loads_peak_is_the_prepared_weights_and_about_one_layer_more(tiny_mode
     # a model of 300 MB of float32 weights read from its file (mapped): each layer's plain weight is let go as its
     # laid-out (or int8) form is made, so the load's peak is the weights as the run holds them and about one layer
     # more, never the checkpoint's and the run's whole
-    import json
-    import subprocess
-    import sys
-
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_folder("llama"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
