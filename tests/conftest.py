@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # thread count the user set); the tests of the plugin's own choice start their jobs without it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
+# No int8 weights kept between loads (in the user's cache folder) unless a test asks for them in a folder of its own
+# (tests/test_kept_int8_weights.py): every other int8 test quantizes as it loads, as a first load does.
+os.environ.setdefault("ACCELGEN_WEIGHTS_CACHE", "off")
 
 from family_models import family_config  # noqa: E402
 from tiny_models import build_model, build_tokenizer, tiny_configs  # noqa: E402

@@ -118,7 +118,8 @@ def print_summary(report: "RunReport", job: "CompletionJob", details: bool = Fal
     else:
         done = (f"{report.rows:,} {noun}, {report.new_tokens:,} new tokens in {report.generate_seconds:.2f} s "
                 f"({report.tokens_per_second:,.1f} tokens/s{capturing})")
-    print(f"accelgen: {done}; model loaded in {report.load_seconds:.2f} s"
+    kept = f" ({report.kept_weights})" if report.kept_weights else ""
+    print(f"accelgen: {done}; model loaded in {report.load_seconds:.2f} s{kept}"
           f"{_restarts()}" + (f"; written to {job.output}" if job.output else ""), file=sys.stderr)
     if details:
         print_details(report)

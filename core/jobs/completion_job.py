@@ -162,6 +162,7 @@ class RunReport:
     step_traces: int = 0  # decode steps traced instead of captured (``Accelerator.trace_step``)
     trace_failure: str | None = None  # why the decode step could not be traced (then it ran as it is)
     prompt_logprobs: int | None = None  # the prompts' tokens were scored (with that many alternatives each)
+    kept_weights: str | None = None  # where int8 weights kept between loads came from or went, as a phrase
 
     @property
     def rows_per_second(self) -> float:
@@ -204,6 +205,7 @@ def run_report(generator: Generator, load_seconds: float, generate_seconds: floa
         rank_memory=rank_memory, replicas=replicas, error_rows=error_rows, prompts=PromptFigures.of(generator, replicas),
         structure=StructureFigures.of(generator, replicas), first_error=first_error,
         step_traces=stats.step_traces, trace_failure=stats.trace_failure, prompt_logprobs=generator.run.prompt_logprobs,
+        kept_weights=generator.loaded.kept_weights,
         adapters=AdapterFigures.of(generator.run.lora, generator.loaded.adapters.buffer_bytes if generator.loaded.adapters
                                    else 0, replicas or [stats]),
     )

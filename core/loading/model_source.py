@@ -20,6 +20,7 @@ from accelgen.common.settings import RunSettings, World, torch_dtype
 from accelgen.loading.checkpoint_conversions import converted
 from accelgen.loading.checkpoint_download import checkpoint_folder
 from accelgen.loading.checkpoint_files import CheckpointFolder
+from accelgen.loading.kept_int8_weights import kept_int8_weights
 from accelgen.loading.model_files import (
     BUILT_IN_NAME,
     DEFAULT_MODEL,
@@ -62,6 +63,8 @@ class LoadedCheckpoint:
     tokenizer: PreTrainedTokenizerBase
     unsharded_parameter_bytes: int
     placement: Placement | None = None
+    #: where int8 weights kept between loads came from or went (``accelgen.loading.kept_int8_weights``), as a phrase
+    kept_weights: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +176,14 @@ class ModelSource:
         ``device_is_host``: the device computes in host memory; ``int8_head``: the device's int8 quantizes a head of
         its own too (``Accelerator.tuning.int8_quantizes_head``). In int8, one process's layers are quantized as they
         are read (each layer's full-precision weight held alone, then let go), unless ``merges_adapter``: a LoRA
-        adapter is merged into the full-precision weights first, and the device quantizes them after."""
+        adapter is merged into the full-precision weights first, and the device quantizes them after; the int8 model
+        is kept for the next load, and read from there when it was kept before
+        (``accelgen.loading.kept_int8_weights``)."""
         self.check_runs_on(world.size, run.dtype, run.quantize)
         check_offload_world(run, world.size * world.replicas)  # the job's ranks: one copy each with one rank per replica
         opened = self.open(run.dtype, world)
         unsharded_parameter_bytes = parameter_bytes(opened.skeleton)  # before the skeleton is split in place
-        placement = None
+        placement, kept, kept_phrase = None, None, None
         pre_quantized = opened.whole_tensors and run.quantize is not None  # checked: the folder's scheme
         if run.offload is not None:
             model, placement = load_offloaded(opened.skeleton, opened.weights, device, run, free_bytes, device_is_host,
@@ -190,16 +195,26 @@ class ModelSource:
                     f"in host memory before DeepSpeed splits it"), stacklevel=2)
             model = shard(load_weights(opened.skeleton, opened.weights, World(), HOST))
         else:
-            weights, before_filling = opened.weights, None
+            weights, before_filling, whole_tensors = opened.weights, None, opened.whole_tensors
             if pre_quantized:
                 stored_head = holds_int8_head(opened.skeleton, opened.weights)
                 before_filling = functools.partial(empty_int8_layers, head=stored_head)
             elif run.quantize == "int8" and world.size == 1 and not merges_adapter:
-                weights = QuantizingWeights(weights, set(int8_layers(opened.skeleton, int8_head)), torch_dtype(run.dtype))
                 before_filling = functools.partial(empty_int8_layers, head=int8_head)
-            model = load_weights(opened.skeleton, weights, world, device, shard, opened.whole_tensors,
+                kept = None if self.random_weights else kept_int8_weights(
+                    self.location, self.identity(), opened.skeleton, run.dtype, int8_head)
+                kept_files = None if kept is None else kept.files()
+                if kept_files is not None:
+                    weights = SafetensorsWeights(kept_files, opened.skeleton.base_model_prefix, where=str(kept.folder))
+                    whole_tensors, kept, kept_phrase = True, None, "int8 weights kept by an earlier load"
+                else:
+                    weights = QuantizingWeights(weights, set(int8_layers(opened.skeleton, int8_head)),
+                                                torch_dtype(run.dtype))
+            model = load_weights(opened.skeleton, weights, world, device, shard, whole_tensors,
                                  before_filling=before_filling)
-        return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement)
+            if kept is not None and kept.keep(model):
+                kept_phrase = "int8 weights kept for the next load"
+        return LoadedCheckpoint(model.eval(), opened.tokenizer, unsharded_parameter_bytes, placement, kept_phrase)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer runs of this model use, read alone (no weights): to check prompts before loading."""

@@ -222,7 +222,7 @@ def write_manifest(folder: str, world_size: int, dtype: str, rank_files_by_rank:
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size, "dtype": dtype,
         "quantize": quantize,
-        "source": source, "accelgen_version": _version("accelgen"), "deepspeed_version": _version("deepspeed"),
+        "source": source, "accelgen_version": package_version("accelgen"), "deepspeed_version": package_version("deepspeed"),
         "rank_files": rank_files_by_rank,
     }
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as manifest_file:
@@ -231,7 +231,8 @@ def write_manifest(folder: str, world_size: int, dtype: str, rank_files_by_rank:
         os.fsync(manifest_file.fileno())
 
 
-def _version(distribution: str) -> str | None:
+def package_version(distribution: str) -> str | None:
+    """The installed release of ``distribution``, or None."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -49,3 +49,4 @@ class LoadedModel:
     loading_host_memory: dict[str, int] = dataclasses.field(default_factory=dict)  # this process's, around loading
     placement: WeightPlacement | None = None  # None: not offloaded
     adapters: AdapterBuffers | None = None  # None: no adapters chosen row by row
+    kept_weights: str | None = None  # where kept int8 weights came from or went, as a phrase (None: neither)

@@ -16,6 +16,8 @@ import torch
 Int8Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: Largest int8 magnitude used: symmetric, so -127..127 (-128 is never written).
 INT8_LIMIT = 127
+#: float32 values :func:`quantize_rows` works on at a time (1 MiB)
+QUANTIZED_BLOCK_VALUES = 1 << 18
 
 
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -31,10 +33,18 @@ def quantize_rows(weight: torch.Tensor, largest: torch.Tensor | None = None) -> 
     if largest is None:  # each row's largest magnitude, with no copy of the weight made for it
         largest = torch.linalg.vector_norm(weight, ord=float("inf"), dim=1).float()
     scales = (largest / INT8_LIMIT).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-    # one float32 copy of the weight, divided, rounded and bounded in place (a layer's temporaries are what loading
-    # adds to the weights' bytes)
-    values = weight.to(torch.float32, copy=True).div_(scales.float()[:, None]).round_().clamp_(-INT8_LIMIT, INT8_LIMIT)
-    return values.to(torch.int8), scales
+    # a block of rows at a time (about 1 MiB of float32, which the processor's cache holds), divided, rounded and
+    # bounded in place: a weight read once from memory (a whole float32 copy, worked on op by op, was read five times
+    # over: twice the time), and no temporary the size of the layer
+    values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    divisors = scales.float()[:, None]
+    rows = max(1, QUANTIZED_BLOCK_VALUES // max(1, weight.shape[1]))
+    block = torch.empty((min(rows, weight.shape[0]), weight.shape[1]), dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows):
+        part = block[: min(rows, weight.shape[0] - start)]
+        part.copy_(weight[start : start + rows]).div_(divisors[start : start + rows]).round_()
+        values[start : start + rows].copy_(part.clamp_(-INT8_LIMIT, INT8_LIMIT))
+    return values, scales
 
 
 class Int8Linear(torch.nn.Module):

@@ -62,7 +62,7 @@ def load_request(request: Request) -> Generator:
     loading_host_memory = {"host_bytes_before_loading": host_bytes_before_loading,
                            "peak_host_bytes_loading": peak_resident_bytes()}
     generator = Generator(LoadedModel(model, loaded.tokenizer, accelerator, device, world, loaded.unsharded_parameter_bytes,
-                                      loading_host_memory, loaded.placement, adapters), run,
+                                      loading_host_memory, loaded.placement, adapters, loaded.kept_weights), run,
                           capture_later=request.capture_later)
     start_up_ended()  # in the accelgen script: what the start built is left out of the collector's traversals
     return generator

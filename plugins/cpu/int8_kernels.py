@@ -38,6 +38,8 @@ from accelgen_cpu.packed_linear import find_packed, register_packed
 KERNELS = ("rows", "columns", "packed", "fused")
 #: oneDNN's unsigned rows: the int8 values plus this (the sign bit flipped)
 _ZERO_POINT = 128
+#: 0x80808080 as an int32: each of a word's four bytes with its sign bit flipped (int8 to oneDNN's unsigned form)
+_SIGN_BITS = -0x7F7F7F80
 # the smallest largest magnitude a row is quantized with: 127 over it is finite, so a row of zeros gives zeros
 _TINY = 2.0**-100
 
@@ -135,9 +137,15 @@ def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
     inputs the value zero, so they add nothing."""
     outputs, inputs = weight.shape
     panels, quads = -(-outputs // 16), -(-inputs // 4)
-    unsigned = torch.zeros(panels * 16, quads * 4, dtype=torch.uint8)
-    unsigned[:outputs, :inputs] = as_unsigned(weight)
-    return unsigned.view(panels, 16, quads, 4).transpose(1, 2).reshape(panels, quads, 64).contiguous()
+    if (outputs, inputs) != (panels * 16, quads * 4) or weight.storage_offset() % 4 or not weight.is_contiguous():
+        padded = torch.full((panels * 16, quads * 4), -_ZERO_POINT, dtype=torch.int8)  # zero bytes once flipped
+        padded[:outputs, :inputs] = weight
+        weight = padded
+    # the layout moves each output's 4 consecutive inputs as one 32-bit word (4x fewer elements than bytes)
+    words = torch.empty(panels, quads, 16, dtype=torch.int32)
+    words.copy_(weight.view(torch.int32).view(panels, 16, quads).transpose(1, 2))
+    words.bitwise_xor_(_SIGN_BITS)
+    return words.view(torch.uint8).view(panels, quads, 64)
 
 
 def as_unsigned(values: torch.Tensor) -> torch.Tensor:
