@@ -113,14 +113,9 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="cpu-load-"))
     try:
         sys.path.insert(0, str(HERE))
-        from cpu_peers import convert, prepare
+        from cpu_peers import half_billion_model
 
-        folder = Path(arguments.folder) if arguments.folder else None
-        if folder is None or not (folder / "config.json").is_file():
-            made = prepare("decode", scratch, argparse.Namespace(decode_tokens=1))
-            folder = Path(shutil.move(str(made), str(folder))) if folder else made
-        if peers:
-            convert(folder, arguments.peers_python, [name for name in peers if not (folder / name.replace("_", "-")).exists()])
+        folder = half_billion_model(arguments.folder, scratch, arguments.peers_python, peers)
         if arguments.baseline_revision:
             arguments.baseline_path = baseline_path(arguments.baseline_revision, scratch)
         figures: dict[str, list[dict]] = {}

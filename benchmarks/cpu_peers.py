@@ -112,6 +112,20 @@ def convert(folder: Path, peers_python: str, names: list[str]) -> None:
         subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
+def half_billion_model(folder: str | None, scratch: Path, peers_python: str | None, peers: list[str]) -> Path:
+    """The decode job's 0.5B model in ``folder`` (built there when it holds none; in ``scratch`` without one), with the
+    peers' converted forms of it that it lacks (for cpu_load.py and cpu_dataset_job.py, which keep it between runs)."""
+    import shutil
+
+    kept = Path(folder) if folder else None
+    if kept is None or not (kept / "config.json").is_file():
+        made = prepare("decode", scratch, argparse.Namespace(decode_tokens=1))
+        kept = Path(shutil.move(str(made), str(kept))) if kept else made
+    if peers:
+        convert(kept, peers_python, [name for name in peers if not (kept / name.replace("_", "-")).exists()])
+    return kept
+
+
 # -- one measurement, in a worker process -----------------------------------------------------------------------
 
 
