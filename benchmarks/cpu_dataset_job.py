@@ -6,7 +6,7 @@ each precision against each.
 Shapes (--shape; prompts are runs of words of benchmarks/text/psalms.txt, drawn with a fixed seed):
 
     completions  48 rows of 8 to 150 words, 64 new tokens each (greedy, no end), batch 16
-    prompts      48 rows of 300 to 600 words, 16 new tokens each (greedy, no end), batch 16: the prompts' prefill is
+    prompts      48 rows of 100 to 300 words, 16 new tokens each (greedy, no end), batch 16: the prompts' prefill is
                  most of the work
 
 Contenders, each run a process of its own, taking turns round by round (medians):
@@ -44,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 CONTENDERS = ("accelgen_float32", "accelgen_int8", "ct2_float32", "ct2_int8", "ov_float32", "ov_int8")
 #: words per prompt (smallest, largest) and new tokens per row
-SHAPES = {"completions": ((8, 150), 64), "prompts": ((300, 600), 16)}
+SHAPES = {"completions": ((8, 150), 64), "prompts": ((100, 300), 16)}
 ROWS, BATCH = 48, 16
 
 PEER_JOB = r"""
