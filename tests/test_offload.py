@@ -305,7 +305,7 @@ def test_offloaded_int8_layers_keep_their_stored_layout_whichever_kernel_would_b
     from accelgen_cpu import int8_kernels
 
     other_layout = next(kernel for kernel in ("packed", "fused", "columns") if kernel in int8_kernels.available_kernels())
-    monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels: other_layout)
+    monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels, amx=False: other_layout)
     model = four_layer_model("llama")
     expected = token_ids(accelgen.generate(PROMPTS, model=str(model.folder), device="cpu", dtype="float32",
                                            quantize="int8", max_new_tokens=NEW_TOKENS, batch_size=2))

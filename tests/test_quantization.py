@@ -282,7 +282,7 @@ def test_whichever_kernel_a_layer_takes_the_completions_are_the_same(tiny_model_
     folder = str(tiny_model_folder("llama"))
     completions_by_kernel = {}
     for kernel in available_kernels():
-        monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels, kernel=kernel: kernel)
+        monkeypatch.setattr(int8_kernels, "int8_kernel_for", lambda rows, in_features, kernels, amx=False, kernel=kernel: kernel)
         completions_by_kernel[kernel], generator = completions(
             folder, dtype="float32", quantize="int8", batch_size=4, graphs=graphs,
             plugin_manager=plugin_manager_with(CapturingCpu()) if graphs else None)
@@ -298,7 +298,8 @@ def test_whichever_kernel_a_layer_takes_the_completions_are_the_same(tiny_model_
 def test_the_kernel_a_layer_takes_is_a_rule_over_the_instructions_and_the_rows(rows, in_features):
     """The fused kernel where it is built (AVX-512 VNNI) up to FUSED_ROWS_AT_MOST rows, oneDNN's packed product past
     them and wherever the fused one is missing, ``_int_mm`` over the stored weight where oneDNN's is missing too; a
-    layer whose rows are not a multiple of 16 values takes the fused kernel, else the plain product."""
+    layer whose rows are not a multiple of 16 values takes the fused kernel, else the plain product. With AMX,
+    oneDNN's packed product from AMX_ROWS_AT_LEAST rows on for layers of AMX_INPUTS_AT_LEAST inputs or more."""
     with_fused, without = ("rows", "columns", "packed", "fused"), ("rows", "columns", "packed")
     for kernels in (with_fused, without):
         kernel = int8_kernels.int8_kernel_for(rows, in_features, kernels)
@@ -309,6 +310,15 @@ def test_the_kernel_a_layer_takes_is_a_rule_over_the_instructions_and_the_rows(r
         else:
             assert kernel == "packed"
     assert int8_kernels.int8_kernel_for(rows, 256, ("rows", "columns")) == "rows"  # no oneDNN in this torch
+    # with AMX's int8 tiles, oneDNN's packed product (on them) from 16 rows on, for layers of 1,024 inputs or more
+    for in_features_amx in (in_features, 2048, 1024, 1008):
+        kernel = int8_kernels.int8_kernel_for(rows, in_features_amx, with_fused, amx=True)
+        wide = in_features_amx >= int8_kernels.AMX_INPUTS_AT_LEAST and not in_features_amx % 16
+        if wide and rows >= int8_kernels.AMX_ROWS_AT_LEAST:
+            assert kernel == "packed"
+        else:
+            assert kernel == int8_kernels.int8_kernel_for(rows, in_features_amx, with_fused)
+    assert int8_kernels.int8_kernel_for(64, 2048, ("rows", "columns", "fused"), amx=True) == "fused"  # no oneDNN
 
 
 def test_a_compiled_bfloat16_product_rounds_as_the_eager_one_whichever_kernel_a_shape_takes():

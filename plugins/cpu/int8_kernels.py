@@ -10,7 +10,8 @@ each layer takes the one a rule over them names (:func:`int8_kernel_for`, from m
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
   for several rows the fastest by far on AVX-512 (RESULTS.md, "int8 products on the CPU"); refused where it does not
-  give ``_int_mm``'s values (AVX2 without VNNI: oneDNN's unsigned rows saturate its 16-bit pair sums);
+  give ``_int_mm``'s values (AVX2 without VNNI: oneDNN's unsigned rows saturate its 16-bit pair sums); on a CPU with
+  AMX it multiplies on AMX's int8 tiles;
 - ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, AVX-512 VNNI's byte products or AVX2's) over the
   weight laid out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one
   operator where the others take about ten, each panel read once for several rows; from memory the fastest at one
@@ -31,6 +32,7 @@ import torch
 
 from accelgen.common.static_sizes import static_shape
 from accelgen.quantization.int8_layer import INT8_LIMIT, Int8Linear, int8_product, quantize_rows
+from accelgen_cpu.kernel_variants import instruction_sets
 from accelgen_cpu.native_kernels import native_operator
 from accelgen_cpu.packed_linear import find_packed, register_packed
 
@@ -169,14 +171,24 @@ def _(unsigned, handle, out_features):
 #: them where it gives ``_int_mm``'s values, and at any rows where the fused kernel is not built (benchmarks/RESULTS.md,
 #: "The CPU kernels per instruction set").
 FUSED_ROWS_AT_MOST = 16
+#: On a CPU with AMX's int8 tiles, oneDNN's packed product (which multiplies on them) is taken from this many rows on for
+#: layers of at least :data:`AMX_INPUTS_AT_LEAST` inputs: 1.4-1.5x the fused kernel's speed at 16 rows, 3.6x at 64,
+#: 5x at a prefill's hundreds; the fused one stays faster below 16 rows and on narrow layers at 16 (benchmarks/RESULTS.md,
+#: "int8 on AMX").
+AMX_ROWS_AT_LEAST = 16
+AMX_INPUTS_AT_LEAST = 1024
 
 
-def int8_kernel_for(rows: int, in_features: int, kernels: tuple[str, ...]) -> str | None:
+def int8_kernel_for(rows: int, in_features: int, kernels: tuple[str, ...], amx: bool = False) -> str | None:
     """The kernel a layer of ``in_features`` inputs takes for a decode step of ``rows`` rows, of the ``kernels`` this
-    machine runs (:func:`available_kernels`): a rule over the instruction sets (whether the fused kernel is built), the
-    shape and the rows, so that every run on a machine takes the same kernels (never a timing: which kernel is
-    fastest depends on the moment). None: the plain product (a layer whose rows are not a multiple of 16 values, which
-    ``_int_mm`` and oneDNN do not take, where the fused kernel is not built)."""
+    machine runs (:func:`available_kernels`): a rule over the instruction sets (whether the fused kernel is built;
+    ``amx``: whether the CPU has AMX's int8 tiles), the shape and the rows, so that every run on a machine takes the
+    same kernels (never a timing: which kernel is fastest depends on the moment). None: the plain product (a layer
+    whose rows are not a multiple of 16 values, which ``_int_mm`` and oneDNN do not take, where the fused kernel is not
+    built)."""
+    if (amx and "packed" in kernels and not in_features % 16 and rows >= AMX_ROWS_AT_LEAST
+            and in_features >= AMX_INPUTS_AT_LEAST):
+        return "packed"
     if "fused" in kernels and (in_features % 16 or rows <= FUSED_ROWS_AT_MOST or "packed" not in kernels):
         return "fused"
     if in_features % 16:
@@ -187,11 +199,11 @@ def int8_kernel_for(rows: int, in_features: int, kernels: tuple[str, ...]) -> st
 def choose_int8_kernels(model: torch.nn.Module, rows: int) -> dict[str, int]:
     """Give each int8 layer of ``model`` the kernel :func:`int8_kernel_for` names for ``rows`` rows; returns how many
     layers took each kernel."""
-    kernels = available_kernels()
+    kernels, amx = available_kernels(), "amxint8" in instruction_sets()
     taken: dict[str, int] = {}
     for layer in model.modules():
         if isinstance(layer, Int8Linear):
-            kernel = int8_kernel_for(rows, layer.in_features, kernels)
+            kernel = int8_kernel_for(rows, layer.in_features, kernels, amx=amx)
             if kernel is not None:
                 use_int8_kernel(layer, kernel)
             taken[kernel or "plain"] = taken.get(kernel or "plain", 0) + 1
