@@ -36,6 +36,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -192,13 +193,16 @@ class KeptWeights:
             f"{FOLDER_VARIABLE} to a folder that can be written, or to off"), stacklevel=3)
 
 
-def kept_int8_weights(location: str, identity: dict, model: torch.nn.Module, dtype: str,
+def kept_int8_weights(location: str, identity_of: Callable[[], dict], model: torch.nn.Module, dtype: str,
                       head: bool) -> KeptWeights | None:
-    """The cache entry of the checkpoint at ``location`` (of ``identity``) loaded into ``model``'s class in ``dtype``
-    with int8 layers (``head``: its head too); None where the cache is off, or the checkpoint is not known by its
-    content (a Hub id whose revision was not read)."""
+    """The cache entry of the checkpoint at ``location`` (whose identity ``identity_of()`` reads, where the cache is on)
+    loaded into ``model``'s class in ``dtype`` with int8 layers (``head``: its head too); None where the cache is off,
+    or the checkpoint is not known by its content (a Hub id whose revision was not read)."""
     root = cache_root()
-    if root is None or not (identity.get("weights_sha256") or identity.get("revision")):
+    if root is None:
+        return None
+    identity = identity_of()
+    if not (identity.get("weights_sha256") or identity.get("revision")):
         return None
     made_of = {"identity": identity, "model_class": type(model).__name__, "dtype": dtype, "scheme": SCHEME,
                "int8_head": head, "transformers": transformers.__version__, "accelgen": package_version("accelgen"),

@@ -202,7 +202,7 @@ class ModelSource:
             elif run.quantize == "int8" and world.size == 1 and not merges_adapter:
                 before_filling = functools.partial(empty_int8_layers, head=int8_head)
                 kept = None if self.random_weights else kept_int8_weights(
-                    self.location, self.identity(), opened.skeleton, run.dtype, int8_head)
+                    self.location, self.identity, opened.skeleton, run.dtype, int8_head)
                 kept_files = None if kept is None else kept.files()
                 if kept_files is not None:
                     weights = SafetensorsWeights(kept_files, opened.skeleton.base_model_prefix, where=str(kept.folder))
