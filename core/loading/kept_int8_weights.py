@@ -55,6 +55,8 @@ from accelgen.loading.pre_sharded import (
     read_manifest,
     write_manifest,
 )
+from accelgen.loading.weight_loading import groups_by_bytes
+from accelgen.loading.weight_sources import SafetensorsWeights
 
 FOLDER_VARIABLE = "ACCELGEN_WEIGHTS_CACHE"
 BOUND_VARIABLE = "ACCELGEN_WEIGHTS_CACHE_GB"
@@ -89,12 +91,14 @@ class KeptWeights:
     def root(self) -> Path:
         return self.folder.parent
 
-    def files(self) -> list[str] | None:
-        """The entry's rank files when it is there and sound (used now: stamped); None when it is not there, or was
-        damaged (then removed, in one line)."""
+    def weights(self, base_model_prefix: str) -> SafetensorsWeights | None:
+        """The entry's tensors, as a weight source over its rank files whose headers were read to check them, when it
+        is there and sound (used now: stamped); None when it is not there, or was damaged (then removed, in one
+        line)."""
         if not (self.folder / MANIFEST).is_file():
             return None
-        manifest, problem = self._checked_manifest()
+        folder = CheckpointFolder(str(self.folder))
+        manifest, problem = self._checked_manifest(folder)
         if problem is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             warnings.warn(AccelgenWarning(
@@ -103,10 +107,11 @@ class KeptWeights:
             return None
         with contextlib.suppress(OSError):  # a cache another user owns, read-only: read all the same
             os.utime(self.folder / MANIFEST)
-        return rank_files(str(self.folder), manifest, 0)
+        return SafetensorsWeights(rank_files(str(self.folder), manifest, 0), base_model_prefix, where=str(self.folder),
+                                  read_header=folder.header)
 
-    def _checked_manifest(self) -> tuple[dict | None, str | None]:
-        """(the entry's manifest, what is wrong with the entry or None)."""
+    def _checked_manifest(self, folder: CheckpointFolder) -> tuple[dict | None, str | None]:
+        """(the entry's manifest, what is wrong with the entry or None); ``folder`` reads (and keeps) the headers."""
         try:
             manifest = read_manifest(str(self.folder))
         except UsageError:
@@ -117,8 +122,7 @@ class KeptWeights:
             return manifest, "its manifest names another dtype or weight scheme"
         if (manifest.get("source") or {}).get("key") != self.source["key"]:
             return manifest, "its manifest names another model"
-        return manifest, missing_rank_file(str(self.folder), manifest) or CheckpointFolder(str(self.folder)).problem(
-            manifest["rank_files"][0])
+        return manifest, missing_rank_file(str(self.folder), manifest) or folder.problem(manifest["rank_files"][0])
 
     def keep(self, model: torch.nn.Module) -> bool:
         """Write ``model``'s parameters (int8 layers as values and scales, the rest in the run's dtype) as this entry,
@@ -147,17 +151,13 @@ class KeptWeights:
 
     @staticmethod
     def _write(parameters: dict[str, torch.Tensor], folder: Path) -> list[str]:
-        names: list[str] = []
-        group: dict[str, torch.Tensor] = {}
-        group_bytes = 0
-        for name, parameter in [*parameters.items(), ("", None)]:
-            size = 0 if parameter is None else parameter.numel() * parameter.element_size()
-            if group and (parameter is None or group_bytes + size > MAX_FILE_BYTES):
-                names.append(rank_file_name(0, 1, len(names)))
-                save_aligned(group, str(folder / names[-1]), rank_metadata(0, 1))
-                group, group_bytes = {}, 0
-            if parameter is not None:
-                group[name], group_bytes = parameter.detach(), group_bytes + size
+        """Write ``parameters`` into ``folder`` as rank files of at most :data:`MAX_FILE_BYTES`; their names."""
+        names = []
+        for group in groups_by_bytes(list(parameters.items()), lambda item: item[1].numel() * item[1].element_size(),
+                                     MAX_FILE_BYTES):
+            names.append(rank_file_name(0, 1, len(names)))
+            save_aligned({name: parameter.detach() for name, parameter in group}, str(folder / names[-1]),
+                         rank_metadata(0, 1))
         return names
 
     def _make_room(self, size: int) -> bool:

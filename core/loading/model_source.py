@@ -203,10 +203,9 @@ class ModelSource:
                 before_filling = functools.partial(empty_int8_layers, head=int8_head)
                 kept = None if self.random_weights else kept_int8_weights(
                     self.location, self.identity, opened.skeleton, run.dtype, int8_head)
-                kept_files = None if kept is None else kept.files()
-                if kept_files is not None:
-                    weights = SafetensorsWeights(kept_files, opened.skeleton.base_model_prefix, where=str(kept.folder))
-                    whole_tensors, kept, kept_phrase = True, None, "int8 weights kept by an earlier load"
+                kept_weights = None if kept is None else kept.weights(opened.skeleton.base_model_prefix)
+                if kept_weights is not None:
+                    weights, whole_tensors, kept, kept_phrase = kept_weights, True, None, "int8 weights kept by an earlier load"
                 else:
                     weights = QuantizingWeights(weights, set(int8_layers(opened.skeleton, int8_head)),
                                                 torch_dtype(run.dtype))
