@@ -6,6 +6,7 @@ from conftest import ARCHITECTURES, PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
+from accelgen.generation.runner import PACKED_MOST_TOKENS
 from accelgen.model.architectures import architecture_of
 
 pytestmark = pytest.mark.transformers_release  # its outcome depends on the transformers release: CI runs it with each
@@ -70,6 +71,20 @@ def test_an_eager_prefill_runs_the_prompts_not_their_buckets_padding(tiny_model_
     packed = architecture_of(generator.model.config).packs_prompts
     assert packed == (architecture == "llama")
     assert generator.stats.prefill_positions == (sum(lengths) if packed else len(PROMPTS) * -(-max(lengths) // 8) * 8)
+
+
+def test_prompts_of_more_tokens_than_one_packed_pass_takes_run_packed_in_several(tiny_model_folder):
+    """A batch whose prompts hold more tokens than one packed row takes (``PACKED_MOST_TOKENS``) is prefilled in
+    several passes, each of its prompts packed without padding (one padded pass of them all, before): Hugging Face's
+    tokens."""
+    folder = tiny_model_folder("llama")
+    words = " ".join(PROMPTS).split()
+    prompts = [" ".join(words[(row + place) % len(words)] for place in range(40 + 3 * row)) for row in range(16)]
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(folder)(prompts).input_ids]
+    assert sum(lengths) > PACKED_MOST_TOKENS and max(lengths) + MAX_NEW_TOKENS <= 256  # the tiny model's positions
+    completions, generator = ours(folder, prompts, batch_size=len(prompts), graphs=False)
+    assert completions == reference_completions(folder, prompts)
+    assert generator.stats.prefill_passes > 1 and generator.stats.prefill_positions == sum(lengths)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "bloom"])

@@ -35,8 +35,9 @@ from accelgen.model.transformers_adapter.static_cache import copy_prompt_rows
 from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.plugin.contract import Accelerator
 
-#: The most prompt tokens a prefill packs in one row: its mask holds the square of their count.
-PACKED_MOST_TOKENS = 2048
+#: The most prompt tokens a prefill packs in one row (its mask holds the square of their count); more are prefilled in
+#: several packed passes, whose activations stay a few MiB (benchmarks/RESULTS.md, "A token budget per prefill pass").
+PACKED_MOST_TOKENS = 1024
 
 
 class SlotRunner:
@@ -127,16 +128,32 @@ class SlotRunner:
         (a shape per bucket: a short prompt computes no longer bucket's positions), else one for all, every prompt at
         the largest bucket (an eager pass computes the positions of its longest prompt whatever the bucket, and
         costs more for being a pass than for a short prompt's padding; the same where the model needs rows at one
-        position); each split for prefix reuse in two when some prompts share a beginning not stored yet."""
+        position); each split for prefix reuse in two when some prompts share a beginning not stored yet, and where
+        prompts run packed, in parts of at most ``PACKED_MOST_TOKENS`` (``_packed_passes``)."""
         if not insertion.prefilled:
             return []
         one_bucket = self.rows_aligned or not self.accelerator.tuning.captures_prefill
         buckets = [insertion.bucket_length] if one_bucket else sorted({row.bucket for row in insertion.prefilled})
         parts = [insertion] if len(buckets) == 1 else [
             insertion.of_prompts({row.number for row in insertion.prefilled if row.bucket == bucket}) for bucket in buckets]
-        if self.prefixes is None:
-            return parts
-        return [part.of_prompts(numbers) for part in parts for numbers in self.prefixes.leaders_then_followers(part.prefilled)]
+        if self.prefixes is not None:
+            parts = [part.of_prompts(numbers) for part in parts
+                     for numbers in self.prefixes.leaders_then_followers(part.prefilled)]
+        return [piece for part in parts for piece in self._packed_passes(part)]
+
+    def _packed_passes(self, part: Insertion) -> list[Insertion]:
+        """The part in parts of at most ``PACKED_MOST_TOKENS`` prompt tokens each (its prompts in order; a longer
+        prompt alone), where its prompts may run packed in one row: each part packed, its pass's activations a few MiB
+        where one pass of them all would be tens (its temporaries mapped afresh from the kernel at every operation)."""
+        if not self.packs_prompts or (self.capture.captures and self.accelerator.tuning.captures_prefill):
+            return [part]
+        groups, tokens = [[]], 0
+        for row in part.prefilled:
+            if groups[-1] and tokens + len(row.prompt_ids) > PACKED_MOST_TOKENS:
+                groups, tokens = [*groups, []], 0
+            groups[-1].append(row.number)
+            tokens += len(row.prompt_ids)
+        return [part] if len(groups) == 1 else [part.of_prompts(set(numbers)) for numbers in groups]
 
     def _prefill(self, insertion: Insertion) -> None:
         """Prefill the insertion's prompts and draw its first tokens: its new rows start; the samples parked now
