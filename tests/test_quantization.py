@@ -211,6 +211,26 @@ def test_every_variants_fused_kernel_gives_the_exact_int8_sums(kernel_variant, t
             assert torch.equal(ours, exact_int8_product(x, values, scales)), (inputs, outputs, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_variants_row_quantization_gives_torchs_values_in_onednns_unsigned_form(kernel_variant, threads, dtype):
+    """Each build's one-pass quantization of the rows oneDNN's product takes (``quantize_rows_unsigned``): the values
+    and scales of torch's operations (``int8_kernels.quantize_unsigned_rows``) to the last bit, for rows of any count,
+    width and magnitude, halves among them (rounded to even), a row of zeros, and rows of more than two dimensions."""
+    operator = getattr(kernel_variant.operators, "quantize_rows_unsigned", None)
+    if operator is None:
+        pytest.skip(f"the {kernel_variant.variant} build has no int8 kernel (torch's operations quantize there)")
+    torch.manual_seed(0)
+    for inputs in (2048, 682, 20, 1):
+        for rows in (1, 5, 16, 17, 300):
+            x = (torch.randn(rows, inputs) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
+            x[0, : min(3, inputs)] = torch.tensor([127.0, 0.5, -2.5])[: min(3, inputs)].to(dtype)  # halves: to even
+            x[-1] = 0 if rows > 1 else x[-1]
+            ours, theirs = operator(x), int8_kernels.quantize_unsigned_rows(x)
+            assert all(torch.equal(mine, its) for mine, its in zip(ours, theirs)), (inputs, rows)
+    x = torch.randn(3, 7, 64).to(dtype)
+    assert all(torch.equal(mine, its) for mine, its in zip(operator(x), int8_kernels.quantize_unsigned_rows(x)))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_kernel_gives_the_plain_products_values_to_the_last_bit(rows, dtype):

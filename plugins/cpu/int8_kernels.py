@@ -27,6 +27,7 @@ float32, so that the kernels give the same values and the choice never changes a
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -51,7 +52,7 @@ def int8_product_on_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
     needs rows of a multiple of 16 values (others give wrong values or crash): other layers take the plain product."""
     if static_shape(x)[-1] % 16:  # a number while a step is traced, so that the trace holds the branch taken
         return int8_product(x, weight, scales)
-    values, row_scales = _last_input.quantized_rows(x)
+    values, row_scales = _last_input.quantized_rows(x, quantize_input_rows)
     sums = torch._int_mm(values, weight.t()).float().mul_(scales.float())  # as oneDNN's, to the last bit
     return sums.mul_(row_scales).to(x.dtype)
 
@@ -68,12 +69,14 @@ class _LastInput:
         self._held: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def quantized_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantized_rows(self, x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize(x)``, or what it gave for the same input last."""
         if torch.compiler.is_compiling() or x.is_inference():
-            return quantize_input_rows(x)
-        key = (x.data_ptr(), static_shape(x), x.stride(), x.dtype, x._version)  # sizes as numbers in a trace too
+            return quantize(x)
+        key = (quantize, x.data_ptr(), static_shape(x), x.stride(), x.dtype, x._version)  # sizes as numbers in a trace too
         if key != self._key or self._rows is None:
-            self._key, self._held, self._rows = key, x, quantize_input_rows(x)
+            self._key, self._held, self._rows = key, x, quantize(x)
         return self._rows
 
 
@@ -90,6 +93,12 @@ def quantize_input_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, largest.div_(INT8_LIMIT)  # now each row's scale
 
 
+def quantize_unsigned_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_input_rows`'s values in oneDNN's unsigned form (:func:`as_unsigned`), and the rows' scales."""
+    values, scales = quantize_input_rows(x)
+    return as_unsigned(values), scales
+
+
 class PackedInt8Product:
     """The int8 product over one layer's weight packed by oneDNN (the layer's weight is then :attr:`weight`); an
     :class:`~accelgen.quantization.int8_layer.Int8Linear`'s ``product``. A compiled step calls oneDNN through the
@@ -102,10 +111,12 @@ class PackedInt8Product:
         self.scales = scales.float()
         self._zero_points = torch.zeros(self.out_features, dtype=torch.long)  # the weights': symmetric
         self.handle = register_packed(self)
+        #: the rows quantized as oneDNN takes them: in one pass of the C++ kernels where they are built (the same
+        #: values; torch's operations take about eight passes, a quarter of a prefill's int8 pass of thousands of rows)
+        self._quantize = native_operator("quantize_rows_unsigned") or quantize_unsigned_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        values, row_scales = _last_input.quantized_rows(x)
-        unsigned = as_unsigned(values)  # as oneDNN takes rows
+        unsigned, row_scales = _last_input.quantized_rows(x, self._quantize)
         if torch.compiler.is_compiling():
             scaled_sums = packed_int8_product(unsigned, self.handle, self.out_features)
         else:

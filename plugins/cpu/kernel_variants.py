@@ -58,9 +58,9 @@ VARIANT_WORDS = {
 #: calls oneDNN's own product (it spares a compiled step a call into Python), so every variant takes it.
 OPERATORS_TAKEN: dict[str, frozenset[str]] = {
     "avx512": frozenset({"decode_attention", "prompt_attention", "decode_self_attention", "float_panels_linear",
-                         "int8_panels_linear", "rms_norm", "packed_linear", "draw_tokens"}),
+                         "int8_panels_linear", "quantize_rows_unsigned", "rms_norm", "packed_linear", "draw_tokens"}),
     "avx2": frozenset({"decode_attention", "prompt_attention", "decode_self_attention", "float_panels_linear",
-                       "int8_panels_linear", "rms_norm", "packed_linear", "draw_tokens"}),
+                       "int8_panels_linear", "quantize_rows_unsigned", "rms_norm", "packed_linear", "draw_tokens"}),
     "portable": frozenset({"decode_attention", "decode_self_attention", "rms_norm", "packed_linear", "draw_tokens"}),
 }
 

@@ -30,6 +30,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -151,11 +152,26 @@ constexpr int tile_sums_at_most() {
 }
 constexpr int kTileSums = tile_sums_at_most();
 
+// A row's largest magnitude, at least kSmallest: its values are quantized by 127 over it, its scale is it over 127.
+template <typename T>
+float row_largest(const T* row, int64_t size) {
+  Lanes largest_lanes = zeros();
+  for (int64_t k = 0; k < size; k += kLanes)
+    largest_lanes = maximum(largest_lanes, magnitude(load_floats(row + k, size - k)));
+  return std::max(largest_of(largest_lanes), kSmallest);
+}
+
+// Sixteen values of a row from k on (zeros past its size), each times ``inverse`` (127 / largest) rounded half to
+// even (as nearbyint): whole numbers in [-127, 127].
+template <typename T>
+ACCELGEN_INLINE Lanes whole_numbers(const T* row, int64_t size, int64_t k, Lanes inverse) {
+  return nearest_integers(load_floats(row + k, size - k) * inverse);
+}
+
 // ``count`` rows of x (K values each; row m at x + rows[m] * K) quantized, signed, into a tile: [K4 / 4][kTileRows][4]
 // bytes (K4: K rounded up to 4), the rows past count and the values past K zero; each row's scale and what comes off
-// its sums (kOffsetPerValue times the sum of its values).
-// Sixteen values at a time: their largest magnitude, then each times 127 / largest rounded half to even (as
-// nearbyint), written four by four, 64 bytes apart.
+// its sums (kOffsetPerValue times the sum of its values). Sixteen values at a time, written four by four, 64 bytes
+// apart.
 template <typename T>
 void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded, int64_t count, int8_t* tile,
                    float* row_scales, int32_t* corrections) {
@@ -163,15 +179,12 @@ void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded
   const int64_t groups = padded / 4;
   for (int64_t m = 0; m < count; ++m) {
     const T* row = x + rows[m] * size;
-    Lanes largest_lanes = zeros();
-    for (int64_t k = 0; k < size; k += kLanes)
-      largest_lanes = maximum(largest_lanes, magnitude(load_floats(row + k, size - k)));
-    const float largest = std::max(largest_of(largest_lanes), kSmallest);
+    const float largest = row_largest(row, size);
     const Lanes inverse = broadcast(kLimit / largest);
     int32_t sum = 0;
     for (int64_t k = 0; k < size; k += kLanes) {
-      alignas(64) float integers[kLanes];  // whole numbers in [-127, 127]
-      store(nearest_integers(load_floats(row + k, size - k) * inverse), integers);
+      alignas(64) float integers[kLanes];
+      store(whole_numbers(row, size, k, inverse), integers);
       int8_t bytes[kLanes];
       for (int i = 0; i < kLanes; ++i) {
         bytes[i] = static_cast<int8_t>(integers[i]);
@@ -183,6 +196,35 @@ void quantize_tile(const T* x, const int64_t* rows, int64_t size, int64_t padded
     row_scales[m] = largest / kLimit;
     corrections[m] = kOffsetPerValue * sum;
   }
+}
+
+// Lanes of whole numbers in [-127, 127] as bytes plus 128 (the sign bit flipped): the first ``count`` into out.
+ACCELGEN_INLINE void store_unsigned_bytes(Lanes whole, uint8_t* out, int64_t count) {
+#if defined(ACCELGEN_LANES_AVX512)
+  const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(whole.v));
+  _mm_mask_storeu_epi8(out, first_lanes(count), _mm_xor_si128(bytes, _mm_set1_epi8(static_cast<char>(0x80))));
+#else
+  alignas(64) float integers[kLanes];
+  store(whole, integers);
+  for (int64_t i = 0; i < std::min<int64_t>(kLanes, count); ++i)
+    out[i] = static_cast<uint8_t>(static_cast<int8_t>(integers[i])) ^ 0x80;
+#endif
+}
+
+// Each of ``rows`` rows of x (K values) quantized as quantize_tile quantizes it, as oneDNN's product takes rows: the
+// values plus 128 (the sign bit flipped) into out [rows, K] uint8, each row's scale into scales [rows].
+template <typename T>
+void unsigned_rows(const T* x, int64_t rows, int64_t size, uint8_t* out, float* scales) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * size;
+      const float largest = row_largest(row, size);
+      const Lanes inverse = broadcast(kLimit / largest);
+      for (int64_t k = 0; k < size; k += kLanes)
+        store_unsigned_bytes(whole_numbers(row, size, k, inverse), out + r * size + k, size - k);
+      scales[r] = largest / kLimit;
+    }
+  });
 }
 
 using TileSums = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, Sums*);
@@ -283,6 +325,32 @@ at::Tensor int8_panels_linear(const at::Tensor& x, const at::Tensor& panels, con
   return out;
 }
 
+// x [..., K] (float32 or bfloat16) -> (values [..., K] uint8: each row quantized to int8, plus 128; scales [..., 1]
+// float32): int8_kernels.quantize_unsigned_rows's, in one pass.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_unsigned(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quantize_rows_unsigned: x [..., K] float32 or bfloat16");
+  const int64_t size = x.size(-1), rows = size ? x.numel() / size : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  at::Tensor flat = x.contiguous();
+  at::Tensor values = at::empty(shape, x.options().dtype(at::kByte));
+  shape.back() = 1;
+  at::Tensor scales = at::empty(shape, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    unsigned_rows<float>(flat.data_ptr<float>(), rows, size, values.data_ptr<uint8_t>(), scales.data_ptr<float>());
+  else
+    unsigned_rows<at::BFloat16>(flat.data_ptr<at::BFloat16>(), rows, size, values.data_ptr<uint8_t>(),
+                                scales.data_ptr<float>());
+  return {values, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_unsigned_meta(const at::Tensor& x) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  at::Tensor values = at::empty(shape, x.options().dtype(at::kByte));
+  shape.back() = 1;
+  return {values, at::empty(shape, x.options().dtype(at::kFloat))};
+}
+
 at::Tensor int8_panels_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& scales) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = scales.numel();
@@ -293,12 +361,17 @@ at::Tensor int8_panels_linear_meta(const at::Tensor& x, const at::Tensor&, const
 
 TORCH_LIBRARY_FRAGMENT(ACCELGEN_KERNELS_NAMESPACE, library) {
   library.def("int8_panels_linear(Tensor x, Tensor panels, Tensor scales) -> Tensor");
+  library.def("quantize_rows_unsigned(Tensor x) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) { library.impl("int8_panels_linear", &int8_panels_linear); }
+TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, CPU, library) {
+  library.impl("int8_panels_linear", &int8_panels_linear);
+  library.impl("quantize_rows_unsigned", &quantize_rows_unsigned);
+}
 
 TORCH_LIBRARY_IMPL(ACCELGEN_KERNELS_NAMESPACE, Meta, library) {
   library.impl("int8_panels_linear", &int8_panels_linear_meta);
+  library.impl("quantize_rows_unsigned", &quantize_rows_unsigned_meta);
 }
 
 #endif  // AVX-512 VNNI or AVX2: where the compiler's target has neither, the operator is not defined
