@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from accelgen.common.groups import consecutive_groups
 from accelgen.common.settings import RunSettings, World
 from accelgen.generation import decoding
 from accelgen.generation.constraints import SlotConstraints
@@ -145,15 +146,15 @@ class SlotRunner:
         """The part in parts of at most ``PACKED_MOST_TOKENS`` prompt tokens each (its prompts in order; a longer
         prompt alone), where its prompts may run packed in one row: each part packed, its pass's activations a few MiB
         where one pass of them all would be tens (its temporaries mapped afresh from the kernel at every operation)."""
-        if not self.packs_prompts or (self.capture.captures and self.accelerator.tuning.captures_prefill):
+        if not self._may_pack():
             return [part]
-        groups, tokens = [[]], 0
-        for row in part.prefilled:
-            if groups[-1] and tokens + len(row.prompt_ids) > PACKED_MOST_TOKENS:
-                groups, tokens = [*groups, []], 0
-            groups[-1].append(row.number)
-            tokens += len(row.prompt_ids)
-        return [part] if len(groups) == 1 else [part.of_prompts(set(numbers)) for numbers in groups]
+        groups = consecutive_groups(part.prefilled, lambda row: len(row.prompt_ids), PACKED_MOST_TOKENS)
+        return [part] if len(groups) == 1 else [part.of_prompts({row.number for row in group}) for group in groups]
+
+    def _may_pack(self) -> bool:
+        """Whether prefills may run their prompts packed in one row now: the model and device allow it, and prefills
+        are not captured (a captured step keeps one shape)."""
+        return self.packs_prompts and not (self.capture.captures and self.accelerator.tuning.captures_prefill)
 
     def _prefill(self, insertion: Insertion) -> None:
         """Prefill the insertion's prompts and draw its first tokens: its new rows start; the samples parked now
@@ -173,10 +174,8 @@ class SlotRunner:
             window = min(window, decoding.padded_length(longest))
         spans = decoding.prefill_spans(insertion.bucket_length, window, longest, self.run.prefill_chunk)
         prompt_tokens = sum(len(row.prompt_ids) for row in prompts)
-        # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small,
-        # never captured (a captured step keeps one shape)
-        packed = (self.packs_prompts and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
-                  and not (self.capture.captures and self.accelerator.tuning.captures_prefill))
+        # packed in one row: every prompt computed whole (nothing found stored), in one pass, whose mask stays small
+        packed = self._may_pack() and not found_stored and len(spans) == 1 and prompt_tokens <= PACKED_MOST_TOKENS
         # a captured prefill takes one of a few row counts (powers of two, padding rows repeating the first); an eager
         # one takes the prompts and draws as they come, and computes no padding row
         rows, draw_rows = ((insertion.shape_rows, insertion.draw_rows) if self.accelerator.tuning.captures_prefill

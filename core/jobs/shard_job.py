@@ -28,11 +28,12 @@ import tempfile
 import torch
 
 from accelgen.common.errors import UsageError, reason, user_errors
+from accelgen.common.groups import consecutive_groups
 from accelgen.common.settings import World
 from accelgen.loading.aligned_safetensors import save_aligned
 from accelgen.loading.model_source import refuse_unsliced_family
 from accelgen.loading.pre_sharded import MANIFEST, rank_file_name, rank_metadata, write_manifest
-from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, groups_by_bytes, plan_loading
+from accelgen.loading.weight_loading import ParameterLoad, allocate, fill_parameters, plan_loading
 from accelgen.model.memory import parameter_bytes
 from accelgen.parallel.process_groups import gather_from_ranks, init_process_group, wait_for_every_rank
 from accelgen.quantization.model_layers import int8_layers, quantize_layer
@@ -196,7 +197,7 @@ def _write_in_files(model: torch.nn.Module, weights, plan: list[ParameterLoad], 
     def size_of(load: ParameterLoad) -> int:
         return parameters[load.name].numel() * parameters[load.name].element_size()
 
-    for group in groups_by_bytes(plan, size_of, max_file_bytes):
+    for group in consecutive_groups(plan, size_of, max_file_bytes):
         fill_parameters(model, weights, group)
         tensors = {}
         for load in group:

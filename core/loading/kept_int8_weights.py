@@ -42,6 +42,7 @@ import torch
 import transformers
 
 from accelgen.common.errors import AccelgenWarning, UsageError, reason
+from accelgen.common.groups import consecutive_groups
 from accelgen.loading.aligned_safetensors import save_aligned
 from accelgen.loading.checkpoint_files import CheckpointFolder
 from accelgen.loading.pre_sharded import (
@@ -55,7 +56,6 @@ from accelgen.loading.pre_sharded import (
     read_manifest,
     write_manifest,
 )
-from accelgen.loading.weight_loading import groups_by_bytes
 from accelgen.loading.weight_sources import SafetensorsWeights
 
 FOLDER_VARIABLE = "ACCELGEN_WEIGHTS_CACHE"
@@ -153,7 +153,7 @@ class KeptWeights:
     def _write(parameters: dict[str, torch.Tensor], folder: Path) -> list[str]:
         """Write ``parameters`` into ``folder`` as rank files of at most :data:`MAX_FILE_BYTES`; their names."""
         names = []
-        for group in groups_by_bytes(list(parameters.items()), lambda item: item[1].numel() * item[1].element_size(),
+        for group in consecutive_groups(list(parameters.items()), lambda item: item[1].numel() * item[1].element_size(),
                                      MAX_FILE_BYTES):
             names.append(rank_file_name(0, 1, len(names)))
             save_aligned({name: parameter.detach() for name, parameter in group}, str(folder / names[-1]),

@@ -35,10 +35,11 @@ from collections.abc import Mapping
 import torch
 
 from accelgen.common.errors import UsageError
+from accelgen.common.groups import consecutive_groups
 from accelgen.common.host_memory import system_memory
 from accelgen.common.settings import OffloadSettings, RunSettings, torch_dtype
 from accelgen.loading.finite_values import finite_flag, refuse_not_finite, values_are_read
-from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters, groups_by_bytes
+from accelgen.loading.weight_loading import HOST, ParameterLoad, allocate, fill_parameters
 from accelgen.model.memory import GIB, USABLE_SHARE, bytes_per_sequence, format_size
 from accelgen.quantization.model_layers import empty_int8_layers, holds_int8_head, int8_layers
 from accelgen.quantization.while_loading import QuantizingWeights
@@ -231,7 +232,7 @@ def _write_offloaded(weights, dtypes: dict[str, torch.dtype], folder: str, group
 
     locations = {}
     sizes = {name: math.prod(weights.shape(name)) * dtype.itemsize for name, dtype in dtypes.items()}
-    for number, group in enumerate(groups_by_bytes(list(dtypes), sizes.__getitem__, group_bytes)):
+    for number, group in enumerate(consecutive_groups(list(dtypes), sizes.__getitem__, group_bytes)):
         tensors = {}
         for name in group:
             tensors[name] = torch.empty(weights.shape(name), dtype=dtypes[name])

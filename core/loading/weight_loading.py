@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
@@ -24,8 +24,6 @@ from accelgen.loading.aligned_safetensors import ALIGNMENT
 from accelgen.loading.finite_values import finite_flag, refuse_not_finite, values_are_read
 from accelgen.loading.weight_sources import TensorPart
 from accelgen.parallel.process_groups import gather_from_ranks
-
-T = TypeVar("T")
 
 #: Host memory.
 HOST = torch.device("cpu")
@@ -124,21 +122,6 @@ def rank_part(name: str, full_shape: tuple[int, ...], rank_shapes: list[tuple[in
     dim = split_dims[0]
     start = sum(shape[dim] for shape in rank_shapes[:rank])
     return TensorPart(dim, start, max(0, min(own[dim], full_shape[dim] - start)))
-
-
-def groups_by_bytes(items: list[T], size_of: Callable[[T], int], max_bytes: int) -> list[list[T]]:
-    """``items`` in order, cut into consecutive groups of at most ``max_bytes`` (an item larger than that gets a
-    group of its own): how weights are written a file at a time, holding one file's worth in memory."""
-    groups: list[list[T]] = [[]]
-    group_bytes = 0
-    for item in items:
-        size = size_of(item)
-        if groups[-1] and group_bytes + size > max_bytes:
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(item)
-        group_bytes += size
-    return [group for group in groups if group]
 
 
 #: Dtypes whose tensors are used as maps of their files only where the map gives them aligned memory (on
