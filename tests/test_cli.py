@@ -184,10 +184,13 @@ def test_bad_input_from_the_real_script_has_no_traceback(cli_environment):
 
 def test_help_never_cuts_a_folder_at_a_hyphen(monkeypatch, capsys):
     """A checkout in ``my-work/accel-gen``: the folder --help names is whole on its line, to be copied."""
-    import accelgen.cli.parser
+    from accelgen.cli.command_options import COMMANDS
 
     folder = "/home/someone/my-work/accel-gen/core/default_model-with-a-long-name/and-a-deeper-folder"
-    monkeypatch.setattr(accelgen.cli.parser, "DEFAULT_MODEL", folder)
+    summary, options = COMMANDS["run"]
+    monkeypatch.setitem(COMMANDS, "run", (summary, tuple(
+        option.but(help=f"Hub id or local folder (default: the built-in demo model, the folder {folder})")
+        if option.name == "model" else option for option in options)))
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert any(folder in line for line in capsys.readouterr().out.splitlines())

@@ -487,8 +487,8 @@ def _request(arguments: argparse.Namespace, plugin_manager: PluginManager, world
 
 
 def _settings(arguments: argparse.Namespace) -> dict:
-    """The run settings the command's arguments give (``accelgen.session.request.run_settings``' keywords)."""
-    from accelgen.session.request import SETTING_NAMES
+    """The run settings the command's arguments give (``accelgen.common.run_options``)."""
+    from accelgen.common.run_options import SETTING_NAMES
 
     return {name: getattr(arguments, name) for name in SETTING_NAMES if hasattr(arguments, name)}
 

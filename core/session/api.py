@@ -26,7 +26,7 @@ def load(model: str | os.PathLike | None = None, **options) -> Generator:
     """Load ``model`` (a Hub id or local folder; the built-in default model when None) for generation.
 
     ``options`` are those of :func:`accelgen.session.request.build_request`: ``device``, ``random_weights``,
-    ``trust_remote_code``, ``plugin_manager`` and the settings of :func:`accelgen.session.request.run_settings`
+    ``trust_remote_code``, ``plugin_manager`` and the settings of ``accelgen.common.run_options``
     (``batch_size``, ``max_new_tokens``, ``dtype``, ``do_sample``...). With ``random_weights``, only the
     model's config is read (``model`` may then also be a config.json or a built-in config name, see
     ``accelgen.loading.random_weights``) and the weights are drawn at random on the device: for benchmarks.

@@ -2,26 +2,24 @@
 
 The command line, the Python API (``accelgen.load``, ``accelgen.generate``) and every launched worker
 build their :class:`Request` with :func:`build_request`: the accelerator is chosen (and the plugins asked)
-once, the settings are checked once, the launcher's environment is read once. :func:`run_settings` is the
-one declaration of the settings a run takes: its keyword names are the Python API's, and the command
-line's options carry the same names (``--max-new-tokens`` for ``max_new_tokens``).
+once, the settings are checked once, the launcher's environment is read once. The settings a run takes are
+declared in ``accelgen.common.run_options``: their names are the Python API's keywords, and the command line's
+options carry the same names (``--max-new-tokens`` for ``max_new_tokens``); :func:`run_settings` makes them a
+``RunSettings``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from typing import Mapping, Sequence
 
 from accelgen.adapters.adapter_set import AdapterSet, check_names
 from accelgen.common.errors import UsageError
 from accelgen.common.prompts import prompt_problem
+from accelgen.common.run_options import check_setting_names, settings_given
 from accelgen.common.settings import (
-    BATCHING_MODES,
     DEFAULT_MOST_LORAS,
-    OFFLOAD_MODES,
-    QUANTIZATION_SCHEMES,
     AdapterSettings,
     ChatSettings,
     OffloadSettings,
@@ -30,7 +28,7 @@ from accelgen.common.settings import (
     World,
 )
 from accelgen.common.structure import Structure, job_structure
-from accelgen.common.value_ranges import check_settings, parse_memory_size
+from accelgen.common.value_ranges import parse_memory_size
 from accelgen.generation.capture_decision import CaptureWhenItPays
 from accelgen.generation.grammars import structure_problem
 from accelgen.generation.prefix_store import BLOCK_TOKENS
@@ -114,9 +112,7 @@ def build_request(
     :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment. With
     ``device_here`` False the device is other machines' (a Ray job's replicas), which check it; this one does not.
     Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
-    unknown = set(settings) - set(SETTING_NAMES)
-    if unknown:
-        raise TypeError(f"unknown settings {', '.join(sorted(unknown))}; the settings are: {', '.join(SETTING_NAMES)}")
+    check_setting_names(settings)  # before a device is chosen for nothing
     accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device, here=device_here)
     source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
     run, world = run_settings(accelerator, **settings), world or World.from_environment()
@@ -143,74 +139,17 @@ def checked_adapters(run: RunSettings, source: ModelSource, world: World) -> Ada
     return adapters
 
 
-def run_settings(
-    accelerator: Accelerator,
-    *,
-    dtype: str | None = None,
-    batch_size: int = RunSettings.batch_size,
-    max_new_tokens: int = RunSettings.max_new_tokens,
-    max_input_tokens: int | None = RunSettings.max_input_tokens,
-    ignore_eos: bool = RunSettings.ignore_eos,
-    graphs: bool | None = None,
-    buckets: Sequence[int] = RunSettings.buckets,
-    do_sample: bool = SamplingSettings.do_sample,
-    temperature: float = SamplingSettings.temperature,
-    top_k: int = SamplingSettings.top_k,
-    top_p: float = SamplingSettings.top_p,
-    seed: int = SamplingSettings.seed,
-    offload: str | None = None,
-    max_device_memory: str | int | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    batching: str = RunSettings.batching,
-    quantize: str | None = None,
-    chat: bool = ChatSettings.text_as_user,
-    system_prompt: str | None = ChatSettings.system_prompt,
-    chat_template: str | None = ChatSettings.template,
-    stop: Sequence[str] = RunSettings.stop,
-    skip_bad_rows: bool = RunSettings.skip_bad_rows,
-    logprobs: bool = RunSettings.logprobs,
-    prompt_logprobs: int | None = RunSettings.prompt_logprobs,
-    num_samples: int = RunSettings.num_samples,
-    prefix_cache: str | int | None = RunSettings.prefix_cache,
-    prefill_chunk: int = RunSettings.prefill_chunk,
-    json_schema: dict | str | None = None,
-    json_object: bool = False,
-    regex: str | None = None,
-    choices: Sequence[str] | None = None,
-    chat_template_kwargs: dict | None = ChatSettings.template_kwargs,
-    lora: str | Sequence[str] | Mapping[str, str] = (),
-    max_loras: int | None = None,
-    max_lora_rank: int | None = AdapterSettings.max_lora_rank,
-) -> RunSettings:
-    """The checked settings of a run on ``accelerator``. ``dtype=None`` takes the device's default and
-    ``graphs=None`` lets the device decide whether to capture the decode step (a device whose capture pays
-    only for long jobs leaves it to the job: :meth:`Request.capture_decided`), a step not captured running as the
-    device traces it (``Accelerator.trace_step``); ``graphs=False`` runs every step as it is. ``offload`` ("cpu" or "disk")
-    keeps the weights beyond ``max_device_memory`` (bytes, or a size such as "8GiB"; default: what the device
-    has free) off the device, in host memory or in files (in ``offload_folder`` when given). ``batching``
-    "continuous" gives a finished row's slot to the next prompt at once; "static" runs fixed batches.
-    ``quantize`` ("int8", "fp8") stores the linear layers' weights in that format, where the device runs it.
-    ``chat`` makes each text prompt one user message of a conversation; ``system_prompt`` puts a system message
-    first in each conversation; ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's
-    own template. ``stop``: texts at whose first occurrence a completion ends (the text is not kept).
-    ``skip_bad_rows``: a prompt that cannot be completed gives an error row (``finish_reason`` "error") in its
-    place instead of stopping the run. ``logprobs``: each completion also holds its tokens' log-probabilities
-    under the model's own distribution (before temperature, top-k and top-p). ``prompt_logprobs``: each completion also
-    holds its prompt's tokens' log-probabilities (each given the tokens before it), with that many most likely tokens
-    at each (0: none), computed in the prefill. ``num_samples``: completions drawn
-    for each prompt (sampled), its prefill computed once and shared by them. ``prefix_cache``: device memory (bytes,
-    or a size such as "2GiB") for the keys and values of prompt beginnings rows share, so that a row prefills only
-    what follows its stored beginning; 0 turns reuse off, None takes a share of the free memory. ``prefill_chunk``: prompt
-    positions one prefill pass runs at most: a longer prompt is prefilled in passes, the running rows taking a decode
-    step between two (0: every prompt in one pass). Every completion may be held to one structure: ``json_schema`` (a
-    JSON Schema, as an object or its text), ``json_object`` (any JSON object), ``regex`` (a pattern the whole completion
-    matches) or ``choices`` (texts it must be one of). ``chat_template_kwargs``: more variables for the chat template
-    (``{"enable_thinking": False}``). ``lora``: PEFT LoRA adapters (folders or Hub ids), named (``NAME=PATH`` or a
-    mapping of names to paths) for rows to choose by name, or one without a name merged into the weights for every
-    row; ``max_loras`` of the named ones are held on the device at once (default: each, up to 8), at ranks up to
-    ``max_lora_rank`` (default: the largest of theirs)."""
-    if batching not in BATCHING_MODES:
-        raise UsageError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r}).")
+def run_settings(accelerator: Accelerator, **given) -> RunSettings:
+    """The checked settings of a run on ``accelerator``: those ``given`` by the names of
+    ``accelgen.common.run_options`` (``accelgen run --help`` and docs/options.md say what each does), each checked by
+    its declaration, the others at their defaults; then checked together. ``dtype`` None takes the device's default;
+    ``graphs`` None lets the device decide whether to capture the decode step (a device whose capture pays only for
+    long jobs leaves it to the job: :meth:`Request.capture_decided`), a step not captured running as the device traces
+    it (``Accelerator.trace_step``), and False runs every step as it is. ``prefix_cache`` and ``max_device_memory`` are
+    bytes or sizes such as "2GiB"; ``json_schema`` a schema or its JSON text; ``lora`` ``NAME=PATH`` texts, a mapping of
+    names to paths, or one path to merge into the weights."""
+    settings = settings_given(given)
+    quantize, offload, graphs = settings["quantize"], settings["offload"], settings["graphs"]
     check_quantization(accelerator, quantize)
     if quantize not in (None, "int8") and offload is not None:  # int8 layers are the core's; others the device's
         raise UsageError(f"--quantize {quantize} cannot go with --offload: the device converts its layers after they "
@@ -226,31 +165,26 @@ def run_settings(
             graphs = None  # decided by Request.capture_decided
         else:
             graphs = True
-    run = RunSettings(
-        dtype=check_dtype(accelerator, dtype),
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        max_input_tokens=max_input_tokens,
-        ignore_eos=ignore_eos,
+    prefix_cache = settings["prefix_cache"]
+    made = dict(
+        dtype=check_dtype(accelerator, settings["dtype"]),
         use_graphs=graphs,
         trace_steps=trace_steps,
-        buckets=tuple(buckets),
-        sampling=SamplingSettings(do_sample, temperature, top_k, top_p, seed),
-        offload=offload_settings(offload, max_device_memory, offload_folder),
-        batching=batching,
-        quantize=quantize,
-        chat=ChatSettings(chat, system_prompt, chat_template, chat_template_kwargs),
-        stop=tuple(stop),
-        skip_bad_rows=skip_bad_rows,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        num_samples=num_samples,
+        buckets=tuple(settings["buckets"]),
+        stop=tuple(settings["stop"]),
+        sampling=SamplingSettings(**{field.name: settings[field.name] for field in dataclasses.fields(SamplingSettings)}),
+        offload=offload_settings(offload, settings["max_device_memory"], settings["offload_folder"]),
+        chat=ChatSettings(settings["chat"], settings["system_prompt"], settings["chat_template"],
+                          settings["chat_template_kwargs"]),
         prefix_cache=None if prefix_cache is None else 0 if str(prefix_cache).strip() == "0"
         else parse_memory_size(prefix_cache, "--prefix-cache"),
-        prefill_chunk=prefill_chunk,
-        structure=checked_structure(json_schema, json_object, regex, choices),
-        lora=adapter_settings(lora, max_loras, max_lora_rank),
+        structure=checked_structure(settings["json_schema"], settings["json_object"], settings["regex"],
+                                    settings["choices"]),
+        lora=adapter_settings(settings["lora"], settings["max_loras"], settings["max_lora_rank"]),
     )
+    # a setting that is a field of RunSettings of the same name and value goes as it is
+    run = RunSettings(**{field.name: settings[field.name] for field in dataclasses.fields(RunSettings)
+                         if field.name in settings and field.name not in made}, **made)
     _check(run)
     return run
 
@@ -259,7 +193,6 @@ def adapter_settings(lora: str | Sequence[str] | Mapping[str, str], max_loras: i
                      max_lora_rank: int | None) -> AdapterSettings:
     """The checked ``--lora`` (each ``NAME=PATH``, or one ``PATH`` merged into the weights), ``--max-loras`` and
     ``--max-lora-rank``."""
-    check_settings(max_loras=max_loras, max_lora_rank=max_lora_rank)
     specs = list(lora.items()) if isinstance(lora, Mapping) else [lora] if isinstance(lora, (str, os.PathLike)) else lora
     named, merged = [], []
     for spec in specs:
@@ -286,12 +219,8 @@ def _name_and_path(spec: str) -> tuple[str | None, str]:
 
 
 def check_quantization(accelerator: Accelerator, scheme: str | None) -> None:
-    """Raise UsageError for a quantization scheme that does not exist or that the device does not run."""
-    if scheme is None:
-        return
-    if scheme not in QUANTIZATION_SCHEMES:
-        raise UsageError(f"--quantize must be one of {', '.join(QUANTIZATION_SCHEMES)} (got {scheme!r}).")
-    if scheme not in accelerator.quantization_schemes:
+    """Raise UsageError for a quantization scheme (one of QUANTIZATION_SCHEMES) that the device does not run."""
+    if scheme is not None and scheme not in accelerator.quantization_schemes:
         runs = (f"it runs --quantize {' and '.join(accelerator.quantization_schemes)}" if accelerator.quantization_schemes
                 else "it runs no quantized weights")
         raise UsageError(f"--quantize {scheme} is not supported on {accelerator.name}: {runs}; "
@@ -301,14 +230,13 @@ def check_quantization(accelerator: Accelerator, scheme: str | None) -> None:
 def offload_settings(
     mode: str | None, max_device_memory: str | int | None, folder: str | os.PathLike | None
 ) -> OffloadSettings | None:
-    """The checked ``--offload``, ``--max-device-memory`` and ``--offload-folder`` (None: no offloading)."""
+    """The checked ``--offload`` (one of OFFLOAD_MODES), ``--max-device-memory`` and ``--offload-folder`` (None: no
+    offloading), together."""
     if mode is None:
         if max_device_memory is not None or folder is not None:
             given = "--max-device-memory" if max_device_memory is not None else "--offload-folder"
             raise UsageError(f"{given} goes with --offload: add --offload disk (or cpu), or drop {given}.")
         return None
-    if mode not in OFFLOAD_MODES:
-        raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {mode!r}).")
     if mode == "cpu" and folder is not None:
         raise UsageError("--offload-folder is where --offload disk writes weights; --offload cpu keeps them in host "
                          "memory: drop --offload-folder, or use --offload disk.")
@@ -335,18 +263,9 @@ CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "ch
                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
-#: The settings a run takes, by name: :func:`run_settings`'s keywords.
-SETTING_NAMES = tuple(name for name in inspect.signature(run_settings).parameters if name != "accelerator")
-
-
 def _check(run: RunSettings) -> None:
-    """Raise UsageError for settings no model could run with."""
-    sampling = run.sampling
-    check_settings(batch_size=run.batch_size, max_new_tokens=run.max_new_tokens, max_input_tokens=run.max_input_tokens,
-                   buckets=run.buckets, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed, num_samples=run.num_samples, prompt_logprobs=run.prompt_logprobs,
-                   prefill_chunk=run.prefill_chunk)
-    if run.num_samples > 1 and not sampling.do_sample:
+    """Raise UsageError for settings no model could run with, together (each alone is checked by its declaration)."""
+    if run.num_samples > 1 and not run.sampling.do_sample:
         raise UsageError(f"--num-samples {run.num_samples} with greedy decoding gives {run.num_samples} equal "
                          f"completions: add --do-sample (or drop --num-samples).")
     if not run.buckets:
