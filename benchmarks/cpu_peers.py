@@ -142,7 +142,7 @@ def run_worker(name: str, folder: Path, new_tokens: int | None) -> dict:
     the run meets (accelgen's slots grow with the longest prompt met) before the clock starts, and other beginnings,
     so that no engine finds the prompts on the clock already computed: accelgen keeps prompts' 16-token blocks for
     reuse, and warmed up on the same prompts its timed run found most of them stored, which a real job, each prompt
-    once, never does (RESULTS.md, "Twelfth run")."""
+    once, never does (RESULTS-log.md, "Twelfth run")."""
     work = json.loads((folder / "work.json").read_text())
     ending = set(work["ending"])
     max_new = new_tokens or work["max_new_tokens"]

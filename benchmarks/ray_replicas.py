@@ -22,7 +22,7 @@ their descendants: the raylet's workers), sampled every ``--sample-seconds`` whi
 node's sum), and idle before each job B; the job's own process tree (A: the launcher and its ranks; B: the driver)
 sampled the same way during both jobs, so the sampling costs both alike.
 
-Prints a Markdown table ready for benchmarks/RESULTS.md.
+Prints a Markdown table ready for benchmarks/RESULTS-log.md.
 
     python benchmarks/ray_replicas.py                           # 200 rows, 32 new tokens, 3 rounds
     python benchmarks/ray_replicas.py --rows 16 --rounds 1      # a check that it works

@@ -24,7 +24,7 @@ from accelgen_cpu.packed_linear import FloatPanelsLinear, PackedLinear, pack_flo
 
 def float_panels_taken():
     """Skip where this processor's variant of the kernels does not take the float32 panels (torch's product does
-    better there: benchmarks/RESULTS.md)."""
+    better there: benchmarks/RESULTS-log.md)."""
     if native_operator("float_panels_linear") is None:
         pytest.skip("this processor's kernels leave float32 products to torch")
 

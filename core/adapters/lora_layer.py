@@ -19,7 +19,7 @@ rows times a small weight is where a general product does worst), else torch's.
 so a token of the base model (slot 0) adds exact zeros. This is how vLLM's Gaudi backend computes mixed batches of
 adapters (a mask over stacked adapters, no gather); punica and S-LoRA gather each token's own matrices instead, which
 reads each token's adapter again and costs more than the masked product while fewer adapters are resident than rows
-decoded (benchmarks/RESULTS.md, "LoRA: masked products against gathered ones").
+decoded (benchmarks/RESULTS-log.md, "LoRA: masked products against gathered ones").
 
 Under tensor parallelism the buffers are split as their layer is: a column-parallel layer's ``lora_b`` holds this
 rank's outputs; a row-parallel layer's ``lora_a`` this rank's inputs, and its low-rank output is added to the layer's

@@ -5,7 +5,7 @@ thousand, alive until the process ends) are kept out of the collector's traversa
 CPython's collector counts allocations: every 700 it collects the youngest generation, and now and then every
 generation, traversing each object it tracks. A start that imports torch and transformers makes full collections over a
 growing heap, and the interpreter's collections at exit traverse all of it once more: together about a fifth of a short
-job (benchmarks/RESULTS.md, "The collector at a job's start and end"). So, in such a process:
+job (benchmarks/RESULTS-log.md, "The collector at a job's start and end"). So, in such a process:
 
 - while the command starts, the youngest generation is collected every :data:`START_UP_ALLOCATIONS` allocations instead
   of 700: fewer traversals, and a cycle made while loading is still freed;

@@ -37,7 +37,7 @@ from accelgen.parallel.process_groups import gather_from_ranks
 from accelgen.plugin.contract import Accelerator
 
 #: The most prompt tokens a prefill packs in one row (its mask holds the square of their count); more are prefilled in
-#: several packed passes, whose activations stay a few MiB (benchmarks/RESULTS.md, "A token budget per prefill pass").
+#: several packed passes, whose activations stay a few MiB (benchmarks/RESULTS-log.md, "A token budget per prefill pass").
 PACKED_MOST_TOKENS = 1024
 
 

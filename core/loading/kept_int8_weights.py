@@ -1,7 +1,7 @@
 """int8 weights kept between loads: a model quantized to int8 in one process is written once, as it loaded, into a
 cache folder, and the next load of the same checkpoint in the same dtype reads the int8 values and scales from there
 instead of reading and quantizing the full-precision weights (on a 0.5B model the quantization is most of an int8
-load: benchmarks/RESULTS.md, "A second load from kept int8 weights").
+load: benchmarks/RESULTS-log.md, "A second load from kept int8 weights").
 
 An entry is a pre-sharded checkpoint of one rank (``accelgen.loading.pre_sharded``: its manifest and rank files, no
 config or tokenizer, which come from the checkpoint), in ``<cache>/<key>/``. The key is a digest of what made it: the

@@ -43,7 +43,7 @@ class CpuAccelerator(Accelerator):
     that a compile saves little more per step: by default only the decode step of a job long enough to pay it back
     even uncached is compiled, or, where this machine compiled the same step before (its compile cache holds it:
     ``compile_marks``), of a job long enough to pay back loading it (``--graphs`` / ``--no-graphs`` decide otherwise;
-    RESULTS.md, "Traced decode steps"). The prefill shapes always run eagerly: each would compile anew, for a few
+    RESULTS-log.md, "Traced decode steps"). The prefill shapes always run eagerly: each would compile anew, for a few
     runs."""
 
     name = "cpu"
@@ -104,7 +104,7 @@ class CpuAccelerator(Accelerator):
 
     def linear_layout(self, weight: torch.Tensor) -> FloatPanels | None:
         # a few rows times a small weight (an adapter's): the panels kernel is several times torch's product here
-        # (RESULTS.md, "LoRA adapters")
+        # (RESULTS-log.md, "LoRA adapters")
         operator = native_operator("float_panels_linear") if weight.dtype == torch.float32 else None
         return None if operator is None else FloatPanels(weight, operator)
 

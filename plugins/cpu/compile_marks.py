@@ -3,7 +3,7 @@ inductor's own cache folder (so that the marks go when that cache goes), written
 job decides whether to compile its step.
 
 Compiling costs far less when inductor's cache holds the step (its graphs and C++ are loaded, not made again):
-seconds instead of tens of seconds (RESULTS.md, "Compiled decode step on the CPU"). A job whose step this machine
+seconds instead of tens of seconds (RESULTS-log.md, "Compiled decode step on the CPU"). A job whose step this machine
 has compiled before pays for its compile after far fewer steps (``CpuAccelerator.warm_capture_pays_after_steps``).
 The mark decides only whether a step is compiled; a compiled step and an eager one give the same tokens.
 """

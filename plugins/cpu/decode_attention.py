@@ -14,7 +14,7 @@ inductor otherwise rewrites the products as loops of its own, slower here.
 
 In a continuous-batching job a row sees from its prompt's first token to its newest one, a fraction of the static
 cache's length: the C++ kernel's attention over 4 layers of 16 rows seeing 72 of 192 positions took 189 us a
-layer against the products' 368 (RESULTS.md, "Decode attention over the positions rows see").
+layer against the products' 368 (RESULTS-log.md, "Decode attention over the positions rows see").
 
 Shapes: B rows, H query heads, K key/value heads (H = K x G), L cached positions, D head size.
 """

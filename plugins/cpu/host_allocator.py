@@ -4,7 +4,7 @@ torch's CPU tensors come from the C library's ``malloc``. glibc maps a large blo
 and returns it when freed, and gives the top of its heap back once more than a threshold of it is free (twice the
 largest block freed so far, 64 MiB at most). A prefill pass of varying shape frees tens of MiB of temporaries
 (attention, logits) at a time, so each pass pays the kernel again for every page of them (a scoring job's page faults:
-RESULTS.md, "Scoring"). Once a model is ready, blocks up to ``MAPPED_FROM`` come from the heap, and up to
+RESULTS-log.md, "Scoring"). Once a model is ready, blocks up to ``MAPPED_FROM`` come from the heap, and up to
 ``KEPT_FREE`` of it stays with the process after a pass for the next; the process's peak memory is what it was (the
 same blocks, at the same time). While a model loads, freed memory goes back at once (glibc's first settings, held
 fixed): a load frees blocks of many sizes once each, which kept memory would seldom serve again, so its peak would

@@ -9,13 +9,13 @@ each layer takes the one a rule over them names (:func:`int8_kernel_for`, from m
   without VNNI it is slower than float32 by 4 to 30x);
 - ``"columns"``: ``_int_mm`` over the weight copied input-major;
 - ``"packed"``: oneDNN's int8 product over the weight packed once in its blocked layout (``onednn::qlinear``):
-  for several rows the fastest by far on AVX-512 (RESULTS.md, "int8 products on the CPU"); refused where it does not
+  for several rows the fastest by far on AVX-512 (RESULTS-log.md, "int8 products on the CPU"); refused where it does not
   give ``_int_mm``'s values (AVX2 without VNNI: oneDNN's unsigned rows saturate its 16-bit pair sums); on a CPU with
   AMX it multiplies on AMX's int8 tiles;
 - ``"fused"``: the plugin's C++ operator (``kernels/int8_linear.cpp``, AVX-512 VNNI's byte products or AVX2's) over the
   weight laid out once in panels of 16 outputs (:func:`pack_int8_panels`): quantization, product and scaling in one
   operator where the others take about ten, each panel read once for several rows; from memory the fastest at one
-  row and at 16 (RESULTS.md, "int8 products in panels", "int8 products on AVX2"). Layers of any width take it (the
+  row and at 16 (RESULTS-log.md, "int8 products in panels", "int8 products on AVX2"). Layers of any width take it (the
   others: multiples of 16).
 
 oneDNN's product takes one activation scale for all rows, so it is given unscaled rows (scale 1) and each row's
@@ -179,12 +179,12 @@ def _(unsigned, handle, out_features):
 
 
 #: The rows up to which the fused kernel is taken where it is built (AVX-512 VNNI, AVX2); oneDNN's packed product past
-#: them where it gives ``_int_mm``'s values, and at any rows where the fused kernel is not built (benchmarks/RESULTS.md,
+#: them where it gives ``_int_mm``'s values, and at any rows where the fused kernel is not built (benchmarks/RESULTS-log.md,
 #: "The CPU kernels per instruction set").
 FUSED_ROWS_AT_MOST = 16
 #: On a CPU with AMX's int8 tiles, oneDNN's packed product (which multiplies on them) is taken from this many rows on for
 #: layers of at least :data:`AMX_INPUTS_AT_LEAST` inputs: 1.4-1.5x the fused kernel's speed at 16 rows, 3.6x at 64,
-#: 5x at a prefill's hundreds; the fused one stays faster below 16 rows and on narrow layers at 16 (benchmarks/RESULTS.md,
+#: 5x at a prefill's hundreds; the fused one stays faster below 16 rows and on narrow layers at 16 (benchmarks/RESULTS-log.md,
 #: "int8 on AMX").
 AMX_ROWS_AT_LEAST = 16
 AMX_INPUTS_AT_LEAST = 1024

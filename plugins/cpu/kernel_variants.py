@@ -54,7 +54,7 @@ VARIANT_WORDS = {
 }
 
 #: The operators each variant takes: those measured faster than torch's own operation on that class of CPU
-#: (benchmarks/RESULTS.md, "The CPU kernels per instruction set", by benchmarks/cpu_kernel_variants.py). ``packed_linear``
+#: (benchmarks/RESULTS-log.md, "The CPU kernels per instruction set", by benchmarks/cpu_kernel_variants.py). ``packed_linear``
 #: calls oneDNN's own product (it spares a compiled step a call into Python), so every variant takes it.
 OPERATORS_TAKEN: dict[str, frozenset[str]] = {
     "avx512": frozenset({"decode_attention", "prompt_attention", "decode_self_attention", "float_panels_linear",

@@ -2,7 +2,7 @@
 
 torch's OpenMP threads spin at every barrier before they sleep. When another process arrives on a machine whose
 cores a run's threads all hold, one of those threads waits for a core at every barrier while the others spin for
-it: a small model's decode step, a few milliseconds quiet, takes ten times that or more (RESULTS.md, "Dataset jobs on
+it: a small model's decode step, a few milliseconds quiet, takes ten times that or more (RESULTS-log.md, "Dataset jobs on
 the user's clock"). So at the end of a step, at most every :data:`LOOK_EVERY_SECONDS`, the plugin reads what other
 processes kept busy since its last look and sets torch's threads to the cores they leave idle (``choose_threads``),
 never more than the run's own most (the user's ``OMP_NUM_THREADS``, else the cores it may use): fewer while the load

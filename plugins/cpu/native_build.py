@@ -60,7 +60,7 @@ FAILED = "failed.txt"
 LAST_USED = "last-used"
 #: a build not loaded for this many days is removed by the next build
 UNUSED_DAYS = 30
-#: about how long one source takes to compile on one core (benchmarks/RESULTS.md, "Building the CPU kernels"): the
+#: about how long one source takes to compile on one core (benchmarks/RESULTS-log.md, "Building them"): the
 #: announcement's estimate
 SECONDS_PER_SOURCE = 12
 

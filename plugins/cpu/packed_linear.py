@@ -6,10 +6,10 @@ it in that layout at every call. Two layouts made once feed kernels directly:
 - float32 weights, where this processor's kernels take them (AVX-512 and AVX2): panels of 16 outputs
   (:func:`pack_float_panels`), multiplied by the plugin's C++ operator (``kernels/float_panels_linear.cpp``), which
   reads one layout well for every number of rows: one row (a batch-1 decode step, bound by reading the weight) and
-  16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS.md,
+  16 (a prompt, a batch) both faster than over either of oneDNN's layouts, each good at one of the two (RESULTS-log.md,
   "float32 products in panels"); a row's result depends on that row alone;
 - otherwise (bfloat16, or no kernels): oneDNN's own blocked layout for the run's number of rows, faster than the
-  plain one (RESULTS.md, "Packed weights on the CPU"), where oneDNN multiplies that type on this CPU (bfloat16 needs
+  plain one (RESULTS-log.md, "Packed weights on the CPU"), where oneDNN multiplies that type on this CPU (bfloat16 needs
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2 CPU keeps bfloat16 layers plain).
 
 The laid-out weight takes the place of the plain one (same bytes, a copy of the process's own where the plain one was

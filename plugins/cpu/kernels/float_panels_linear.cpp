@@ -6,7 +6,7 @@
 // once. A panel is read once for a tile's rows, and the one or two rows of a decode step take eight panels at once, so
 // that eight streams of weights are read side by side: one layout serves the single row of a batch-1 decode, whose
 // bound is reading the weight from memory, and the 16 rows of a prompt or of a batch, whose bound is the
-// multiply-adds, where oneDNN's layouts are each good at one of the two (RESULTS.md, "float32 products in panels").
+// multiply-adds, where oneDNN's layouts are each good at one of the two (RESULTS-log.md, "float32 products in panels").
 //
 // Each output is its inputs' products summed in input order, one fused multiply-add at a time, plus the bias: a
 // row's result depends on that row alone, whatever rows share the product.
