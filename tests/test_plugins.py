@@ -88,6 +88,16 @@ def test_devices_lists_every_accelerator_and_why_not(capsys):
     assert "available, 1 device(s), --quantize int8" in cpu_line and "accelgen_cpu" in cpu_line
 
 
+def test_devices_as_json_holds_the_same_facts(capsys):
+    plugin_manager = get_plugin_manager(load_entry_points=False)
+    plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))
+    assert main(["devices", "--json"], plugin_manager) == 0
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)["accelerators"]}
+    assert listed["npu"] == {"name": "npu", "available": False, "plugin": listed["npu"]["plugin"],
+                             "unavailable": "NPU runtime not installed (pip install npu-runtime)"}
+    assert listed["cpu"]["available"] and listed["cpu"]["devices"] == 1 and listed["cpu"]["quantize"] == ["int8"]
+
+
 def test_auto_device_skips_unavailable_accelerators():
     plugin_manager = get_plugin_manager(load_entry_points=False)
     plugin_manager.register(RegisteringPlugin(UnavailableAccelerator()))

@@ -240,6 +240,7 @@ DEVICES = (
     Option("prepare", kind="switch",
            help="do each available device's once-per-machine work now (the CPU: build its C++ kernels), ahead of the "
                 "first job: for images, cluster nodes and CI"),
+    Option("json", kind="switch", help="print the list as one JSON document, for scripts (the same facts)"),
 )
 
 #: Each command: its one-line help and its options.

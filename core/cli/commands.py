@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import signal
 import sys
@@ -134,32 +135,41 @@ def _run(invocation: Invocation, plugin_manager: PluginManager | None) -> int:
 
         plugin_manager = plugin_manager or get_plugin_manager()
     if command == "devices":
-        return devices_command(plugin_manager, prepare=invocation.arguments.prepare)
+        return devices_command(plugin_manager, prepare=invocation.arguments.prepare, as_json=invocation.arguments.json)
     return {"bench": bench_command, "shard": shard_command, "run": run_command, "score": run_command,
             "eval": eval_command}[command](invocation, plugin_manager)
 
 
-def devices_command(plugin_manager: PluginManager, prepare: bool = False) -> int:
+def devices_command(plugin_manager: PluginManager, prepare: bool = False, as_json: bool = False) -> int:
     """List every accelerator, and under each available one what its plugin's own kernels are (``describe()``'s
-    ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first."""
+    ``kernels``); with ``prepare``, each available accelerator's ``prepare_machine()`` first; ``as_json``: the same
+    facts as one JSON document."""
     from accelgen.plugin.isolation import SKIP_VARIABLE
     from accelgen.plugin.registry import accelerator_registry, warn_about_old_forms
 
     registry = accelerator_registry(plugin_manager)
     warn_about_old_forms(registry, list(registry.accelerators))
+    listed = []
     for accelerator in registry.accelerators.values():
         available = accelerator.is_available()
         if available and prepare:
             for line in accelerator.prepare_machine():
                 print(f"{accelerator.name}: {line}", file=sys.stderr)
-        if available:
-            status = f"available, {accelerator.device_count()} device(s)" + "".join(
-                f", --quantize {scheme}" for scheme in accelerator.quantization_schemes)
-        else:
-            status = f"unavailable: {accelerator.unavailable_reason()}"
-        print(f"{accelerator.name:<8} {status}  [{describe_plugin(accelerator)}]")
-        if available and (kernels := accelerator.describe().get("kernels")):
-            print(f"{'':<8} {kernels}")
+        listed.append({"name": accelerator.name, "available": available, "plugin": describe_plugin(accelerator),
+                       **({"devices": accelerator.device_count(), "quantize": list(accelerator.quantization_schemes),
+                           "kernels": accelerator.describe().get("kernels")} if available
+                          else {"unavailable": accelerator.unavailable_reason()})})
+    if as_json:
+        print(json.dumps({"accelerators": listed, "broken": [plugin.line() for plugin in registry.broken],
+                          "skipped": [str(plugin) for plugin in registry.skipped]}, indent=2))
+        return 0
+    for listing in listed:
+        status = (f"available, {listing['devices']} device(s)" + "".join(f", --quantize {scheme}" for scheme in
+                                                                        listing["quantize"])
+                  if listing["available"] else f"unavailable: {listing['unavailable']}")
+        print(f"{listing['name']:<8} {status}  [{listing['plugin']}]")
+        if listing.get("kernels"):
+            print(f"{'':<8} {listing['kernels']}")
     for plugin in registry.broken:
         print(f"{'broken':<8} plugin {plugin.line()}")
     for plugin in registry.skipped:
