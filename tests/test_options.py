@@ -4,6 +4,7 @@ all come from the declarations, and agree."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,11 @@ def test_an_option_table_out_of_date_is_found(monkeypatch):
     assert page_with_tables(page) != page
     with pytest.raises(ValueError, match="no markers"):
         page_with_tables(page.replace(BEGIN, "").replace(END, ""))
+
+
+def test_every_environment_variable_accelgen_reads_is_on_the_options_page():
+    root = OPTIONS_PAGE.parent.parent
+    sources = [*(root / "core").rglob("*.py"), *(root / "plugins").rglob("*.py")]
+    read = set().union(*(re.findall(r"\"(ACCELGEN_[A-Z0-9_]+)\"", path.read_text()) for path in sources))
+    assert len(read) > 8, read  # the variables are found
+    assert not {variable for variable in read if f"`{variable}`" not in OPTIONS_PAGE.read_text()}

@@ -18,11 +18,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: Bytes per value of each dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
-#: Prompt positions one prefill pass runs at most (``--prefill-chunk``): a longer prompt is prefilled in passes of
-#: this many, the running rows taking a decode step between two.
-DEFAULT_PREFILL_CHUNK = 512
-
 
 def torch_dtype(name: str):
     """The ``torch.dtype`` a dtype name of :data:`DTYPES` names (torch is imported here, not by this module)."""
@@ -38,9 +33,6 @@ OFFLOAD_MODES = ("cpu", "disk")
 #: How rows share the batch: "continuous" (a finished row's slot takes the next prompt at once) or "static"
 #: (fixed batches, each decoded until its longest row ends).
 BATCHING_MODES = ("continuous", "static")
-#: The batching of ``accelgen run`` and the Python API; ``accelgen bench`` measures fixed batches by default, as the
-#: published protocol does (``accelgen.bench.protocol.BENCH_BATCHING``).
-DEFAULT_BATCHING = "continuous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +120,8 @@ class OffloadSettings:
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
     """What a generation run asks of the core and of the accelerator (built by ``accelgen.session.request``).
-    The defaults here (and :class:`SamplingSettings`') are every setting's one default: the Python API and the
-    command line take theirs from these."""
+    The defaults here (and :class:`SamplingSettings`') are every setting's one default: the declarations of
+    ``accelgen.common.run_options``, and so the Python API and the command line, take theirs from these."""
 
     dtype: str
     batch_size: int = 1
@@ -138,10 +130,10 @@ class RunSettings:
     ignore_eos: bool = False
     use_graphs: bool | None = False  # None: left to the job's length (``Request.capture_decided``); eager until then
     trace_steps: bool = False  # a decode step not captured runs as the device traces it (``Accelerator.trace_step``)
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)  # prompt lengths padded to
     sampling: SamplingSettings = SamplingSettings()
     offload: OffloadSettings | None = None
-    batching: str = DEFAULT_BATCHING
+    batching: str = "continuous"  # accelgen bench measures "static" by default, as published (BENCH_BATCHING)
     quantize: str | None = None  # a scheme of QUANTIZATION_SCHEMES: the linear layers' weights, not the activations
     chat: ChatSettings = ChatSettings()
     stop: tuple[str, ...] = ()  # a completion ends at the first of these texts (not kept), as at an end token
@@ -152,7 +144,7 @@ class RunSettings:
     num_samples: int = 1  # completions drawn for each prompt, its prefill shared
     rows_choose: bool = False  # rows may bring their own RowSettings (an OpenAI batch file's requests)
     prefix_cache: int | None = None  # bytes of prompt-prefix blocks kept on the device; 0: no reuse; None: a default
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt positions a prefill pass runs at most; 0: a prompt in one pass
+    prefill_chunk: int = 512  # prompt positions one prefill pass runs at most; 0: each prompt in one pass
     structure: Structure | None = None  # what every row's completion is held to (--json-schema, --json, --regex, --choice)
     structured_rows: bool = False  # rows may bring their own structure (a schema column, batch requests' response_format)
     lora: AdapterSettings = AdapterSettings()  # fine-tuned adapters: chosen row by row, or one merged for every row
