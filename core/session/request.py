@@ -108,10 +108,10 @@ def build_request(
     device_here: bool = True,
     **settings,
 ) -> Request:
-    """The request for ``model`` (a Hub id or folder; None: the built-in model) on ``device`` with the
-    :func:`run_settings` ``settings``; loads nothing. ``world`` defaults to the launcher's environment. With
-    ``device_here`` False the device is other machines' (a Ray job's replicas), which check it; this one does not.
-    Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
+    """The request for ``model`` (a Hub id or folder; None: the built-in model) on ``device`` with the settings of
+    ``accelgen.common.run_options`` (docs/options.md); loads nothing. ``world`` defaults to the launcher's environment.
+    With ``device_here`` False the device is other machines' (a Ray job's replicas), which check it; this one does
+    not. Raises ``accelgen.UsageError`` with a one-line reason for anything that cannot work."""
     check_setting_names(settings)  # before a device is chosen for nothing
     accelerator = select_accelerator(plugin_manager or get_plugin_manager(), device, here=device_here)
     source = ModelSource(None if model is None else str(model), random_weights, trust_remote_code)
