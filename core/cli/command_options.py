@@ -116,12 +116,12 @@ RUN = (
 SCORE = (
     *MODEL_OPTIONS,
     Option("prompt", kind="repeated", default=(), help="a text to score; repeat for several"),
-    SOURCE.but(group=SCORED, help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a "
-                                              "save_to_disk folder"),
+    SOURCE.but(group=SCORED, help="Hub dataset id, local JSON/JSONL/CSV/Parquet file or folder, or a save_to_disk "
+                                  "folder"),
     DATASET_CONFIG.but(group=SCORED),
     SPLIT.but(group=SCORED, help="split to score (default: {default})"),
-    COLUMN.but(group=SCORED, help="column holding the texts: text, or conversations (rendered by the chat "
-                                              "template) (default: {default})"),
+    COLUMN.but(group=SCORED, help="column holding the texts: text, or conversations (rendered by the chat template) "
+                                  "(default: {default})"),
     Option("continuation_column", group=SCORED, exclusive=True, metavar="COLUMN",
            help="column holding each row's continuation: its log-likelihood after the row's text, and whether it is "
                 "the model's greedy continuation"),

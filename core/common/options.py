@@ -109,8 +109,7 @@ class Option:
         if self.choices is not None and value not in self.choices:
             raise UsageError(f"{self.option} must be one of {', '.join(self.choices)} (got {value!r}).")
         if self.value_range is not None:
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                self.value_range.check(self.option, item)
+            self.value_range.check_each(self.option, value)
 
     def add_to(self, parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
         """Declare this option to an argparse parser (or one of its groups)."""

@@ -43,6 +43,11 @@ class Range:
         if not self.holds(value):
             raise UsageError(f"{option} must be {self.describe()} (got {value!r}).")
 
+    def check_each(self, option: str, value: float | tuple | list | None) -> None:
+        """:meth:`check` ``value``, or each item of a sequence (``--buckets``); None: not set."""
+        for item in value if isinstance(value, (tuple, list)) else () if value is None else (value,):
+            self.check(option, item)
+
     def parse(self, text: str) -> int | float:
         """``text`` as a number in range, for argparse's ``type=``."""
         try:
@@ -104,8 +109,7 @@ def option_name(setting: str) -> str:
 def check_settings(**settings: float | None) -> None:
     """Raise UsageError for the first setting out of its range (None: not set; a sequence: each item)."""
     for name, value in settings.items():
-        for item in value if isinstance(value, (tuple, list)) else () if value is None else (value,):
-            RANGES[name].check(option_name(name), item)
+        RANGES[name].check_each(option_name(name), value)
 
 
 #: Units of memory sizes (``--max-device-memory 8GiB``): powers of 1024 with an "i", of 1000 without.
