@@ -81,6 +81,8 @@ def test_the_option_tables_of_the_docs_are_made_from_the_declarations():
     assert page_with_tables(page) == page, "run: python -m accelgen.cli.option_tables docs/options.md"
     for flag in ("--max-new-tokens", "--token-logprobs", "--replica-resources", "--no-graphs", "--max-file-mib"):
         assert f"`{flag}`" in page
+    # Made the same in every checkout: the demo model by its place in the repository, not this checkout's path.
+    assert str(Path(accelgen.__file__).parent) not in page and "core/default_model" in page
 
 
 def test_an_option_table_out_of_date_is_found(monkeypatch):

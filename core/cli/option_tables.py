@@ -13,6 +13,7 @@ from typing import Sequence
 from accelgen.cli.command_options import COMMANDS
 from accelgen.common.options import Option
 from accelgen.common.run_options import RUN_SETTINGS
+from accelgen.common.settings import DEFAULT_MODEL
 
 BEGIN = "<!-- option tables: made by `python -m accelgen.cli.option_tables docs/options.md`; edit the declarations -->"
 END = "<!-- end of the option tables -->"
@@ -28,7 +29,9 @@ def option_tables() -> str:
                       "| option | takes | default | Python keyword | what it does |", "| --- | --- | --- | --- | --- |"]
             lines += [_row(option) for option in grouped]
         sections.append("\n".join(lines))
-    return "\n\n".join(sections)
+    # The help names the demo model by its absolute path, which differs between checkouts: the page names it by the
+    # checkout's own.
+    return "\n\n".join(sections).replace(str(DEFAULT_MODEL), "core/default_model")
 
 
 def _groups(options: Sequence[Option]) -> list[tuple[str, list[Option]]]:
