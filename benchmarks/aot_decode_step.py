@@ -43,7 +43,7 @@ def compiled_step(step, inputs, scratch: str):
     state = dict(step.named_parameters()) | dict(step.named_buffers())
     names = compiled.get_constant_fqns()
     # Tensors the step reads but does not hold as its state (export's "_tensor_constant"s) stay the package's copies:
-    # right for what no one writes (the int8 layers' packed weights), wrong for anything the engine writes.
+    # right for what no one writes (the int8 layers' product scales, kept in closures), wrong for anything written.
     own = [name for name in names if name not in state]
     compiled.load_constants({name: state[name] for name in names if name in state}, check_full_update=False,
                             user_managed=True)

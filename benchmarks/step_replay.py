@@ -4,11 +4,10 @@ AOTInductor (``torch.export``, then ``aoti_compile_and_package``: the successor 
 step's successor", names), on one model, batch and cache length.
 
 The step is transformers' own export recipe (``TorchExportableModuleWithStaticCache``: a Llama with a static cache whose
-tensors are the module's buffers, one write position for the whole batch), not the core's ``DecodeStep``: the core's
-cache writes read their tensors from closures, which export refuses to write (the plan's first step). The computation
-is the same decode step of the same model, so the figures compare the three ways of replaying it, and price what a
-job pays before its first step: the trace's one run, AOTInductor's compile (a first job) and its package's load (every
-later job, the package kept on disk).
+tensors are the module's buffers, one write position for the whole batch), not the core's ``DecodeStep`` with its C++
+kernels (``aot_decode_step.py`` compiles that one, in a whole job). The same computation replayed three ways, so the
+figures compare the replays, and price what a job pays before its first step: the trace's one run, AOTInductor's
+compile (a first job) and its package's load (every later job, the package kept on disk).
 
 Printed: seconds to make each (trace, export, compile, load) and ms per step (medians of --steps timed steps after
 --warmup, the contenders taking turns), with the logits of the three compared (the largest difference).
@@ -50,20 +49,19 @@ def seconds(make):
 
 
 def measure(arguments, batch_size: int, scratch: Path) -> None:
-    step = decode_step(arguments, batch_size)
+    step = _Positional(decode_step(arguments, batch_size))
     tokens = torch.randint(3, arguments.vocab, (batch_size, 1))
     position = torch.tensor([arguments.cache_len // 2])
-    inputs = (tokens, None, position)
     with torch.no_grad():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            traced, trace_s = seconds(lambda: torch.jit.trace(_Positional(step), (tokens, position), check_trace=False))
-        exported, export_s = seconds(lambda: torch.export.export(_Positional(step), (tokens, position), strict=True))
+            traced, trace_s = seconds(lambda: torch.jit.trace(step, (tokens, position), check_trace=False))
+        exported, export_s = seconds(lambda: torch.export.export(step, (tokens, position), strict=True))
         package, compile_s = seconds(lambda: torch._inductor.aoti_compile_and_package(
             exported, package_path=str(scratch / f"step-{batch_size}.pt2")))
         compiled, load_s = seconds(lambda: torch._inductor.aoti_load_package(package))
 
-        contenders = {"as it is": lambda: step(*inputs), "traced": lambda: traced(tokens, position),
+        contenders = {"as it is": lambda: step(tokens, position), "traced": lambda: traced(tokens, position),
                       "AOTInductor": lambda: compiled(tokens, position)}
         logits = {name: run().clone() for name, run in contenders.items()}
         reference = logits["as it is"]

@@ -29,8 +29,8 @@ def option_tables() -> str:
                       "| option | takes | default | Python keyword | what it does |", "| --- | --- | --- | --- | --- |"]
             lines += [_row(option) for option in grouped]
         sections.append("\n".join(lines))
-    # The help names the demo model by its absolute path, which differs between checkouts: the page names it by the
-    # checkout's own.
+    # --help names the demo model by its absolute path, which differs between checkouts: the page names it by its
+    # place in the repository, so that it reads the same in every checkout.
     return "\n\n".join(sections).replace(str(DEFAULT_MODEL), "core/default_model")
 
 
